@@ -1,0 +1,1 @@
+"""Pure, jittable samplers/schedulers."""

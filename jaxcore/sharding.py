@@ -1,0 +1,205 @@
+"""Device mesh and logical-axis sharding rules: the one place where they live.
+
+Models annotate only *logical* axis names (``nn.with_logical_partitioning`` for parameters,
+``nn.with_logical_constraint`` / :func:`constrain` for activations). This module maps those
+names to the physical mesh axes ``data``, ``fsdp``, ``context`` and ``tensor``. The mapping is
+data (``LOGICAL_AXIS_RULES``), overridable from config, never code spread across models.
+
+Mesh sizes use MaxDiffusion's names: ``ici_*_parallelism`` inside a slice and ``dcn_*`` across
+slices; ``-1`` means "the rest of the devices".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "context", "tensor")
+
+# Logical name -> mesh axis (or tuple of axes, or None = replicated).
+# Activations use the ``activation_*`` names, parameters the plain ones.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # activations
+    ("activation_batch", ("data", "fsdp")),
+    ("activation_length", "context"),
+    ("activation_kv_length", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv", None),
+    ("activation_embed", None),
+    ("activation_mlp", "tensor"),
+    ("activation_channels", None),
+    ("activation_frames", None),
+    ("activation_height", None),
+    ("activation_width", None),
+    # parameters
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("mlp", "tensor"),
+    ("vocab", None),
+    ("norm", None),
+    ("conv_in", None),
+    ("conv_out", None),
+    ("conv_spatial", None),
+    ("relpos_buckets", None),
+    ("modulation", None),
+)
+
+
+class ShardingError(ValueError):
+    """A mesh or sharding request that cannot be satisfied; the message names the axis."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh shape, MaxDiffusion names. -1 in one ici field = all remaining devices."""
+
+    ici_data_parallelism: int = -1
+    ici_fsdp_parallelism: int = 1
+    ici_context_parallelism: int = 1
+    ici_tensor_parallelism: int = 1
+    dcn_data_parallelism: int = -1
+    dcn_fsdp_parallelism: int = 1
+    dcn_context_parallelism: int = 1
+    dcn_tensor_parallelism: int = 1
+
+
+def _fill_auto(sizes: Sequence[int], total: int, what: str) -> list[int]:
+    sizes = list(sizes)
+    autos = [i for i, s in enumerate(sizes) if s == -1]
+    if len(autos) > 1:
+        names = ", ".join(f"{what}_{MESH_AXES[i]}_parallelism" for i in autos)
+        raise ShardingError(f"only one of {names} may be -1")
+    for i, s in enumerate(sizes):
+        if s == 0 or s < -1:
+            raise ShardingError(f"{what}_{MESH_AXES[i]}_parallelism must be >= 1 or -1, got {s}")
+    known = math.prod(s for s in sizes if s != -1)
+    if autos:
+        if total % known:
+            raise ShardingError(
+                f"{what} parallelism product {known} does not divide the {total} devices"
+            )
+        sizes[autos[0]] = total // known
+    if math.prod(sizes) != total:
+        raise ShardingError(
+            f"{what} mesh {dict(zip(MESH_AXES, sizes, strict=True))} uses {math.prod(sizes)} "
+            f"devices but {total} are available"
+        )
+    return sizes
+
+
+def mesh_shape(config: MeshConfig, num_devices: int, num_slices: int = 1) -> dict[str, int]:
+    """Resolve -1 entries; returns {axis: size} with the product equal to num_devices."""
+    if num_devices % num_slices:
+        raise ShardingError(f"{num_devices} devices do not split into {num_slices} slices")
+    dcn = [
+        config.dcn_data_parallelism,
+        config.dcn_fsdp_parallelism,
+        config.dcn_context_parallelism,
+        config.dcn_tensor_parallelism,
+    ]
+    ici = [
+        config.ici_data_parallelism,
+        config.ici_fsdp_parallelism,
+        config.ici_context_parallelism,
+        config.ici_tensor_parallelism,
+    ]
+    dcn = _fill_auto(dcn, num_slices, "dcn")
+    ici = _fill_auto(ici, num_devices // num_slices, "ici")
+    return {axis: d * i for axis, d, i in zip(MESH_AXES, dcn, ici, strict=True)}
+
+
+def make_mesh(config: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Build the 4-axis mesh (data, fsdp, context, tensor) over ``devices`` (default: all)."""
+    config = config or MeshConfig()
+    devices = list(devices) if devices is not None else jax.devices()
+    num_slices = 1 + max(getattr(d, "slice_index", 0) or 0 for d in devices)
+    shape = mesh_shape(config, len(devices), num_slices)
+    if num_slices > 1:
+        from jax.experimental import mesh_utils
+
+        dcn = mesh_shape(
+            dataclasses.replace(
+                config,
+                ici_data_parallelism=1,
+                ici_fsdp_parallelism=1,
+                ici_context_parallelism=1,
+                ici_tensor_parallelism=1,
+            ),
+            num_slices,
+            num_slices,
+        )
+        ici = [shape[a] // dcn[a] for a in MESH_AXES]
+        grid = mesh_utils.create_hybrid_device_mesh(ici, [dcn[a] for a in MESH_AXES], devices)
+    else:
+        grid = np.asarray(devices).reshape([shape[a] for a in MESH_AXES])
+    return Mesh(grid, MESH_AXES)
+
+
+def axis_rules(overrides: Sequence[tuple[str, object]] = ()) -> tuple[tuple[str, object], ...]:
+    """The rules with config overrides applied (an override replaces the rule of that name)."""
+    known = {name for name, _ in LOGICAL_AXIS_RULES}
+    replaced = dict(LOGICAL_AXIS_RULES)
+    for name, target in overrides:
+        if name not in known:
+            raise ShardingError(f"unknown logical axis {name!r}; known: {sorted(known)}")
+        replaced[name] = tuple(target) if isinstance(target, list) else target
+    return tuple(replaced.items())
+
+
+def logical_to_spec(logical: Sequence[str | None], rules=None) -> PartitionSpec:
+    """Logical axis names -> PartitionSpec under the rules."""
+    return nn.logical_to_mesh_axes(tuple(logical), rules or LOGICAL_AXIS_RULES)
+
+
+def logical_sharding(mesh: Mesh, logical: Sequence[str | None], rules=None) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical, rules))
+
+
+def param_shardings(mesh: Mesh, abstract_variables, rules=None):
+    """NamedShardings for a pytree produced by ``jax.eval_shape(model.init, ...)``.
+
+    Leaves boxed with ``nn.Partitioned`` (from ``nn.with_logical_partitioning``) get their
+    logical spec mapped; unboxed leaves are replicated.
+    """
+    specs = nn.get_partition_spec(abstract_variables)
+    mesh_specs = nn.logical_to_mesh(specs, rules or LOGICAL_AXIS_RULES)
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec if spec is not None else PartitionSpec()),
+        mesh_specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None,
+    )
+
+
+def batch_axis_size(mesh: Mesh, rules=None) -> int:
+    """How many ways the activation batch is split on this mesh."""
+    spec = logical_to_spec(("activation_batch",), rules)[0]
+    axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def check_divisible(mesh: Mesh, *, batch: int | None = None, heads: int | None = None) -> None:
+    """Raise a ShardingError naming the parameter when a size does not split over the mesh."""
+    if batch is not None:
+        ways = batch_axis_size(mesh)
+        if batch % ways:
+            raise ShardingError(
+                f"batch size {batch} is not divisible by the batch axes (data x fsdp = {ways})"
+            )
+    if heads is not None:
+        ways = mesh.shape["tensor"]
+        if heads % ways:
+            raise ShardingError(
+                f"num_attention_heads {heads} is not divisible by ici_tensor_parallelism {ways}"
+            )
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Activation sharding hint by logical names; a no-op outside a mesh / rules context."""
+    return nn.with_logical_constraint(x, tuple(logical))

@@ -1,0 +1,311 @@
+"""Diffusers-format weight loading: safetensors only, straight onto target shardings.
+
+A model file provides ``weight_map(config) -> {flax_param_path: (source_key, transform)}``.
+:func:`load_params` walks the abstract parameter tree (from ``jax.eval_shape``), reads each
+source tensor lazily from memory-mapped safetensors, transforms it (e.g. transposes a torch
+Linear weight into a Flax kernel), checks its shape, casts it, and builds each device's shard
+with ``jax.make_array_from_callback`` so no full copy is ever gathered on one device.
+
+Only ``.safetensors`` are read. Pickle checkpoints (``.bin``, ``.pt``, ``.ckpt``, ``.pth``)
+are refused: loading them can run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+Transform = Callable[[np.ndarray], np.ndarray]
+ParamPath = tuple[str, ...]
+WeightMap = Mapping[ParamPath, tuple[str, Transform]]
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+
+
+class WeightsError(ValueError):
+    """Bad or mismatched weights; the message names the file, key or parameter."""
+
+
+# --- standard transforms (torch layout -> flax layout) -----------------------------------
+
+
+def identity(w: np.ndarray) -> np.ndarray:
+    return w
+
+
+def linear(w: np.ndarray) -> np.ndarray:
+    """torch Linear weight [out, in] -> flax Dense kernel [in, out]."""
+    return w.T
+
+
+def conv1d(w: np.ndarray) -> np.ndarray:
+    return w.transpose(2, 1, 0)
+
+
+def conv2d(w: np.ndarray) -> np.ndarray:
+    """torch Conv2d [O, I, H, W] -> flax [H, W, I, O]."""
+    return w.transpose(2, 3, 1, 0)
+
+
+def conv3d(w: np.ndarray) -> np.ndarray:
+    """torch Conv3d [O, I, T, H, W] -> flax [T, H, W, I, O]."""
+    return w.transpose(2, 3, 4, 1, 0)
+
+
+# --- reading safetensors ------------------------------------------------------------------
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise WeightsError(f"{path}: not a safetensors file (shorter than its header)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100_000_000:
+            raise WeightsError(f"{path}: not a safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except json.JSONDecodeError as err:
+            raise WeightsError(f"{path}: corrupt safetensors header: {err}") from None
+    return header, 8 + n
+
+
+class SafetensorsFile:
+    """One memory-mapped .safetensors file; tensors are zero-copy numpy views."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.header, self._offset = _read_header(self.path)
+        self.metadata = self.header.pop("__metadata__", {}) or {}
+        self._mmap: np.memmap | None = None
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.header[key]["shape"])
+
+    def get(self, key: str) -> np.ndarray:
+        info = self.header[key]
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise WeightsError(f"{self.path}: tensor {key!r} has unsupported dtype {info['dtype']}")
+        if self._mmap is None:
+            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+        start, end = info["data_offsets"]
+        buf = self._mmap[self._offset + start : self._offset + end]
+        return buf.view(dtype).reshape(info["shape"])
+
+
+class SafetensorsReader:
+    """All tensors of one model directory (single file, or sharded with an index json)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise WeightsError(f"weights directory {self.directory} does not exist")
+        files = sorted(self.directory.glob("*.safetensors"))
+        if not files:
+            pickles = [p.name for p in self.directory.iterdir() if p.suffix in PICKLE_SUFFIXES]
+            if pickles:
+                raise WeightsError(
+                    f"{self.directory} holds only pickle checkpoints ({', '.join(pickles)}); "
+                    "difforge loads safetensors only, since unpickling can run arbitrary code. "
+                    "Convert them to .safetensors first."
+                )
+            raise WeightsError(f"no .safetensors files in {self.directory}")
+        self._key_to_file: dict[str, SafetensorsFile] = {}
+        index_files = sorted(self.directory.glob("*.safetensors.index.json"))
+        opened = {p.name: SafetensorsFile(p) for p in files}
+        if index_files:
+            index = json.loads(index_files[0].read_text())
+            for key, fname in index.get("weight_map", {}).items():
+                if fname not in opened:
+                    raise WeightsError(
+                        f"{index_files[0]}: shard {fname} (holding {key!r}) is missing"
+                    )
+                self._key_to_file[key] = opened[fname]
+        for f in opened.values():
+            for key in f.keys():
+                self._key_to_file.setdefault(key, f)
+
+    def keys(self) -> list[str]:
+        return list(self._key_to_file)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._key_to_file
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._key_to_file[key].shape(key)
+
+    def get(self, key: str) -> np.ndarray:
+        try:
+            f = self._key_to_file[key]
+        except KeyError:
+            raise WeightsError(f"{self.directory}: no tensor {key!r}") from None
+        return f.get(key)
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        return {k: self.get(k) for k in self.keys()}
+
+
+def read_config(directory: str | os.PathLike, name: str = "config.json") -> dict:
+    path = Path(directory) / name
+    if not path.is_file():
+        raise WeightsError(f"{path} does not exist (expected a diffusers/transformers config)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise WeightsError(f"{path}: invalid JSON: {err}") from None
+
+
+# --- placing parameters ----------------------------------------------------------------------
+
+
+def _flatten(tree: Mapping, prefix: ParamPath = ()) -> dict[ParamPath, object]:
+    out: dict[ParamPath, object] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, (*prefix, str(k))))
+        else:
+            out[(*prefix, str(k))] = v
+    return out
+
+
+def _unflatten(flat: Mapping[ParamPath, object]) -> dict:
+    root: dict = {}
+    for path, v in flat.items():
+        node = root
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = v
+    return root
+
+
+def _fmt(path: ParamPath) -> str:
+    return "/".join(path)
+
+
+def load_params(
+    reader: SafetensorsReader | Mapping[str, np.ndarray],
+    weight_map: WeightMap,
+    abstract_params: Mapping,
+    *,
+    shardings: Mapping | None = None,
+    dtype=None,
+    ignore_unused: Iterable[str] = (),
+) -> dict:
+    """Read, check, cast and place every parameter.
+
+    ``abstract_params``: nested dict of ``jax.ShapeDtypeStruct`` (unboxed ``params`` collection).
+    ``shardings``: same structure of ``jax.sharding.Sharding`` (default: first device).
+    ``dtype``: cast target for floating parameters (default: the abstract dtype).
+    ``ignore_unused``: source keys (or key prefixes) allowed to be present but unused.
+    Raises WeightsError listing missing/unexpected keys and shape mismatches together.
+    """
+    abstract_flat = _flatten(abstract_params)
+    sharding_flat = _flatten(shardings) if shardings is not None else {}
+    source_keys = set(reader.keys())
+    ignore = tuple(ignore_unused)
+
+    no_rule = sorted(_fmt(p) for p in abstract_flat if p not in weight_map)
+    stale_rule = sorted(_fmt(p) for p in weight_map if p not in abstract_flat)
+    missing = sorted(
+        f"{src} (for {_fmt(p)})"
+        for p, (src, _) in weight_map.items()
+        if p in abstract_flat and src not in source_keys
+    )
+    used = {src for src, _ in weight_map.values()}
+    unexpected = sorted(k for k in source_keys - used if not (ignore and k.startswith(ignore)))
+    problems = []
+    if no_rule:
+        problems.append(f"parameters with no source key in the weight map: {no_rule}")
+    if stale_rule:
+        problems.append(f"weight map names parameters the model does not have: {stale_rule}")
+    if missing:
+        problems.append(f"missing keys in the checkpoint: {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys in the checkpoint: {unexpected}")
+    if problems:
+        where = getattr(reader, "directory", "the given state dict")
+        raise WeightsError(f"weights at {where} do not match the model:\n  " + "\n  ".join(problems))
+
+    mismatched = []
+    placed: dict[ParamPath, jax.Array] = {}
+    default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    for path, abstract in abstract_flat.items():
+        src, transform = weight_map[path]
+        value = transform(reader.get(src) if hasattr(reader, "get") else reader[src])
+        if tuple(value.shape) != tuple(abstract.shape):
+            mismatched.append(
+                f"{_fmt(path)} expects {tuple(abstract.shape)} but {src} gives "
+                f"{tuple(value.shape)} after conversion"
+            )
+            continue
+        target = abstract.dtype
+        if dtype is not None and jax.numpy.issubdtype(abstract.dtype, jax.numpy.floating):
+            target = dtype
+        sharding = sharding_flat.get(path, default_sharding)
+        placed[path] = _place(value, sharding, target)
+    if mismatched:
+        raise WeightsError("shape mismatch:\n  " + "\n  ".join(mismatched))
+    return _unflatten(placed)
+
+
+def _place(value: np.ndarray, sharding, dtype) -> jax.Array:
+    def shard(index):
+        return np.ascontiguousarray(value[index]).astype(dtype, copy=False)
+
+    return jax.make_array_from_callback(tuple(value.shape), sharding, shard)
+
+
+def save_safetensors(tensors: Mapping[str, np.ndarray], path: str | os.PathLike, metadata=None):
+    """Write a safetensors file (any of the dtypes above, bf16 included)."""
+    inverse = {np.dtype(v): k for k, v in _DTYPES.items()}
+    header: dict[str, object] = {}
+    offset = 0
+    arrays = []
+    for key in sorted(tensors):
+        arr = np.ascontiguousarray(np.asarray(tensors[key]))
+        code = inverse.get(arr.dtype)
+        if code is None:
+            raise WeightsError(f"cannot save tensor {key!r} of dtype {arr.dtype} as safetensors")
+        header[key] = {"dtype": code, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+        arrays.append(arr)
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = Path(str(path) + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for arr in arrays:
+            f.write(arr.tobytes())
+    os.replace(tmp, path)

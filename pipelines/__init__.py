@@ -1,0 +1,1 @@
+"""difforge pipelines: the CLI and the chaining of stages through artifacts."""

@@ -1,0 +1,1 @@
+"""difforge stages: convert, train, evaluate, generate."""
