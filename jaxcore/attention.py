@@ -45,7 +45,9 @@ def dot_product_attention(
     if kv_mask is not None:
         scores = jnp.where(kv_mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum(
+        "bhqk,bkhd->bqhd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
     return out.astype(q.dtype)
 
 

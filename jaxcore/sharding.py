@@ -115,7 +115,9 @@ def mesh_shape(config: MeshConfig, num_devices: int, num_slices: int = 1) -> dic
     return {axis: d * i for axis, d, i in zip(MESH_AXES, dcn, ici, strict=True)}
 
 
-def make_mesh(config: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    config: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
     """Build the 4-axis mesh (data, fsdp, context, tensor) over ``devices`` (default: all)."""
     config = config or MeshConfig()
     devices = list(devices) if devices is not None else jax.devices()

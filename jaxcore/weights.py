@@ -253,7 +253,9 @@ def load_params(
         problems.append(f"unexpected keys in the checkpoint: {unexpected}")
     if problems:
         where = getattr(reader, "directory", "the given state dict")
-        raise WeightsError(f"weights at {where} do not match the model:\n  " + "\n  ".join(problems))
+        raise WeightsError(
+            f"weights at {where} do not match the model:\n  " + "\n  ".join(problems)
+        )
 
     mismatched = []
     placed: dict[ParamPath, jax.Array] = {}
@@ -295,7 +297,11 @@ def save_safetensors(tensors: Mapping[str, np.ndarray], path: str | os.PathLike,
         code = inverse.get(arr.dtype)
         if code is None:
             raise WeightsError(f"cannot save tensor {key!r} of dtype {arr.dtype} as safetensors")
-        header[key] = {"dtype": code, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        header[key] = {
+            "dtype": code,
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
         offset += arr.nbytes
         arrays.append(arr)
     if metadata:

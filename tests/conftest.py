@@ -10,3 +10,94 @@ os.environ.setdefault("NO_GCE_CHECK", "true")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+GCS_BUCKET = "difforge-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """A real local GCS server (tests/support/gcs_server.py) on a free loopback port.
+
+    Sets the environment every client needs: google-cloud-storage (STORAGE_EMULATOR_HOST),
+    tensorstore/orbax (TENSORSTORE_GCS_HTTP_URL, a dummy token, EPATH_USE_TF=false).
+    Yields the base URL; use the ``gcs_root`` fixture for a fresh gs:// folder.
+    """
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.support.gcs_server",
+            "--port",
+            str(port),
+            "--bucket",
+            GCS_BUCKET,
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("the local GCS server did not start")
+            time.sleep(0.1)
+    env = {
+        "STORAGE_EMULATOR_HOST": url,
+        "TENSORSTORE_GCS_HTTP_URL": url,
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "dummy",
+        "EPATH_USE_TF": "false",
+        "GOOGLE_CLOUD_PROJECT": "local",
+    }
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    from jaxcore import storage
+
+    storage._client.cache_clear()
+    try:
+        yield url
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        storage._client.cache_clear()
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def gcs_root(gcs_server) -> str:
+    """A fresh, empty gs:// folder on the local server."""
+    return f"gs://{GCS_BUCKET}/t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(params=["local", "gcs"])
+def any_root(request, tmp_path) -> str:
+    """The same test on a local folder and on gs:// (local GCS server)."""
+    if request.param == "local":
+        return str(tmp_path / "root")
+    return request.getfixturevalue("gcs_root")

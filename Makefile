@@ -1,0 +1,46 @@
+# difforge: the commands the README gives. Each target creates .venv on first use.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+export NO_GCE_CHECK ?= true
+
+.PHONY: install demo test test-slow test-all lint format bench clean
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	# torch first, pinned: it is only a test oracle, and an unpinned one pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/difforge run configs/pipelines/demo.yml root=outputs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m ""
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: $(STAMP)
+	$(PY) -m bench.run
+
+clean:
+	rm -rf $(VENV) outputs build *.egg-info

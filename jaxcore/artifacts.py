@@ -1,0 +1,230 @@
+"""Self-describing stage artifacts: data files first, ``manifest.json`` last, exactly once.
+
+An artifact is a folder (local or ``gs://``). It is complete if and only if its manifest
+exists; consumers open it only through :func:`open_artifact`, which refuses a folder without
+one. The manifest records the stage, the resolved config, the input artifacts (URI + manifest
+hash), the code version, the creation time, every file with size and checksum, and a
+stage-specific ``summary``.
+
+The artifact *key* hashes stage + config + input manifest hashes: a rerun with the same key
+finds the finished artifact and skips; a different key at the same URI is an error unless the
+caller forces a rebuild.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import functools
+import hashlib
+import json
+import logging
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from jaxcore import storage
+from jaxcore.config import to_dict
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class ArtifactError(RuntimeError):
+    """A missing, incomplete or mismatched artifact; the message names the URI."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    stage: str
+    uri: str
+    key: str
+    config: dict
+    inputs: dict  # name -> {"uri": ..., "manifest_sha256": ..., "stage": ...}
+    code_version: str
+    created: str
+    files: list  # [{"path", "size", "checksum"}]
+    summary: dict
+    format_version: int = FORMAT_VERSION
+    sha256: str = ""  # of the manifest bytes as stored (filled on read)
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data.pop("sha256")
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    def path(self, relative: str) -> str:
+        """URI of one of the artifact's files (must be listed in the manifest)."""
+        if relative not in {f["path"] for f in self.files}:
+            raise ArtifactError(f"{self.uri}: the manifest lists no file {relative!r}")
+        return storage.join(self.uri, relative)
+
+    def file_paths(self, prefix: str = "", suffix: str = "") -> list[str]:
+        return [
+            f["path"]
+            for f in self.files
+            if f["path"].startswith(prefix) and f["path"].endswith(suffix)
+        ]
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    """Package version plus the git commit (with '+dirty') when run from a checkout."""
+    try:
+        from importlib.metadata import version
+
+        pkg = version("difforge")
+    except Exception:
+        pkg = "unknown"
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha, dirty = "", ""
+    return f"{pkg}+git.{sha}{'.dirty' if dirty else ''}" if sha else pkg
+
+
+def artifact_key(stage: str, config: Any, inputs: Mapping[str, Manifest]) -> str:
+    """Deterministic key of what an artifact is made from (not where, not when)."""
+    payload = {
+        "stage": stage,
+        "config": to_dict(config),
+        "inputs": {name: m.sha256 for name, m in sorted(inputs.items())},
+    }
+    blob = json.dumps(payload, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:20]
+
+
+def read_manifest(uri: str) -> Manifest | None:
+    """The manifest at ``uri``, or None when the artifact is not complete."""
+    murl = storage.join(uri, MANIFEST)
+    try:
+        raw = storage.read_bytes(murl)
+    except storage.StorageError:
+        return None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ArtifactError(f"{murl}: corrupt manifest: {err}") from None
+    data["sha256"] = hashlib.sha256(raw).hexdigest()
+    known = {f.name for f in dataclasses.fields(Manifest)}
+    return Manifest(**{k: v for k, v in data.items() if k in known})
+
+
+def open_artifact(uri: str, stage: str | None = None) -> Manifest:
+    """Open a finished artifact through its manifest; refuse anything else.
+
+    ``stage`` (e.g. "convert") is the stage expected to have produced it.
+    """
+    manifest = read_manifest(uri)
+    producer = f"the {stage} stage" if stage else "the stage that produces it"
+    if manifest is None:
+        raise ArtifactError(
+            f"{uri} has no {MANIFEST}: it is not a finished artifact. {producer.capitalize()} "
+            "writes the manifest last; run (or rerun) it to completion first."
+        )
+    if stage and manifest.stage != stage:
+        raise ArtifactError(
+            f"{uri} is a {manifest.stage!r} artifact, but a {stage!r} artifact was expected"
+        )
+    return manifest
+
+
+class ArtifactWriter:
+    """Writes one stage artifact; :meth:`commit` lists the files and writes the manifest last."""
+
+    def __init__(self, uri: str, stage: str, config: Any, inputs: Mapping[str, Manifest] = ()):
+        self.uri = str(uri).rstrip("/") if storage.is_gcs(str(uri)) else str(uri)
+        self.stage = stage
+        self.config = config
+        self.inputs = dict(inputs or {})
+        self.key = artifact_key(stage, config, self.inputs)
+
+    def existing(self, force: bool = False) -> Manifest | None:
+        """The finished artifact for this exact key (rerun -> skip), or None if work is needed.
+
+        A finished artifact with another key is an error unless ``force`` (then it is removed).
+        """
+        found = read_manifest(self.uri)
+        if found is None:
+            return None
+        if force:
+            log.info("--force: removing the finished artifact at %s", self.uri)
+            storage.delete(storage.join(self.uri, MANIFEST))
+            return None
+        if found.key == self.key:
+            return found
+        raise ArtifactError(
+            f"{self.uri} already holds a finished {found.stage!r} artifact made from a different "
+            f"config or inputs (key {found.key}, this run {self.key}). Choose another output "
+            "location, or pass --force to rebuild it."
+        )
+
+    def file(self, relative: str) -> str:
+        return storage.join(self.uri, relative)
+
+    def commit(self, summary: Mapping | None = None) -> Manifest:
+        """List and checksum every file, then create the manifest exactly once.
+
+        If another writer committed first, its manifest wins: returned when it has the same
+        key, an ArtifactError otherwise.
+        """
+        files = [
+            {"path": f.path, "size": f.size, "checksum": storage.checksum(self.file(f.path))}
+            for f in storage.list_files(self.uri)
+            if f.path != MANIFEST
+        ]
+        manifest = Manifest(
+            stage=self.stage,
+            uri=self.uri,
+            key=self.key,
+            config=to_dict(self.config),
+            inputs={
+                name: {"uri": m.uri, "manifest_sha256": m.sha256, "stage": m.stage}
+                for name, m in sorted(self.inputs.items())
+            },
+            code_version=code_version(),
+            created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            files=files,
+            summary=to_dict(dict(summary or {})),
+        )
+        if storage.create_exclusive(storage.join(self.uri, MANIFEST), manifest.to_json().encode()):
+            log.info("committed %s artifact %s (%d files)", self.stage, self.uri, len(files))
+            return read_manifest(self.uri)
+        winner = read_manifest(self.uri)
+        if winner is not None and winner.key == self.key:
+            log.info("another writer committed %s first with the same key", self.uri)
+            return winner
+        raise ArtifactError(f"{self.uri}: another writer committed a different artifact first")
+
+
+def verify(manifest: Manifest, checksums: bool = False) -> None:
+    """Check every listed file is present with its size (and checksum if asked)."""
+    present = {f.path: f.size for f in storage.list_files(manifest.uri)}
+    for f in manifest.files:
+        if f["path"] not in present:
+            raise ArtifactError(
+                f"{manifest.uri}: {f['path']} is listed in the manifest but missing"
+            )
+        if present[f["path"]] != f["size"]:
+            raise ArtifactError(
+                f"{manifest.uri}: {f['path']} has {present[f['path']]} bytes, the manifest says {f['size']}"
+            )
+        if checksums and storage.checksum(storage.join(manifest.uri, f["path"])) != f["checksum"]:
+            raise ArtifactError(f"{manifest.uri}: {f['path']} does not match its checksum")

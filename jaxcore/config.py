@@ -1,0 +1,258 @@
+"""YAML + ``key=value`` overrides, validated into typed, frozen dataclasses.
+
+The way MaxDiffusion users type it::
+
+    difforge train configs/stages/train.yml learning_rate=1e-4 mesh.ici_fsdp_parallelism=4
+
+- Dotted keys address nested sections (``mesh.ici_fsdp_parallelism=4``).
+- A bare key that is not a top-level field but names exactly one leaf in a nested section is
+  accepted (``ici_fsdp_parallelism=4``), as MaxDiffusion's flat configs are; an ambiguous one is
+  an error listing the candidates.
+- Values are parsed as YAML scalars/lists (``1`` int, ``1e-5`` float, ``true``, ``[1,2]``, ``null``).
+- Unknown keys, wrong types and missing required values raise :class:`ConfigError` naming the
+  key (with the closest valid key as a suggestion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or override; the message names the key."""
+
+
+def _suggest(key: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check/convert ``value`` to type ``tp``; errors name ``key``."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(
+            errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}"
+        )
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{key}: {value!r} is not one of {list(get_args(tp))}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a section (mapping), got {value!r}")
+        return from_dict(tp, value, prefix=f"{key}.")
+    if origin in (list, tuple, Sequence) or tp in (list, tuple):
+        if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        args = get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
+            items = [
+                _coerce(v, a, f"{key}[{i}]")
+                for i, (v, a) in enumerate(zip(value, args, strict=True))
+            ]
+        else:
+            item_tp = args[0] if args else Any
+            items = [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple or tp is tuple else items
+    if origin in (dict, Mapping) or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        kt, vt = get_args(tp) or (Any, Any)
+        return {_coerce(k, kt, key): _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads "1e-5" as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+    """Build dataclass ``cls`` from a mapping, recursively, with named errors."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            raise ConfigError(f"unknown key {prefix}{key}{_suggest(str(key), list(fields))}")
+    kwargs = {}
+    for name, field in fields.items():
+        if name in data:
+            kwargs[name] = _coerce(data[name], hints[name], f"{prefix}{name}")
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"missing required value {prefix}{name}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {err}") from None
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain YAML/JSON-able data (tuples become lists)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, list | tuple):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, Mapping):
+        return {str(k): to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def to_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None)
+
+
+def read_yaml(path: str | Path) -> dict:
+    """Read a YAML mapping; a missing file or malformed YAML is a ConfigError naming it."""
+    from jaxcore import storage
+
+    try:
+        text = storage.read_text(str(path))
+    except (storage.StorageError, FileNotFoundError):
+        raise ConfigError(f"config file {path} does not exist") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"malformed YAML in {path}{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def _leaf_paths(cls: type, prefix: tuple[str, ...] = ()) -> dict[str, list[tuple[str, ...]]]:
+    """leaf name -> every dotted path where it appears inside nested dataclass sections."""
+    out: dict[str, list[tuple[str, ...]]] = {}
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        inner = [a for a in (get_args(tp) or (tp,)) if dataclasses.is_dataclass(a)]
+        if dataclasses.is_dataclass(tp) or inner:
+            sub = tp if dataclasses.is_dataclass(tp) else inner[0]
+            for leaf, paths in _leaf_paths(sub, (*prefix, f.name)).items():
+                out.setdefault(leaf, []).extend(paths)
+        else:
+            out.setdefault(f.name, []).append((*prefix, f.name))
+    return out
+
+
+def _all_dotted(cls: type) -> list[str]:
+    return [".".join(p) for paths in _leaf_paths(cls).values() for p in paths]
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r} is not of the form key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def resolve_key(cls: type, key: str) -> tuple[str, ...]:
+    """Map an override key (dotted, or a bare leaf name) to its path in ``cls``."""
+    parts = tuple(key.split("."))
+    top = {f.name for f in dataclasses.fields(cls)}
+    if parts[0] in top:
+        return parts
+    if len(parts) == 1:
+        candidates = _leaf_paths(cls).get(key, [])
+        if len(candidates) == 1:
+            return candidates[0]
+        if len(candidates) > 1:
+            names = ", ".join(".".join(c) for c in candidates)
+            raise ConfigError(f"key {key!r} is ambiguous: write one of {names}")
+    raise ConfigError(f"unknown key {key}{_suggest(key, [*top, *_all_dotted(cls)])}")
+
+
+def apply_overrides(cls: type, data: dict, overrides: Sequence[str]) -> dict:
+    data = _deep_copy(data)
+    for text in overrides:
+        key, value = parse_override(text)
+        path = resolve_key(cls, key)
+        node = data
+        for p in path[:-1]:
+            child = node.get(p)
+            if child is None:
+                child = node[p] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"{key}: {p} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """YAML file (optional) + overrides -> validated ``cls``."""
+    data = read_yaml(path) if path else {}
+    data = apply_overrides(cls, data, overrides)
+    return from_dict(cls, data)

@@ -1,0 +1,251 @@
+"""URI-based file I/O over local paths and ``gs://`` (google-cloud-storage, never tf.io.gfile).
+
+Everything a stage reads or writes goes through here, so the same code runs against a local
+folder, a local GCS server (``STORAGE_EMULATOR_HOST``) and real GCS.
+
+Guarantees:
+- :func:`write_bytes` is atomic: a reader sees the old object, or the whole new one.
+- :func:`create_exclusive` creates an object only if it does not exist (local: ``link``;
+  GCS: ``if_generation_match=0``), so two racing writers cannot both win.
+- :func:`checksum` is ``md5:<base64>`` on both backends (GCS reports it without a download).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+GCS_PREFIX = "gs://"
+
+
+class StorageError(OSError):
+    """An I/O failure naming the URI."""
+
+
+def is_gcs(uri: str) -> bool:
+    return str(uri).startswith(GCS_PREFIX)
+
+
+def join(uri: str, *parts: str) -> str:
+    uri = str(uri)
+    if is_gcs(uri):
+        out = uri.rstrip("/")
+        for p in parts:
+            out = f"{out}/{str(p).strip('/')}"
+        return out
+    return str(Path(uri).joinpath(*parts))
+
+
+def split_gcs(uri: str) -> tuple[str, str]:
+    rest = uri[len(GCS_PREFIX) :]
+    bucket, _, name = rest.partition("/")
+    if not bucket:
+        raise StorageError(f"{uri}: no bucket in gs:// URI")
+    return bucket, name
+
+
+@functools.lru_cache(maxsize=1)
+def _client():
+    from google.cloud import storage
+
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        from google.auth.credentials import AnonymousCredentials
+
+        return storage.Client(project="local", credentials=AnonymousCredentials())
+    return storage.Client()
+
+
+def _blob(uri: str):
+    bucket, name = split_gcs(uri)
+    return _client().bucket(bucket).blob(name)
+
+
+def exists(uri: str) -> bool:
+    if is_gcs(uri):
+        return _blob(uri).exists()
+    return Path(uri).exists()
+
+
+def read_bytes(uri: str) -> bytes:
+    try:
+        if is_gcs(uri):
+            return _blob(uri).download_as_bytes()
+        return Path(uri).read_bytes()
+    except FileNotFoundError:
+        raise StorageError(f"{uri} does not exist") from None
+    except Exception as err:
+        if type(err).__name__ == "NotFound":
+            raise StorageError(f"{uri} does not exist") from None
+        raise
+
+
+def read_text(uri: str) -> str:
+    return read_bytes(uri).decode("utf-8")
+
+
+def _local_tmp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """Atomic write (local: temp file + rename; GCS: a single-object upload is atomic)."""
+    if is_gcs(uri):
+        _blob(uri).upload_from_string(data)
+        return
+    path = Path(uri)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _local_tmp_path(path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text(uri: str, text: str) -> None:
+    write_bytes(uri, text.encode("utf-8"))
+
+
+def create_exclusive(uri: str, data: bytes) -> bool:
+    """Create ``uri`` with ``data`` only if it does not exist yet. True if this call created it."""
+    if is_gcs(uri):
+        from google.api_core.exceptions import PreconditionFailed
+
+        try:
+            _blob(uri).upload_from_string(data, if_generation_match=0)
+        except PreconditionFailed:
+            return False
+        return True
+    path = Path(uri)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _local_tmp_path(path)
+    try:
+        tmp.write_bytes(data)
+        try:
+            os.link(tmp, path)  # fails if path exists: atomic create-once
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def delete(uri: str) -> None:
+    if is_gcs(uri):
+        from google.api_core.exceptions import NotFound
+
+        try:
+            _blob(uri).delete()
+        except NotFound:
+            pass
+        return
+    Path(uri).unlink(missing_ok=True)
+
+
+def delete_tree(uri: str) -> None:
+    if is_gcs(uri):
+        bucket, prefix = split_gcs(uri)
+        for blob in _client().list_blobs(bucket, prefix=prefix.rstrip("/") + "/"):
+            blob.delete()
+        return
+    shutil.rmtree(uri, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    path: str  # relative to the listed root, '/'-separated
+    size: int
+
+
+def list_files(uri: str) -> list[FileInfo]:
+    """Every file below ``uri`` (recursive), sorted, with sizes. Temp files are skipped."""
+    out = []
+    if is_gcs(uri):
+        bucket, prefix = split_gcs(uri)
+        prefix = prefix.rstrip("/") + "/" if prefix else ""
+        for blob in _client().list_blobs(bucket, prefix=prefix):
+            out.append(FileInfo(blob.name[len(prefix) :], int(blob.size or 0)))
+    else:
+        root = Path(uri)
+        if root.is_dir():
+            for p in root.rglob("*"):
+                if p.is_file() and not p.name.endswith(".partial"):
+                    out.append(FileInfo(p.relative_to(root).as_posix(), p.stat().st_size))
+    return sorted(out, key=lambda f: f.path)
+
+
+def checksum(uri: str) -> str:
+    """``md5:<base64>`` of the object's bytes (the form GCS reports natively)."""
+    if is_gcs(uri):
+        blob = _blob(uri)
+        blob.reload()
+        if blob.md5_hash:
+            return f"md5:{blob.md5_hash}"
+        return f"crc32c:{blob.crc32c}"  # composite objects carry no md5
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(uri, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return "md5:" + base64.b64encode(digest.digest()).decode()
+
+
+def upload_file(local_path: str | os.PathLike, uri: str) -> None:
+    if is_gcs(uri):
+        _blob(uri).upload_from_filename(str(local_path))
+        return
+    dest = Path(uri)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _local_tmp_path(dest)
+    try:
+        shutil.copyfile(local_path, tmp)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("DIFFORGE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "difforge"
+    )
+    return Path(root)
+
+
+def local_copy(uri: str) -> Path:
+    """A local directory/file for ``uri``: itself when local, else a cached download of the tree.
+
+    GCS trees are downloaded once into ``$DIFFORGE_CACHE/gcs/<bucket>/<path>`` and reused when
+    every file is present with the same size.
+    """
+    if not is_gcs(uri):
+        return Path(uri)
+    bucket, name = split_gcs(uri)
+    dest = cache_dir() / "gcs" / bucket / name
+    files = list_files(uri)
+    if not files:  # a single object
+        if not (dest.exists() and dest.stat().st_size == _blob(uri).size):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=dest.parent, delete=False) as tmp:
+                _blob(uri).download_to_filename(tmp.name)
+            os.replace(tmp.name, dest)
+        return dest
+    for f in files:
+        target = dest / f.path
+        if target.exists() and target.stat().st_size == f.size:
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _local_tmp_path(target)
+        _blob(join(uri, f.path)).download_to_filename(str(tmp))
+        os.replace(tmp, target)
+    return dest
+
+
+def iter_lines(uri: str) -> Iterator[str]:
+    yield from read_text(uri).splitlines()

@@ -1,0 +1,151 @@
+"""The ``difforge`` command: one subcommand per stage, plus ``run`` for a whole pipeline.
+
+    difforge <stage> [CONFIG.yml] [key=value ...] [--dry-run] [--force] [-v]
+
+Each stage is registered by the import paths of its config dataclass and its ``run`` function,
+so ``difforge --help`` never imports JAX or TensorFlow. User errors (bad config, missing
+artifact, mismatched weights, bad prompt file) print one line naming the problem and exit 2;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageEntry:
+    config_class: str  # "module:Name"
+    run: str  # "module:function" taking (config, *, force: bool) -> Manifest
+    summary: str
+
+
+STAGES: dict[str, StageEntry] = {
+    "convert": StageEntry(
+        "stages.convert.config:ConvertConfig",
+        "stages.convert.run:run",
+        "Hugging Face dataset -> sharded TFRecords of VAE latents + text embeddings (Beam)",
+    ),
+    "train": StageEntry(
+        "stages.train.config:TrainConfig",
+        "stages.train.run:run",
+        "flow-matching training of Wan on converted TFRecords (sharded, checkpointed)",
+    ),
+    "evaluate": StageEntry(
+        "stages.evaluate.config:EvaluateConfig",
+        "stages.evaluate.run:run",
+        "eval-timestep loss of training checkpoints",
+    ),
+    "generate": StageEntry(
+        "stages.generate.config:GenerateConfig",
+        "stages.generate.run:run",
+        "bulk rendering of a prompt file to images/videos with a manifest and gallery",
+    ),
+    "run": StageEntry(
+        "pipelines.config:PipelineConfig",
+        "pipelines.runner:run",
+        "a whole pipeline: chained stages through artifacts (configs/pipelines/*.yml)",
+    ),
+}
+
+
+def _load(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean 'the user asked for something wrong', not 'difforge is broken'."""
+    from jaxcore.artifacts import ArtifactError
+    from jaxcore.config import ConfigError
+    from jaxcore.storage import StorageError
+
+    types: list[type[BaseException]] = [ConfigError, ArtifactError, StorageError]
+    for path in ("jaxcore.weights:WeightsError", "jaxcore.sharding:ShardingError"):
+        try:
+            types.append(_load(path))
+        except (ImportError, AttributeError):
+            pass
+    try:
+        from stages.errors import StageInputError
+
+        types.append(StageInputError)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def setup_logging(verbose: int) -> None:
+    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose >= 0 else logging.WARNING
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    for noisy in ("absl", "jax._src", "urllib3", "google", "apache_beam", "tensorflow", "h5py"):
+        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="difforge",
+        description="difforge: latent diffusion stages (convert, train, evaluate, generate) "
+        "chained through artifacts on a local folder or gs://.",
+    )
+    sub = parser.add_subparsers(dest="stage", metavar="STAGE", required=True)
+    for name, entry in STAGES.items():
+        p = sub.add_parser(name, help=entry.summary, description=entry.summary)
+        p.add_argument("config", nargs="?", help="YAML config file (configs/stages/<stage>.yml)")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+        p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+        p.add_argument(
+            "--force", action="store_true", help="rebuild even if a finished artifact exists"
+        )
+        p.add_argument("-v", "--verbose", action="count", default=0)
+        p.add_argument("-q", "--quiet", action="store_true")
+        if name == "run":
+            p.add_argument("--from", dest="from_stage", help="start the chain at this stage")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # A first positional of the form key=value is an override, not a config file.
+    overrides = list(args.overrides)
+    config_path = args.config
+    if config_path and "=" in config_path and not config_path.endswith((".yml", ".yaml")):
+        overrides.insert(0, config_path)
+        config_path = None
+    setup_logging(-1 if args.quiet else args.verbose)
+    entry = STAGES[args.stage]
+    errors = user_error_types()
+    try:
+        from jaxcore.config import load_config, to_yaml
+
+        config = load_config(_load(entry.config_class), config_path, overrides)
+        if args.dry_run:
+            sys.stdout.write(to_yaml(config))
+            return 0
+        run = _load(entry.run)
+        kwargs = {"force": args.force}
+        if args.stage == "run":
+            kwargs["from_stage"] = args.from_stage
+        manifest = run(config, **kwargs)
+    except errors as err:
+        print(f"difforge {args.stage}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"difforge {args.stage}: interrupted", file=sys.stderr)
+        return 130
+    if manifest is not None:
+        print(f"difforge {args.stage}: artifact {manifest.uri}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""difforge: latent diffusion stages in JAX, chained through artifacts on GCS or a local folder."""
+
+from setuptools import find_packages, setup
+
+BASE = [
+    "jax>=0.10",
+    "flax>=0.12",
+    "optax>=0.2.8",
+    "orbax-checkpoint>=0.12",
+    "apache-beam[gcp]>=2.77",
+    "google-cloud-storage>=3",
+    "transformers>=5",
+    "huggingface_hub>=1",
+    "safetensors>=0.8",
+    "tensorflow-cpu>=2.21",
+    "datasets>=4",
+    "pillow",
+    "imageio",
+    "imageio-ffmpeg",
+    "tqdm",
+    "pyyaml",
+    "matplotlib",
+    "ml_dtypes",
+]
+
+TEST = [
+    "pytest",
+    "torch==2.13.0",  # numerical oracle only (diffusers/transformers PyTorch models)
+    "diffusers>=0.42",
+    "accelerate",
+    "gcp-storage-emulator",
+    "ruff==0.17.6",
+]
+
+setup(
+    name="difforge",
+    version="0.1.0",
+    description=__doc__,
+    python_requires=">=3.11",
+    packages=find_packages(include=["jaxcore*", "stages*", "pipelines*"]),
+    package_data={"jaxcore": ["README.md"]},
+    install_requires=BASE,
+    extras_require={
+        "test": TEST,
+        "tpu": ["jax[tpu]>=0.10"],
+        "gpu": ["jax[cuda12]>=0.10"],
+        "xpk": ["xpk"],
+    },
+    entry_points={"console_scripts": ["difforge=pipelines.cli:main"]},
+)

@@ -1,0 +1,125 @@
+"""Artifact I/O on a local folder and on gs:// (a real local GCS server)."""
+
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from jaxcore import artifacts, storage
+
+
+@dataclass(frozen=True)
+class _Cfg:
+    lr: float = 1e-3
+    name: str = "x"
+
+
+def test_write_read_list_checksum(any_root):
+    storage.write_text(storage.join(any_root, "a/b.txt"), "hello")
+    storage.write_bytes(storage.join(any_root, "c.bin"), b"\x00\x01")
+    assert storage.read_text(storage.join(any_root, "a/b.txt")) == "hello"
+    files = storage.list_files(any_root)
+    assert [(f.path, f.size) for f in files] == [("a/b.txt", 5), ("c.bin", 2)]
+    # md5 of "hello", base64 — the same on both backends
+    assert storage.checksum(storage.join(any_root, "a/b.txt")) == "md5:XUFAKrxLKna5cZ2REBfFkg=="
+    with pytest.raises(storage.StorageError, match="does not exist"):
+        storage.read_bytes(storage.join(any_root, "missing"))
+
+
+def test_create_exclusive_once(any_root):
+    uri = storage.join(any_root, "once.json")
+    assert storage.create_exclusive(uri, b"first")
+    assert not storage.create_exclusive(uri, b"second")
+    assert storage.read_text(uri) == "first"
+
+
+def test_commit_manifest_and_open(any_root):
+    writer = artifacts.ArtifactWriter(any_root, "convert", _Cfg())
+    assert writer.existing() is None
+    storage.write_text(writer.file("data/shard-0.txt"), "abc")
+    manifest = writer.commit({"records": 3})
+    opened = artifacts.open_artifact(any_root, "convert")
+    assert opened.key == writer.key == manifest.key
+    assert opened.files == [
+        {"path": "data/shard-0.txt", "size": 3, "checksum": opened.files[0]["checksum"]}
+    ]
+    assert opened.config == {"lr": 1e-3, "name": "x"}
+    assert opened.summary == {"records": 3}
+    assert opened.sha256 and opened.code_version
+    artifacts.verify(opened, checksums=True)
+    # identical rerun: found, skipped
+    assert artifacts.ArtifactWriter(any_root, "convert", _Cfg()).existing().key == writer.key
+    # another config at the same place: refused unless forced
+    other = artifacts.ArtifactWriter(any_root, "convert", _Cfg(lr=2e-3))
+    with pytest.raises(artifacts.ArtifactError, match="--force"):
+        other.existing()
+    assert other.existing(force=True) is None
+    with pytest.raises(artifacts.ArtifactError, match="no manifest.json"):
+        artifacts.open_artifact(any_root, "convert")
+
+
+def test_wrong_stage_refused(any_root):
+    artifacts.ArtifactWriter(any_root, "train", _Cfg()).commit()
+    with pytest.raises(artifacts.ArtifactError, match="'train' artifact, but a 'convert'"):
+        artifacts.open_artifact(any_root, "convert")
+
+
+def test_killed_writer_leaves_refused_artifact(any_root):
+    """Data written, manifest never written (the writer died): consumers refuse it."""
+    writer = artifacts.ArtifactWriter(any_root, "convert", _Cfg())
+    storage.write_text(writer.file("data/shard-0.txt"), "partial")
+    with pytest.raises(artifacts.ArtifactError, match="The convert stage writes the manifest last"):
+        artifacts.open_artifact(any_root, "convert")
+    assert writer.existing() is None  # a rerun does the work
+
+
+def test_input_hash_changes_key(tmp_path):
+    up = artifacts.ArtifactWriter(str(tmp_path / "up"), "convert", _Cfg()).commit()
+    a = artifacts.ArtifactWriter(str(tmp_path / "down"), "train", _Cfg(), {"data": up})
+    storage.write_text(str(tmp_path / "up" / "extra"), "x")
+    storage.delete(str(tmp_path / "up" / "manifest.json"))
+    up2 = artifacts.ArtifactWriter(str(tmp_path / "up"), "convert", _Cfg()).commit()
+    b = artifacts.ArtifactWriter(str(tmp_path / "down"), "train", _Cfg(), {"data": up2})
+    assert up.sha256 != up2.sha256 and a.key != b.key
+
+
+def test_verify_detects_missing_file(any_root):
+    writer = artifacts.ArtifactWriter(any_root, "convert", _Cfg())
+    storage.write_text(writer.file("x.txt"), "123")
+    m = writer.commit()
+    storage.delete(storage.join(any_root, "x.txt"))
+    with pytest.raises(
+        artifacts.ArtifactError, match="x.txt is listed in the manifest but missing"
+    ):
+        artifacts.verify(m)
+
+
+@pytest.mark.parametrize("same_key", [True, False])
+def test_racing_writers_exactly_one_manifest(any_root, same_key):
+    """Two writers commit the same artifact at once: exactly one manifest is created."""
+    storage.write_text(storage.join(any_root, "data.txt"), "d")
+    outcomes = []
+    barrier = threading.Barrier(2)
+
+    def commit(lr):
+        w = artifacts.ArtifactWriter(any_root, "convert", _Cfg(lr=lr))
+        barrier.wait()
+        try:
+            outcomes.append(("ok", w.commit().key, w.key))
+        except artifacts.ArtifactError as err:
+            outcomes.append(("lost", str(err), w.key))
+
+    lrs = (1e-3, 1e-3) if same_key else (1e-3, 2e-3)
+    threads = [threading.Thread(target=commit, args=(lr,)) for lr in lrs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    final = artifacts.open_artifact(any_root, "convert")
+    if same_key:
+        assert [o[0] for o in outcomes] == ["ok", "ok"]
+        assert all(o[1] == final.key for o in outcomes)
+    else:
+        assert sorted(o[0] for o in outcomes) == ["lost", "ok"]
+        winner = next(o for o in outcomes if o[0] == "ok")
+        assert winner[2] == final.key
