@@ -315,3 +315,31 @@ def save_safetensors(tensors: Mapping[str, np.ndarray], path: str | os.PathLike,
         for arr in arrays:
             f.write(arr.tobytes())
     os.replace(tmp, path)
+
+
+# --- exporting (flax -> diffusers layout) ----------------------------------------------------
+
+INVERSE_TRANSFORMS: dict[Transform, Transform] = {
+    identity: identity,
+    linear: linear,  # a transpose is its own inverse
+    conv1d: conv1d,
+    conv2d: lambda w: w.transpose(3, 2, 0, 1),
+    conv3d: lambda w: w.transpose(4, 3, 0, 1, 2),
+}
+
+
+def export_state_dict(params: Mapping, weight_map: WeightMap) -> dict[str, np.ndarray]:
+    """Flax params -> {diffusers key: array in torch layout}, the inverse of :func:`load_params`.
+
+    Custom transforms need an entry in ``INVERSE_TRANSFORMS`` (an error names the key otherwise).
+    """
+    flat = _flatten(params)
+    out: dict[str, np.ndarray] = {}
+    for path, (key, transform) in weight_map.items():
+        if path not in flat:
+            raise WeightsError(f"export: the params have no {_fmt(path)} (for {key})")
+        inverse = INVERSE_TRANSFORMS.get(transform)
+        if inverse is None:
+            raise WeightsError(f"export: no inverse transform registered for {key}")
+        out[key] = np.ascontiguousarray(inverse(np.asarray(jax.device_get(flat[path]))))
+    return out
