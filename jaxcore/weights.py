@@ -151,7 +151,7 @@ class SafetensorsReader:
                     )
                 self._key_to_file[key] = opened[fname]
         for f in opened.values():
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (not a dict)
                 self._key_to_file.setdefault(key, f)
 
     def keys(self) -> list[str]:
