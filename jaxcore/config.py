@@ -227,9 +227,14 @@ def resolve_key(cls: type, key: str) -> tuple[str, ...]:
 
 
 def apply_overrides(cls: type, data: dict, overrides: Sequence[str]) -> dict:
+    """Apply ``key=value`` strings (see :func:`parse_override`)."""
+    return apply_values(cls, data, dict(parse_override(text) for text in overrides))
+
+
+def apply_values(cls: type, data: dict, values: Mapping[str, Any]) -> dict:
+    """Set already-parsed values by (dotted or bare) key; returns a new dict."""
     data = _deep_copy(data)
-    for text in overrides:
-        key, value = parse_override(text)
+    for key, value in values.items():
         path = resolve_key(cls, key)
         node = data
         for p in path[:-1]:
@@ -239,7 +244,7 @@ def apply_overrides(cls: type, data: dict, overrides: Sequence[str]) -> dict:
             elif not isinstance(child, dict):
                 raise ConfigError(f"{key}: {p} is not a section")
             node = child
-        node[path[-1]] = value
+        node[path[-1]] = _deep_copy(value)
     return data
 
 

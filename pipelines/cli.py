@@ -11,6 +11,7 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -68,10 +69,8 @@ def user_error_types() -> tuple[type[BaseException], ...]:
 
     types: list[type[BaseException]] = [ConfigError, ArtifactError, StorageError]
     for path in ("jaxcore.weights:WeightsError", "jaxcore.sharding:ShardingError"):
-        try:
+        with contextlib.suppress(ImportError, AttributeError):
             types.append(_load(path))
-        except (ImportError, AttributeError):
-            pass
     try:
         from stages.errors import StageInputError
 
