@@ -1,0 +1,864 @@
+"""Wan 2.1 causal 3D VAE in Flax linen, numerically equal to diffusers' ``AutoencoderKLWan``.
+
+Reference: ``diffusers/models/autoencoders/autoencoder_kl_wan.py`` (diffusers 0.42), the
+Wan 2.1 branch (``is_residual=False``, no ``patch_size``).
+
+Layout: public tensors use the diffusers layout, video ``[B, C, F, H, W]`` with pixel values in
+[-1, 1] and latents ``[B, z_dim, F', H', W']``. Inside, every activation is channel-last
+``[B, T, H, W, C]``.
+
+Frame chunking and the causal cache (why outputs match diffusers exactly):
+diffusers never runs the VAE on a whole video. It encodes the first frame alone and then
+chunks of 4 frames, and decodes one latent frame at a time. Each 3-tap causal conv keeps the
+last 2 input frames of the previous chunk as left context (zeros before the first chunk).
+The temporal resamplers have their own first-chunk rule: ``downsample3d`` skips its time conv
+on the first chunk (so the first frame maps to one latent frame) and ``upsample3d`` skips
+its frame-doubling time conv on the first chunk (so the first latent frame maps to one frame).
+Here the cache is a Flax variable collection ``"cache"``: each per-chunk method runs with
+``mutable=["cache"]``, taking the previous chunk's cache pytree in and handing the updated
+one out. The plain functions :func:`encode` / :func:`decode` drive that loop with one jitted
+step per chunk shape.
+
+Public API: :class:`WanVAEConfig`, :class:`WanVAE`, :class:`DiagonalGaussian`,
+:func:`encode`, :func:`decode`, :func:`normalize_latents`, :func:`denormalize_latents`,
+:func:`weight_map`, :func:`load_wan_vae`, :func:`init_wan_vae`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from jaxcore import sharding, weights
+from jaxcore.attention import attention as attention_fn
+
+Dtype = Any
+
+# Frames of left context a 3-tap causal conv keeps between chunks (diffusers' CACHE_T).
+CACHE_FRAMES = 2
+# Frames per encoder chunk after the first frame (diffusers' ``_encode`` loop).
+ENCODE_CHUNK_FRAMES = 4
+# diffusers' DiagonalGaussianDistribution clamps the log-variance to this range.
+LOGVAR_RANGE = (-30.0, 20.0)
+# F.normalize's epsilon.
+NORM_EPS = 1e-12
+
+# Wan 2.1 latent statistics (AutoencoderKLWan's defaults, used when config.json omits them).
+WAN21_LATENTS_MEAN = (
+    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
+)  # fmt: skip
+WAN21_LATENTS_STD = (
+    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
+)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------
+
+
+class WanVAEConfigError(ValueError):
+    """A config.json / YAML section that WanVAEConfig cannot represent; names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WanVAEConfig:
+    """Architecture of the Wan 2.1 VAE; field names follow diffusers' config.json.
+
+    ``scale_factor_temporal`` / ``scale_factor_spatial`` are stored as diffusers stores them
+    (metadata it does not check against the architecture); use :attr:`temporal_compression`
+    and :attr:`spatial_compression` for the factors the architecture really has.
+    ``dropout`` is accepted but unused: this port is inference-only (dropout is identity).
+    """
+
+    base_dim: int = 96
+    decoder_base_dim: int | None = None
+    z_dim: int = 16
+    dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+    attn_scales: tuple[float, ...] = ()
+    temperal_downsample: tuple[bool, ...] = (False, True, True)
+    dropout: float = 0.0
+    latents_mean: tuple[float, ...] = WAN21_LATENTS_MEAN
+    latents_std: tuple[float, ...] = WAN21_LATENTS_STD
+    is_residual: bool = False
+    in_channels: int = 3
+    out_channels: int = 3
+    patch_size: int | None = None
+    scale_factor_temporal: int | None = 4
+    scale_factor_spatial: int | None = 8
+
+    def __post_init__(self):
+        for key in (
+            "dim_mult",
+            "attn_scales",
+            "temperal_downsample",
+            "latents_mean",
+            "latents_std",
+        ):
+            object.__setattr__(self, key, tuple(getattr(self, key)))
+        object.__setattr__(self, "temperal_downsample", tuple(map(bool, self.temperal_downsample)))
+        self._check_unsupported()
+        for key in ("base_dim", "z_dim", "num_res_blocks", "in_channels", "out_channels"):
+            if int(getattr(self, key)) < 1:
+                raise WanVAEConfigError(f"{key} must be >= 1, got {getattr(self, key)!r}")
+        if self.decoder_base_dim is not None and self.decoder_base_dim < 1:
+            raise WanVAEConfigError(f"decoder_base_dim must be >= 1, got {self.decoder_base_dim}")
+        if not self.dim_mult or min(self.dim_mult) < 1:
+            raise WanVAEConfigError(f"dim_mult must be positive ints, got {list(self.dim_mult)}")
+        if len(self.temperal_downsample) != len(self.dim_mult) - 1:
+            raise WanVAEConfigError(
+                f"temperal_downsample has {len(self.temperal_downsample)} entries but needs "
+                f"len(dim_mult) - 1 = {len(self.dim_mult) - 1} (one per downsampling level)"
+            )
+        for key in ("latents_mean", "latents_std"):
+            if len(getattr(self, key)) != self.z_dim:
+                raise WanVAEConfigError(
+                    f"{key} has {len(getattr(self, key))} entries but z_dim is {self.z_dim}"
+                )
+        if min(self.latents_std) <= 0:
+            raise WanVAEConfigError(f"latents_std must be positive, got {list(self.latents_std)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise WanVAEConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    def _check_unsupported(self) -> None:
+        """Features of AutoencoderKLWan this port does not implement are errors, never ignored."""
+        if self.is_residual:
+            raise WanVAEConfigError(
+                "is_residual=True (the Wan 2.2 residual down/up blocks) is not implemented; "
+                "only the Wan 2.1 VAE (is_residual=False) is supported"
+            )
+        if self.patch_size is not None:
+            raise WanVAEConfigError(
+                f"patch_size={self.patch_size!r} (Wan 2.2 patchified VAE) is not implemented; "
+                "only patch_size=None is supported"
+            )
+        if self.attn_scales:
+            # diffusers builds WanAttentionBlocks into the encoder's down_blocks for these scales
+            # but calls them with feat_cache=..., which WanAttentionBlock.forward does not take
+            # (TypeError), and its decoder ignores attn_scales: there is no reference to match.
+            raise WanVAEConfigError(
+                f"attn_scales={list(self.attn_scales)} is not supported: diffusers' "
+                "AutoencoderKLWan cannot run encoder attention at these scales, so only "
+                "attn_scales=[] (Wan 2.1) has a reference (the mid blocks always have attention)"
+            )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> WanVAEConfig:
+        """Build from a diffusers config.json dict (``_``-prefixed keys ignored)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if not k.startswith("_")}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise WanVAEConfigError(
+                f"unknown WanVAEConfig keys {unknown}; known keys: {sorted(known)}"
+            )
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+    @property
+    def decoder_dim(self) -> int:
+        """Decoder base width (diffusers: ``decoder_base_dim or base_dim``)."""
+        return self.decoder_base_dim if self.decoder_base_dim is not None else self.base_dim
+
+    @property
+    def temperal_upsample(self) -> tuple[bool, ...]:
+        """Decoder temporal upsampling per level (diffusers reverses ``temperal_downsample``)."""
+        return self.temperal_downsample[::-1]
+
+    @property
+    def spatial_compression(self) -> int:
+        """Pixels per latent along H and W (one 2x downsample per level but the last)."""
+        return 2 ** (len(self.dim_mult) - 1)
+
+    @property
+    def temporal_compression(self) -> int:
+        """Frames per latent frame after the first: 1 + 4k frames <-> 1 + 4k / this latents."""
+        return 2 ** sum(self.temperal_downsample)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers (channel-last)
+# ----------------------------------------------------------------------------------------------
+
+
+def _kernel_init(ndim: int):
+    """lecun_normal over [*spatial, in, out], annotated with logical axes (VAE: replicated)."""
+    names = ("conv_spatial",) * (ndim - 2) + ("conv_in", "conv_out")
+    return nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
+
+
+_BIAS_INIT = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("conv_out",))
+
+
+def _conv(x, kernel, bias, strides, padding, dtype):
+    """N-d cross-correlation, channel-last, like torch ConvNd (same weights after transpose)."""
+    spatial = "DHW"[-(x.ndim - 2) :]
+    dims = (f"N{spatial}C", f"{spatial}IO", f"N{spatial}C")
+    y = jax.lax.conv_general_dilated(
+        x.astype(dtype),
+        kernel.astype(dtype),
+        window_strides=strides,
+        padding=padding,
+        dimension_numbers=dims,
+    )
+    return y + bias.astype(dtype)
+
+
+def _frame_cache(module: nn.Module, name: str, x: jax.Array, frames: int) -> nn.Variable:
+    """The ``cache`` variable holding ``frames`` past frames shaped like ``x`` (zeros at start).
+
+    Zeros are exactly diffusers' zero time padding before the first chunk. A cache from a
+    different batch/resolution is an error rather than a silent broadcast.
+    """
+    if not module.is_mutable_collection("cache"):
+        raise ValueError(
+            f"{module.name}: the Wan VAE carries a causal cache between frame chunks; apply "
+            "per-chunk methods with mutable=['cache'] (or use wan_vae.encode / wan_vae.decode)"
+        )
+    shape = (x.shape[0], frames, *x.shape[2:])
+    var = module.variable("cache", name, jnp.zeros, shape, x.dtype)
+    if var.value.shape != shape:
+        raise ValueError(
+            f"{module.name}: cached frames have shape {var.value.shape} but this chunk needs "
+            f"{shape}; start a new cache for a new batch size or resolution"
+        )
+    return var
+
+
+class CausalConv3d(nn.Module):
+    """diffusers ``WanCausalConv3d``: Conv3d whose time padding (2 x pad_t) is all on the left.
+
+    With ``padding[0] > 0`` the left context is the last ``2 * padding[0]`` input frames of the
+    previous chunk (the ``cache`` collection), zeros before the first chunk. H/W padding is
+    symmetric zero padding as in torch.
+    """
+
+    features: int
+    kernel_size: tuple[int, int, int] = (3, 3, 3)
+    strides: tuple[int, int, int] = (1, 1, 1)
+    padding: tuple[int, int, int] = (1, 1, 1)
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_bthwc: jax.Array) -> jax.Array:
+        in_features = x_bthwc.shape[-1]
+        kernel = self.param(
+            "kernel",
+            _kernel_init(5),
+            (*self.kernel_size, in_features, self.features),
+            self.param_dtype,
+        )
+        bias = self.param("bias", _BIAS_INIT, (self.features,), self.param_dtype)
+        x = x_bthwc.astype(self.dtype)
+        context = 2 * self.padding[0]
+        if context:
+            cache = _frame_cache(self, "frames", x, context)
+            x = jnp.concatenate([cache.value, x], axis=1)
+            cache.value = x[:, -context:]
+        pad_h, pad_w = self.padding[1], self.padding[2]
+        return _conv(
+            x, kernel, bias, self.strides, [(0, 0), (pad_h, pad_h), (pad_w, pad_w)], self.dtype
+        )
+
+
+class Conv2d(nn.Module):
+    """torch ``nn.Conv2d`` on channel-last frames ``[N, H, W, C]`` with explicit (lo, hi) pads."""
+
+    features: int
+    kernel_size: tuple[int, int] = (3, 3)
+    strides: tuple[int, int] = (1, 1)
+    padding: tuple[tuple[int, int], tuple[int, int]] = ((1, 1), (1, 1))
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_nhwc: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel",
+            _kernel_init(4),
+            (*self.kernel_size, x_nhwc.shape[-1], self.features),
+            self.param_dtype,
+        )
+        bias = self.param("bias", _BIAS_INIT, (self.features,), self.param_dtype)
+        return _conv(x_nhwc, kernel, bias, self.strides, list(self.padding), self.dtype)
+
+
+class RMSNorm(nn.Module):
+    """diffusers ``WanRMS_norm`` (bias=False): L2-normalise over channels, x sqrt(C) x gamma.
+
+    ``F.normalize`` divides by ``max(||x||, 1e-12)``; low-precision inputs are normalised in
+    fp32 as diffusers does. The ``images`` flag only changes torch's gamma shape
+    ([C,1,1] vs [C,1,1,1]); here gamma is [C] and :func:`weight_map` flattens it.
+    """
+
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        channels = x.shape[-1]
+        gamma = self.param(
+            "gamma",
+            nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",)),
+            (channels,),
+            self.param_dtype,
+        )
+        x32 = x.astype(jnp.float32)
+        norm = jnp.sqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True))
+        normalized = (x32 / jnp.maximum(norm, NORM_EPS)).astype(self.dtype)
+        return normalized * math.sqrt(channels) * gamma.astype(self.dtype)
+
+
+class ResidualBlock(nn.Module):
+    """diffusers ``WanResidualBlock``: (RMSNorm, SiLU, causal conv) x 2 plus a shortcut."""
+
+    out_dim: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        shortcut = x
+        if x.shape[-1] != self.out_dim:
+            shortcut = CausalConv3d(
+                self.out_dim, (1, 1, 1), padding=(0, 0, 0), name="conv_shortcut", **kw
+            )(x)
+        h = nn.silu(RMSNorm(name="norm1", **kw)(x))
+        h = CausalConv3d(self.out_dim, name="conv1", **kw)(h)
+        h = nn.silu(RMSNorm(name="norm2", **kw)(h))
+        h = CausalConv3d(self.out_dim, name="conv2", **kw)(h)
+        return h + shortcut
+
+
+class AttentionBlock(nn.Module):
+    """diffusers ``WanAttentionBlock``: single-head self-attention over the pixels of each frame.
+
+    The torch 1x1 Conv2d projections are Dense layers here (same math on channel-last pixels).
+    """
+
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    attention: str = "dot_product"
+    mesh: jax.sharding.Mesh | None = None
+
+    @nn.compact
+    def __call__(self, x_bthwc: jax.Array) -> jax.Array:
+        b, t, h, w, c = x_bthwc.shape
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        dense_kernel = nn.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ("conv_in", "conv_out")
+        )
+        x_nlc = RMSNorm(name="norm", **kw)(x_bthwc).reshape(b * t, h * w, c)
+        qkv = nn.Dense(3 * c, kernel_init=dense_kernel, bias_init=_BIAS_INIT, name="to_qkv", **kw)(
+            x_nlc
+        )
+        # One head of width C: [N, L, 1, C] in the shared attention layout [B, L, H, D].
+        q, k, v = (part[:, :, None, :] for part in jnp.split(qkv, 3, axis=-1))
+        out = attention_fn(q, k, v, backend=self.attention, mesh=self.mesh)[:, :, 0, :]
+        out = nn.Dense(c, kernel_init=dense_kernel, bias_init=_BIAS_INIT, name="proj", **kw)(out)
+        return out.reshape(b, t, h, w, c) + x_bthwc
+
+
+def _interleave_time_halves(x_bthw2c: jax.Array) -> jax.Array:
+    """[B, T, H, W, 2C] -> [B, 2T, H, W, C]: channel half j becomes frame 2t + j (diffusers)."""
+    b, t, h, w, c2 = x_bthw2c.shape
+    x = x_bthw2c.reshape(b, t, h, w, 2, c2 // 2)
+    return jnp.moveaxis(x, 4, 2).reshape(b, 2 * t, h, w, c2 // 2)
+
+
+class Resample(nn.Module):
+    """diffusers ``WanResample`` for mode upsample2d / upsample3d / downsample2d / downsample3d.
+
+    Spatial part (per frame): nearest 2x upsample + 3x3 conv to ``out_dim`` channels, or
+    bottom/right zero pad + 3x3 stride-2 conv. Temporal part with its first-chunk rules:
+    ``upsample3d`` maps C -> 2C channels with a causal (3,1,1) conv and interleaves the halves
+    into 2x frames, skipped on the first chunk; ``downsample3d`` runs a (3,1,1) stride-2 conv
+    over [last frame of the previous chunk, this chunk], skipped on the first chunk.
+    """
+
+    mode: str
+    out_dim: int | None = None
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, first_chunk: bool) -> jax.Array:
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        channels = x.shape[-1]
+        if self.mode == "upsample3d":
+            x = self._time_upsample(x, first_chunk, kw)
+        b, t, h, w, c = x.shape
+        frames = x.reshape(b * t, h, w, c)
+        if self.mode in ("upsample2d", "upsample3d"):
+            # nearest-exact at scale 2 picks source pixel i // 2: a plain repeat.
+            frames = jnp.repeat(jnp.repeat(frames, 2, axis=1), 2, axis=2)
+            out_dim = self.out_dim if self.out_dim is not None else channels // 2
+            frames = Conv2d(out_dim, name="resample_1", **kw)(frames)
+        elif self.mode in ("downsample2d", "downsample3d"):
+            frames = Conv2d(
+                channels, strides=(2, 2), padding=((0, 1), (0, 1)), name="resample_1", **kw
+            )(frames)
+        else:
+            raise ValueError(f"unknown Resample mode {self.mode!r}")
+        x = frames.reshape(b, t, *frames.shape[1:])
+        if self.mode == "downsample3d":
+            x = self._time_downsample(x, first_chunk, kw)
+        return x
+
+    def _time_upsample(self, x, first_chunk, kw):
+        # The cache is created (zeros) on the first chunk too, so every later chunk sees the
+        # same cache pytree; zeros are what diffusers' "Rep" marker pads with.
+        cache = _frame_cache(self, "time_conv_frames", x, CACHE_FRAMES)
+        if first_chunk:
+            return x
+        x = jnp.concatenate([cache.value, x], axis=1)
+        cache.value = x[:, -CACHE_FRAMES:]
+        conv = CausalConv3d(2 * x.shape[-1], (3, 1, 1), padding=(0, 0, 0), name="time_conv", **kw)
+        return _interleave_time_halves(conv(x))
+
+    def _time_downsample(self, x, first_chunk, kw):
+        cache = _frame_cache(self, "time_conv_frames", x, 1)
+        last = x[:, -1:]
+        if not first_chunk:
+            conv = CausalConv3d(
+                x.shape[-1], (3, 1, 1), strides=(2, 1, 1), padding=(0, 0, 0), name="time_conv", **kw
+            )
+            x = conv(jnp.concatenate([cache.value, x], axis=1))
+        cache.value = last
+        return x
+
+
+class MidBlock(nn.Module):
+    """diffusers ``WanMidBlock`` (num_layers=1): residual, attention, residual."""
+
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    attention: str = "dot_product"
+    mesh: jax.sharding.Mesh | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        dim = x.shape[-1]
+        x = ResidualBlock(dim, name="resnets_0", **kw)(x)
+        x = AttentionBlock(attention=self.attention, mesh=self.mesh, name="attentions_0", **kw)(x)
+        return ResidualBlock(dim, name="resnets_1", **kw)(x)
+
+
+class Encoder(nn.Module):
+    """diffusers ``WanEncoder3d`` (Wan 2.1): conv_in, down_blocks, mid_block, head -> 2 z_dim."""
+
+    config: WanVAEConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    attention: str = "dot_product"
+    mesh: jax.sharding.Mesh | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, first_chunk: bool) -> jax.Array:
+        cfg = self.config
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        dims = [cfg.base_dim * m for m in (1, *cfg.dim_mult)]
+        x = CausalConv3d(dims[0], name="conv_in", **kw)(x)
+        # down_blocks is one flat list in diffusers: res blocks, then the level's resampler.
+        index = 0
+        for level, out_dim in enumerate(dims[1:]):
+            for _ in range(cfg.num_res_blocks):
+                x = ResidualBlock(out_dim, name=f"down_blocks_{index}", **kw)(x)
+                index += 1
+            if level != len(cfg.dim_mult) - 1:
+                mode = "downsample3d" if cfg.temperal_downsample[level] else "downsample2d"
+                x = Resample(mode, name=f"down_blocks_{index}", **kw)(x, first_chunk)
+                index += 1
+        x = MidBlock(attention=self.attention, mesh=self.mesh, name="mid_block", **kw)(x)
+        x = nn.silu(RMSNorm(name="norm_out", **kw)(x))
+        return CausalConv3d(2 * cfg.z_dim, name="conv_out", **kw)(x)
+
+
+class UpBlock(nn.Module):
+    """diffusers ``WanUpBlock``: num_res_blocks + 1 residual blocks, then an optional resampler.
+
+    Its upsampler halves the channels (``upsample_out_dim = dim // 2``), which is why the next
+    level's input width is half of diffusers' ``dims[i]``.
+    """
+
+    out_dim: int
+    num_res_blocks: int
+    upsample_mode: str | None
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, first_chunk: bool) -> jax.Array:
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        for i in range(self.num_res_blocks + 1):
+            x = ResidualBlock(self.out_dim, name=f"resnets_{i}", **kw)(x)
+        if self.upsample_mode is not None:
+            x = Resample(self.upsample_mode, name="upsamplers_0", **kw)(x, first_chunk)
+        return x
+
+
+class Decoder(nn.Module):
+    """diffusers ``WanDecoder3d`` (Wan 2.1): conv_in, mid_block, up_blocks, head -> pixels."""
+
+    config: WanVAEConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    attention: str = "dot_product"
+    mesh: jax.sharding.Mesh | None = None
+
+    @nn.compact
+    def __call__(self, z: jax.Array, first_chunk: bool) -> jax.Array:
+        cfg = self.config
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        dims = [cfg.decoder_dim * m for m in (cfg.dim_mult[-1], *cfg.dim_mult[::-1])]
+        x = CausalConv3d(dims[0], name="conv_in", **kw)(z)
+        x = MidBlock(attention=self.attention, mesh=self.mesh, name="mid_block", **kw)(x)
+        last = len(cfg.dim_mult) - 1
+        for level, out_dim in enumerate(dims[1:]):
+            mode = None
+            if level != last:
+                mode = "upsample3d" if cfg.temperal_upsample[level] else "upsample2d"
+            x = UpBlock(out_dim, cfg.num_res_blocks, mode, name=f"up_blocks_{level}", **kw)(
+                x, first_chunk
+            )
+        x = nn.silu(RMSNorm(name="norm_out", **kw)(x))
+        return CausalConv3d(cfg.out_channels, name="conv_out", **kw)(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------
+
+
+class DiagonalGaussian(NamedTuple):
+    """Posterior over latents (diffusers' DiagonalGaussianDistribution), ``[B, z, F, H, W]``."""
+
+    mean: jax.Array
+    logvar: jax.Array
+
+    def mode(self) -> jax.Array:
+        return self.mean
+
+    def sample(self, rng: jax.Array) -> jax.Array:
+        noise = jax.random.normal(rng, self.mean.shape, self.mean.dtype)
+        return self.mean + jnp.exp(0.5 * self.logvar) * noise
+
+
+def _to_channel_last(x_bcfhw: jax.Array) -> jax.Array:
+    return jnp.transpose(x_bcfhw, (0, 2, 3, 4, 1))
+
+
+def _to_channel_first(x_bfhwc: jax.Array) -> jax.Array:
+    return jnp.transpose(x_bfhwc, (0, 4, 1, 2, 3))
+
+
+def _constrain_video(x_bthwc: jax.Array) -> jax.Array:
+    return sharding.constrain(
+        x_bthwc,
+        (
+            "activation_batch",
+            "activation_frames",
+            "activation_height",
+            "activation_width",
+            "activation_channels",
+        ),
+    )
+
+
+def _moments_to_posterior(moments_bthwc: jax.Array, z_dim: int) -> DiagonalGaussian:
+    """Split 2 z_dim channels into (mean, clamped logvar), back to [B, z, F, H, W]."""
+    moments = _to_channel_first(moments_bthwc)
+    mean, logvar = moments[:, :z_dim], moments[:, z_dim:]
+    return DiagonalGaussian(mean, jnp.clip(logvar, *LOGVAR_RANGE))
+
+
+def check_video(config: WanVAEConfig, video_shape: Sequence[int]) -> None:
+    """Raise ValueError naming the dimension when a video cannot be encoded like diffusers."""
+    if len(video_shape) != 5:
+        raise ValueError(f"video must be [B, C, F, H, W], got shape {tuple(video_shape)}")
+    _, channels, frames, height, width = video_shape
+    if channels != config.in_channels:
+        raise ValueError(f"video has {channels} channels but in_channels is {config.in_channels}")
+    if frames < 1 or (frames - 1) % ENCODE_CHUNK_FRAMES:
+        # diffusers would silently drop the trailing frames; we refuse instead.
+        raise ValueError(
+            f"video has {frames} frames; the Wan VAE encodes 1 + {ENCODE_CHUNK_FRAMES}k frames "
+            "(the first frame alone, then chunks of 4)"
+        )
+    s = config.spatial_compression
+    for name, size in (("height", height), ("width", width)):
+        if size % s:
+            raise ValueError(f"video {name} {size} is not divisible by the spatial compression {s}")
+
+
+def check_latents(config: WanVAEConfig, z_shape: Sequence[int]) -> None:
+    """Raise ValueError naming the dimension when latents do not fit this VAE."""
+    if len(z_shape) != 5:
+        raise ValueError(f"latents must be [B, z_dim, F, H, W], got shape {tuple(z_shape)}")
+    if z_shape[1] != config.z_dim:
+        raise ValueError(f"latents have {z_shape[1]} channels but z_dim is {config.z_dim}")
+    if z_shape[2] < 1:
+        raise ValueError("latents have 0 frames")
+
+
+def encoder_chunks(frames: int) -> list[slice]:
+    """Frame slices diffusers' ``_encode`` feeds the encoder: [0:1], [1:5], [5:9], ..."""
+    starts = range(1, frames, ENCODE_CHUNK_FRAMES)
+    return [slice(0, 1)] + [slice(s, s + ENCODE_CHUNK_FRAMES) for s in starts]
+
+
+class WanVAE(nn.Module):
+    """Wan 2.1 VAE (= diffusers ``AutoencoderKLWan``), parameters named as in diffusers.
+
+    Per-chunk methods (channel-last ``[B, T, H, W, C]``, need ``mutable=["cache"]``):
+    ``encode_chunk(x, first_chunk) -> moments`` (encoder + quant_conv) and
+    ``decode_chunk(z, first_chunk) -> pixels`` (post_quant_conv + decoder, unclamped).
+    Whole-video methods in the diffusers layout (Python loop over chunks inside one apply,
+    also need ``mutable=["cache"]`` and a fresh cache): ``encode(video) -> DiagonalGaussian``,
+    ``decode(z) -> video`` and ``__call__(video)`` = decode(encode(video).mode()), which is
+    also what ``init`` runs. For inference prefer the jitted module-level :func:`encode` /
+    :func:`decode`.
+    """
+
+    config: WanVAEConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    attention: str = "dot_product"
+    mesh: jax.sharding.Mesh | None = None
+
+    def setup(self):
+        cfg = self.config
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        shared = {"attention": self.attention, "mesh": self.mesh, **kw}
+        self.encoder = Encoder(cfg, **shared)
+        self.quant_conv = CausalConv3d(2 * cfg.z_dim, (1, 1, 1), padding=(0, 0, 0), **kw)
+        self.post_quant_conv = CausalConv3d(cfg.z_dim, (1, 1, 1), padding=(0, 0, 0), **kw)
+        self.decoder = Decoder(cfg, **shared)
+
+    def encode_chunk(self, x_bthwc: jax.Array, first_chunk: bool) -> jax.Array:
+        """One encoder chunk (1 frame first, then 4) -> 2 z_dim moment channels."""
+        x = _constrain_video(x_bthwc.astype(self.dtype))
+        return self.quant_conv(self.encoder(x, first_chunk))
+
+    def decode_chunk(self, z_bthwc: jax.Array, first_chunk: bool) -> jax.Array:
+        """One latent frame -> 1 frame (first chunk) or temporal_compression frames."""
+        z = _constrain_video(z_bthwc.astype(self.dtype))
+        return self.decoder(self.post_quant_conv(z), first_chunk)
+
+    def encode(self, video_bcfhw: jax.Array) -> DiagonalGaussian:
+        check_video(self.config, video_bcfhw.shape)
+        x = _to_channel_last(video_bcfhw)
+        chunks = encoder_chunks(x.shape[1])
+        moments = [self.encode_chunk(x[:, s], i == 0) for i, s in enumerate(chunks)]
+        return _moments_to_posterior(jnp.concatenate(moments, axis=1), self.config.z_dim)
+
+    def decode(self, z_bcfhw: jax.Array) -> jax.Array:
+        check_latents(self.config, z_bcfhw.shape)
+        z = _to_channel_last(z_bcfhw)
+        frames = [self.decode_chunk(z[:, i : i + 1], i == 0) for i in range(z.shape[1])]
+        return _to_channel_first(jnp.clip(jnp.concatenate(frames, axis=1), -1.0, 1.0))
+
+    def __call__(self, video_bcfhw: jax.Array) -> jax.Array:
+        return self.decode(self.encode(video_bcfhw).mode())
+
+
+# ----------------------------------------------------------------------------------------------
+# Jitted chunk loops (the inference entry points)
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=32)
+def _chunk_step(module: WanVAE, method: str):
+    """jit(params, cache, x, first_chunk) -> (out, new cache); one compile per chunk shape."""
+
+    def step(params, cache, x, first_chunk):
+        variables = {"params": params, "cache": cache} if cache else {"params": params}
+        out, updated = module.apply(variables, x, first_chunk, method=method, mutable=["cache"])
+        return out, updated["cache"]
+
+    return jax.jit(step, static_argnums=3)
+
+
+def encode(module: WanVAE, params, video_bcfhw: jax.Array) -> DiagonalGaussian:
+    """Encode ``[B, C, 1 + 4k, H, W]`` pixels in [-1, 1] -> posterior ``[B, z, 1 + k', H/s, W/s]``.
+
+    Same chunking as diffusers' ``AutoencoderKLWan._encode`` (first frame, then 4 at a time),
+    each chunk a jitted call carrying the causal cache. Returns (mean, logvar); logvar is
+    clamped to [-30, 20] as in diffusers. Images are 1-frame videos.
+    """
+    check_video(module.config, video_bcfhw.shape)
+    x = _to_channel_last(jnp.asarray(video_bcfhw))
+    step = _chunk_step(module, "encode_chunk")
+    cache: dict = {}
+    moments = []
+    for i, frames in enumerate(encoder_chunks(x.shape[1])):
+        out, cache = step(params, cache, x[:, frames], i == 0)
+        moments.append(out)
+    return _moments_to_posterior(jnp.concatenate(moments, axis=1), module.config.z_dim)
+
+
+def decode(module: WanVAE, params, z_bcfhw: jax.Array) -> jax.Array:
+    """Decode latents ``[B, z, F, H, W]`` -> video ``[B, C, 1 + t(F - 1), s H, s W]`` in [-1, 1].
+
+    One latent frame per jitted call, like diffusers' ``AutoencoderKLWan._decode`` (t, s: the
+    temporal and spatial compression); output clamped to [-1, 1].
+    """
+    check_latents(module.config, z_bcfhw.shape)
+    z = _to_channel_last(jnp.asarray(z_bcfhw))
+    step = _chunk_step(module, "decode_chunk")
+    cache: dict = {}
+    frames = []
+    for i in range(z.shape[1]):
+        out, cache = step(params, cache, z[:, i : i + 1], i == 0)
+        frames.append(out)
+    return _to_channel_first(jnp.clip(jnp.concatenate(frames, axis=1), -1.0, 1.0))
+
+
+def _latent_stats(z: jax.Array, config: WanVAEConfig) -> tuple[jax.Array, jax.Array]:
+    if z.ndim != 5 or z.shape[1] != config.z_dim:
+        raise ValueError(f"latents must be [B, {config.z_dim}, F, H, W], got shape {z.shape}")
+    shape = (1, config.z_dim, 1, 1, 1)
+    mean = jnp.asarray(config.latents_mean, z.dtype).reshape(shape)
+    std = jnp.asarray(config.latents_std, z.dtype).reshape(shape)
+    return mean, std
+
+
+def normalize_latents(z: jax.Array, config: WanVAEConfig) -> jax.Array:
+    """VAE latents -> the diffusion model's space: (z - latents_mean) / latents_std (WanPipeline)."""
+    mean, std = _latent_stats(z, config)
+    return (z - mean) / std
+
+
+def denormalize_latents(z: jax.Array, config: WanVAEConfig) -> jax.Array:
+    """Inverse of :func:`normalize_latents`: z * latents_std + latents_mean, before decoding."""
+    mean, std = _latent_stats(z, config)
+    return z * std + mean
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights
+# ----------------------------------------------------------------------------------------------
+
+
+def _dummy_video(config: WanVAEConfig) -> jax.ShapeDtypeStruct:
+    """Smallest video that runs every layer once: 1 + 4 frames (so the temporal resamplers run
+    their time convs) at one latent pixel."""
+    s = config.spatial_compression
+    return jax.ShapeDtypeStruct((1, config.in_channels, 1 + ENCODE_CHUNK_FRAMES, s, s), jnp.float32)
+
+
+def abstract_params(module: WanVAE) -> dict:
+    """The ``params`` collection as boxed ShapeDtypeStructs (nn.Partitioned kept), no allocation."""
+    spec = _dummy_video(module.config)
+
+    def init(rng):
+        return module.init(rng, jnp.zeros(spec.shape, spec.dtype))
+
+    return jax.eval_shape(init, jax.random.key(0))["params"]
+
+
+def _conv1x1_to_dense(w: np.ndarray) -> np.ndarray:
+    """torch 1x1 Conv2d weight [O, I, 1, 1] -> flax Dense kernel [I, O]."""
+    return w.reshape(w.shape[0], w.shape[1]).T
+
+
+def _flatten_gamma(w: np.ndarray) -> np.ndarray:
+    """WanRMS_norm gamma [C, 1, 1(, 1)] -> [C]."""
+    return w.reshape(-1)
+
+
+def _source_entry(path: tuple[str, ...], ndim: int) -> tuple[str, weights.Transform]:
+    """Flax param path -> (diffusers key, transform). Module names mirror diffusers attribute
+    names, with list indices written ``name_3`` for diffusers' ``name.3``."""
+    *modules, leaf = path
+    key = ".".join(re.sub(r"_(\d+)$", r".\1", m) for m in modules)
+    if leaf == "gamma":
+        return f"{key}.gamma", _flatten_gamma
+    if leaf == "bias":
+        return f"{key}.bias", weights.identity
+    if leaf != "kernel":
+        raise ValueError(f"no diffusers name for parameter {'/'.join(path)}")
+    transform = {5: weights.conv3d, 4: weights.conv2d, 2: _conv1x1_to_dense}[ndim]
+    return f"{key}.weight", transform
+
+
+def weight_map(config: WanVAEConfig) -> dict:
+    """{flax param path: (diffusers AutoencoderKLWan key, transform)} for weights.load_params."""
+    abstract = nn.meta.unbox(abstract_params(WanVAE(config)))
+    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    entries = {}
+    for keypath, leaf in flat:
+        path = tuple(str(k.key) for k in keypath)
+        entries[path] = _source_entry(path, len(leaf.shape))
+    return entries
+
+
+def load_wan_vae(
+    directory: str | os.PathLike,
+    *,
+    dtype: Dtype = jnp.float32,
+    attention: str = "dot_product",
+    mesh: jax.sharding.Mesh | None = None,
+    rules=None,
+) -> tuple[WanVAE, dict]:
+    """Load a diffusers ``AutoencoderKLWan`` directory (config.json + safetensors).
+
+    Returns ``(module, params)``: activations and parameters in ``dtype``; with a mesh the
+    parameters are placed by the logical rules (replicated under the default rules).
+    Raises WeightsError naming missing/unexpected keys or mismatched shapes, and
+    WanVAEConfigError naming a config key it cannot represent.
+    """
+    config = WanVAEConfig.from_dict(weights.read_config(directory))
+    module = WanVAE(config, dtype=dtype, param_dtype=dtype, attention=attention, mesh=mesh)
+    boxed = abstract_params(module)
+    shardings = sharding.param_shardings(mesh, boxed, rules) if mesh is not None else None
+    params = weights.load_params(
+        weights.SafetensorsReader(directory),
+        weight_map(config),
+        nn.meta.unbox(boxed),
+        shardings=shardings,
+        dtype=dtype,
+    )
+    return module, params
+
+
+def init_wan_vae(
+    config: WanVAEConfig,
+    rng: jax.Array,
+    *,
+    dtype: Dtype = jnp.float32,
+    attention: str = "dot_product",
+    mesh: jax.sharding.Mesh | None = None,
+    rules=None,
+) -> tuple[WanVAE, dict]:
+    """Random init; returns ``(module, params)`` with unboxed params (sharded if a mesh)."""
+    module = WanVAE(config, dtype=dtype, param_dtype=dtype, attention=attention, mesh=mesh)
+    spec = _dummy_video(config)
+
+    def init(key):
+        variables = module.init(key, jnp.zeros(spec.shape, spec.dtype))
+        return nn.meta.unbox(variables["params"])
+
+    if mesh is None:
+        return module, jax.jit(init)(rng)
+    shardings = nn.meta.unbox(sharding.param_shardings(mesh, abstract_params(module), rules))
+    return module, jax.jit(init, out_shardings=shardings)(rng)
