@@ -53,6 +53,11 @@ STAGES: dict[str, StageEntry] = {
         "pipelines.runner:run",
         "a whole pipeline: chained stages through artifacts (configs/pipelines/*.yml)",
     ),
+    "deploy": StageEntry(
+        "pipelines.deploy:DeployConfig",
+        "pipelines.deploy:run",
+        "write xpk/JobSet, Dataflow and Argo CronWorkflow launch files for a pipeline",
+    ),
 }
 
 

@@ -1,0 +1,61 @@
+"""The difforge command: help, dry runs, one-line user errors without tracebacks."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines import cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def difforge(*args, cwd=REPO):
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_help_lists_stages():
+    out = difforge("--help")
+    assert out.returncode == 0
+    for stage in ("convert", "train", "evaluate", "generate", "run"):
+        assert stage in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "configs/stages/train.yml", "no_such_key=1"], "unknown key no_such_key"),
+        (
+            ["train", "configs/stages/nope.yml"],
+            "config file configs/stages/nope.yml does not exist",
+        ),
+    ],
+)
+def test_user_errors_are_one_line(args, message):
+    out = difforge(*args)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("difforge ")]
+    assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_malformed_yaml_and_wrong_type(tmp_path, capsys):
+    bad = tmp_path / "bad.yml"
+    bad.write_text("output_dir: [\n")
+    assert cli.main(["train", str(bad)]) == 2
+    assert "malformed YAML" in capsys.readouterr().err
+    assert cli.main(["train", "configs/stages/train.yml", "seed=abc"]) == 2
+    assert "seed: expected an integer, got 'abc'" in capsys.readouterr().err
+
+
+def test_dry_run_prints_resolved_config(capsys):
+    assert cli.main(["train", "configs/stages/train.yml", "seed=7", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "seed: 7" in out
