@@ -1,0 +1,112 @@
+"""Tokenizer loading and prompt encoding, as diffusers' ``WanPipeline`` does it.
+
+Reference: ``diffusers/pipelines/wan/pipeline_wan.py`` (``prompt_clean`` and
+``WanPipeline._get_t5_prompt_embeds``): clean each prompt, tokenize with padding to
+``max_sequence_length`` and truncation (``</s>`` appended), run the UMT5 encoder with the
+attention mask, then keep each prompt's first ``length`` embeddings and zero the rest.
+
+The encoder call is jitted once per (module, padded batch, sequence length); pass
+``pad_batch_to`` to keep the batch shape fixed so varying prompt counts do not recompile.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import regex
+
+from jaxcore.models.umt5 import UMT5Encoder
+
+
+def load_tokenizer(directory: str | os.PathLike):
+    """``AutoTokenizer`` from a local directory only; never runs code shipped with it."""
+    from transformers import AutoTokenizer
+
+    path = Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {path} does not exist")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+
+
+def prompt_clean(text: str) -> str:
+    """diffusers' Wan ``prompt_clean``: ftfy (if installed), unescape HTML twice, squash spaces."""
+    try:
+        import ftfy
+    except ModuleNotFoundError:  # diffusers skips ftfy too when it is absent
+        ftfy = None
+    if ftfy is not None:
+        text = ftfy.fix_text(text)
+    text = html.unescape(html.unescape(text)).strip()
+    # `regex` (not `re`), as diffusers uses: its \s matches the same Unicode spaces.
+    return regex.sub(r"\s+", " ", text).strip()
+
+
+def tokenize_prompts(
+    tokenizer, prompts: list[str], max_sequence_length: int = 512
+) -> tuple[np.ndarray, np.ndarray]:
+    """Cleaned, padded, truncated token ids and attention mask, both int32 [B, max_len]."""
+    if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+        raise TypeError("prompts must be a list of strings")
+    if max_sequence_length < 1:
+        raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
+    encoded = tokenizer(
+        [prompt_clean(p) for p in prompts],
+        padding="max_length",
+        max_length=max_sequence_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors="np",
+    )
+    return (
+        np.asarray(encoded["input_ids"], np.int32),
+        np.asarray(encoded["attention_mask"], np.int32),
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_encoder(module: UMT5Encoder):
+    """One jitted encode function per module (modules are hashable frozen dataclasses)."""
+
+    def encode(params, ids_bl, mask_bl):
+        hidden_bld = module.apply({"params": params}, ids_bl, mask_bl).astype(jnp.float32)
+        lengths_b = (mask_bl > 0).sum(axis=1)
+        # WanPipeline keeps u[:length] and appends zeros: select, so NaN/inf cannot leak in.
+        keep_bl = jnp.arange(ids_bl.shape[1])[None, :] < lengths_b[:, None]
+        return jnp.where(keep_bl[..., None], hidden_bld, 0.0), lengths_b
+
+    return jax.jit(encode)
+
+
+def encode_prompts(
+    tokenizer,
+    module: UMT5Encoder,
+    params,
+    prompts: list[str],
+    max_sequence_length: int = 512,
+    *,
+    pad_batch_to: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt embeddings as WanPipeline computes them.
+
+    Returns ``(embeddings [B, max_sequence_length, d_model] float32, lengths [B] int32)`` where
+    ``lengths`` counts real tokens (``</s>`` included) and rows past it are exactly zero.
+    ``pad_batch_to``: run the encoder on a batch padded to this many rows (extra rows are
+    dropped from the result), so calls with 1..pad_batch_to prompts share one compilation.
+    """
+    ids_bl, mask_bl = tokenize_prompts(tokenizer, prompts, max_sequence_length)
+    batch = ids_bl.shape[0]
+    if pad_batch_to is not None:
+        if batch > pad_batch_to:
+            raise ValueError(f"{batch} prompts do not fit in pad_batch_to={pad_batch_to}")
+        extra = pad_batch_to - batch
+        ids_bl = np.pad(ids_bl, ((0, extra), (0, 0)), constant_values=tokenizer.pad_token_id)
+        mask_bl = np.pad(mask_bl, ((0, extra), (0, 0)))
+    embeddings, lengths = _jitted_encoder(module)(params, ids_bl, mask_bl)
+    return np.asarray(embeddings[:batch]), np.asarray(lengths[:batch], np.int32)

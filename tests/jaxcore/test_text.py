@@ -1,0 +1,168 @@
+"""Tiny tokenizer round trip and encode_prompts vs diffusers' WanPipeline prompt encoding."""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+
+from jaxcore import text
+from jaxcore.models import umt5
+from jaxcore.tiny_tokenizer import build_tiny_tokenizer
+
+# fp32 parity of the whole encode path (tokenize -> encoder -> trim/zero-pad); reached 1.3e-6 (max_len 16), 1.4e-6 (max_len 64).
+ATOL = 2e-5
+MAX_LEN = 16
+
+PROMPTS = [
+    "A red circle on a blue background",
+    "green",
+    # html entity, extra whitespace and an unseen word (spelled out); longer than MAX_LEN tokens
+    "  a   bright yellow star &amp; a dark   purple hexagon rotating slowly over a zebra ",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tokenizer")
+    build_tiny_tokenizer(directory, vocab_size=128)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def encoder_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("umt5")
+    torch.manual_seed(0)
+    config = transformers.UMT5Config(
+        vocab_size=128,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+    )
+    transformers.UMT5EncoderModel(config).eval().save_pretrained(directory)
+    return directory
+
+
+def _wan_reference(tokenizer, torch_encoder, prompts, max_sequence_length):
+    """Run diffusers' own WanPipeline._get_t5_prompt_embeds on a minimal stand-in pipeline."""
+    pipe = types.SimpleNamespace(
+        tokenizer=tokenizer, text_encoder=torch_encoder, _execution_device=torch.device("cpu")
+    )
+    with torch.no_grad():
+        embeds = WanPipeline._get_t5_prompt_embeds(
+            pipe,
+            prompt=prompts,
+            max_sequence_length=max_sequence_length,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+        )
+    return embeds.numpy()
+
+
+def test_tiny_tokenizer_round_trips_through_autotokenizer(tmp_path):
+    built = build_tiny_tokenizer(tmp_path, vocab_size=128)
+    loaded = text.load_tokenizer(tmp_path)
+    assert type(loaded).__name__ == "T5Tokenizer"
+    assert len(loaded) == 128
+    assert (loaded.pad_token_id, loaded.eos_token_id, loaded.unk_token_id) == (0, 1, 2)
+    for prompt in PROMPTS:
+        assert loaded(prompt).input_ids == built(prompt).input_ids
+    ids = loaded("red circle on a blue background").input_ids
+    assert loaded.convert_ids_to_tokens(ids) == [
+        "▁red",
+        "▁circle",
+        "▁on",
+        "▁a",
+        "▁blue",
+        "▁background",
+        "</s>",
+    ]
+    assert loaded.decode(ids, skip_special_tokens=True) == "red circle on a blue background"
+    # Unseen words are spelled out, unknown characters become <unk>.
+    assert loaded.convert_ids_to_tokens(loaded("zebra ~").input_ids) == [
+        "▁",
+        "z",
+        "e",
+        "b",
+        "r",
+        "a",
+        "▁",
+        "<unk>",
+        "</s>",
+    ]
+
+
+def test_tiny_tokenizer_rejects_small_vocab(tmp_path):
+    with pytest.raises(ValueError, match="vocab_size=50"):
+        build_tiny_tokenizer(tmp_path, vocab_size=50)
+
+
+def test_load_tokenizer_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no_such_dir"):
+        text.load_tokenizer(tmp_path / "no_such_dir")
+
+
+def test_prompt_clean_matches_diffusers():
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    for prompt in [*PROMPTS, "tab\there\nnewline", "&amp;lt;b&amp;gt; x\u00a0y\u3000z"]:
+        assert text.prompt_clean(prompt) == prompt_clean(prompt)
+
+
+def test_encode_prompts_matches_wan_pipeline(tokenizer_dir, encoder_dir):
+    tokenizer = text.load_tokenizer(tokenizer_dir)
+    torch_encoder = transformers.UMT5EncoderModel.from_pretrained(encoder_dir).eval()
+    expected = _wan_reference(tokenizer, torch_encoder, PROMPTS, MAX_LEN)
+
+    module, params = umt5.load_umt5(encoder_dir)
+    embeddings, lengths = text.encode_prompts(
+        tokenizer, module, params, PROMPTS, max_sequence_length=MAX_LEN
+    )
+
+    assert embeddings.shape == expected.shape == (3, MAX_LEN, 32)
+    assert embeddings.dtype == np.float32
+    _, mask = text.tokenize_prompts(tokenizer, PROMPTS, MAX_LEN)
+    np.testing.assert_array_equal(lengths, mask.sum(1))
+    assert lengths[1] == 2 and lengths[2] == MAX_LEN  # "green </s>"; the long one truncated
+    err = np.abs(embeddings - expected).max()
+    assert err < ATOL, f"max abs error {err:.2e}"
+    for row, length in zip(embeddings, lengths, strict=True):
+        assert np.all(row[length:] == 0.0)
+        assert np.all(np.abs(row[:length]).max(axis=-1) > 0)
+
+
+def test_pad_batch_to_reuses_one_compilation(tokenizer_dir, encoder_dir):
+    tokenizer = text.load_tokenizer(tokenizer_dir)
+    module, params = umt5.load_umt5(encoder_dir)
+    full, full_lengths = text.encode_prompts(tokenizer, module, params, PROMPTS, MAX_LEN)
+
+    encode = text._jitted_encoder(module)
+    before = encode._cache_size()
+    one, one_lengths = text.encode_prompts(
+        tokenizer, module, params, PROMPTS[1:2], MAX_LEN, pad_batch_to=4
+    )
+    two, two_lengths = text.encode_prompts(
+        tokenizer, module, params, PROMPTS[:2], MAX_LEN, pad_batch_to=4
+    )
+    assert encode._cache_size() == before + 1  # both padded calls share one compilation
+    assert one.shape == (1, MAX_LEN, 32) and two.shape == (2, MAX_LEN, 32)
+    # Row results do not depend on the rest of the batch (up to fp32 gemm blocking, ~1e-6).
+    np.testing.assert_allclose(one[0], full[1], atol=1e-5)
+    np.testing.assert_allclose(two, full[:2], atol=1e-5)
+    np.testing.assert_array_equal(two_lengths, full_lengths[:2])
+    assert one_lengths.tolist() == [2]
+
+    with pytest.raises(ValueError, match="pad_batch_to=2"):
+        text.encode_prompts(tokenizer, module, params, PROMPTS, MAX_LEN, pad_batch_to=2)
+
+
+def test_prompts_must_be_a_list(tokenizer_dir):
+    tokenizer = text.load_tokenizer(tokenizer_dir)
+    with pytest.raises(TypeError, match="list of strings"):
+        text.tokenize_prompts(tokenizer, "a red circle", MAX_LEN)
