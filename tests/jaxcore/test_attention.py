@@ -1,0 +1,245 @@
+"""Every attention backend against the reference ``dot_product`` on the 8 forced CPU devices.
+
+Tolerances (stated, and what was reached when written):
+- float32 forward: ``FP32_ATOL = 1e-5`` (reached ~6e-7).
+- float32 gradients: ``GRAD_ATOL = 1e-5`` (reached ~1e-6).
+- bfloat16 inputs, compared with dot_product on the same bf16 inputs: ``BF16_ATOL = 3e-2``
+  (bf16 has an 8-bit mantissa; outputs are O(1)).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcore import kernels
+from jaxcore.attention import BACKENDS, attention, dot_product_attention
+from jaxcore.kernels.flash import BlockSizes, chunked_attention, splash_attention
+from jaxcore.sharding import MeshConfig, ShardingError, make_mesh
+
+FP32_ATOL = 1e-5
+GRAD_ATOL = 1e-5
+BF16_ATOL = 3e-2
+SHARDED = ("flash", "ulysses", "ring")
+
+# context size -> a mesh that also splits batch and heads, so every spec axis is exercised.
+MESHES = {
+    2: MeshConfig(ici_data_parallelism=2, ici_context_parallelism=2, ici_tensor_parallelism=2),
+    4: MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=2, ici_context_parallelism=4),
+    8: MeshConfig(ici_data_parallelism=1, ici_context_parallelism=8),
+}
+
+
+def make_inputs(batch, lq, lk, heads, dim, *, masked=False, dtype=jnp.float32, seed=0):
+    """Random q/k/v (and a kv_mask keeping at least the first key of every example)."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.normal(size=(batch, n, heads, dim)), dtype) for n in (lq, lk, lk))
+    mask = None
+    if masked:
+        keep = rng.random((batch, lk)) > 0.4
+        keep[:, 0] = True
+        mask = jnp.asarray(keep)
+    return q, k, v, mask
+
+
+def max_diff(a, b) -> float:
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+def test_backends_are_registered_by_the_lazy_import():
+    for name in SHARDED:
+        assert BACKENDS[name] is getattr(kernels, f"{name}_attention")
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        attention(*make_inputs(1, 2, 2, 1, 4)[:3], backend="nope")
+
+
+# --- flash, unsharded -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("lq", "lk", "masked", "blocks"),
+    [
+        (32, 32, False, BlockSizes(8, 8)),  # several whole blocks
+        (29, 13, False, BlockSizes(8, 4)),  # cross-attention, both lengths padded
+        (29, 13, True, BlockSizes(8, 4)),  # user mask plus padding mask
+        (7, 50, True, BlockSizes(512, 512)),  # blocks larger than the sequences
+    ],
+)
+def test_flash_matches_dot_product(lq, lk, masked, blocks):
+    q, k, v, mask = make_inputs(2, lq, lk, 3, 8, masked=masked)
+    expected = dot_product_attention(q, k, v, kv_mask=mask)
+    got = jax.jit(lambda *a: kernels.flash_attention(*a, kv_mask=mask, block_sizes=blocks))(q, k, v)
+    assert got.shape == expected.shape
+    assert max_diff(got, expected) < FP32_ATOL
+
+
+def test_flash_custom_scale_and_fully_masked_rows():
+    q, k, v, _ = make_inputs(1, 9, 6, 2, 8)
+    mask = jnp.asarray([[True, False, True, False, False, True]])
+    expected = dot_product_attention(q, k, v, kv_mask=mask, scale=0.3)
+    flash = jax.jit(
+        lambda q, k, v, m: kernels.flash_attention(
+            q, k, v, kv_mask=m, scale=0.3, block_sizes=BlockSizes(4, 4)
+        )
+    )
+    assert max_diff(flash(q, k, v, mask), expected) < FP32_ATOL
+    # Documented difference: with every key masked, flash returns zeros.
+    assert float(jnp.abs(flash(q, k, v, jnp.zeros_like(mask))).max()) == 0.0
+
+
+def _largest_hlo_buffer_with(hlo_text: str, lq: int, lk: int) -> list[str]:
+    """Array shapes in HLO text whose last two dims are [lq, lk]."""
+    return re.findall(rf"\[(?:\d+,)*{lq},{lk}\]", hlo_text)
+
+
+def test_flash_never_materialises_the_score_matrix():
+    """Compiled for Lq = Lk = 4096: no [.., 4096, 4096] buffer and small temp memory.
+
+    The same checks flag dot_product (positive control), so they can fail.
+    """
+    q, k, v, _ = make_inputs(1, 4096, 4096, 1, 8)
+    scores_bytes = 4096 * 4096 * 4  # 64 MiB of float32 scores
+
+    def compiled(fn):
+        return jax.jit(fn).lower(q, k, v).compile()
+
+    flash = compiled(
+        lambda q, k, v: chunked_attention(q, k, v, scale=0.35, block_sizes=BlockSizes(512, 512))
+    )
+    reference = compiled(lambda q, k, v: dot_product_attention(q, k, v))
+    assert _largest_hlo_buffer_with(reference.as_text(), 4096, 4096), "control lost its scores"
+    assert not _largest_hlo_buffer_with(flash.as_text(), 4096, 4096)
+    flash_temp = flash.memory_analysis().temp_size_in_bytes
+    assert reference.memory_analysis().temp_size_in_bytes >= scores_bytes
+    assert flash_temp < scores_bytes / 8, f"flash temp memory {flash_temp} bytes"
+
+
+def test_splash_kernel_matches_dot_product_in_interpret_mode():
+    """The TPU splash path, run by the Pallas interpreter on CPU (padding + segment ids)."""
+    q, k, v, mask = make_inputs(1, 200, 130, 2, 128, masked=True)
+    expected = dot_product_attention(q, k, v, kv_mask=mask)
+    got = splash_attention(
+        q, k, v, mask, scale=128**-0.5, block_sizes=BlockSizes(128, 128), interpret=True
+    )
+    assert max_diff(got, expected) < FP32_ATOL
+
+
+def test_block_sizes_from_dict_validates():
+    assert BlockSizes.from_dict({"block_q": 64}) == BlockSizes(64, 512)
+    with pytest.raises(ValueError, match="block_kv_compute"):
+        BlockSizes.from_dict({"block_kv_compute": 64})
+    with pytest.raises(ValueError, match="block_q must be a positive int"):
+        BlockSizes(block_q=0)
+
+
+def test_bad_shapes_name_the_tensor():
+    q, k, v, _ = make_inputs(2, 5, 6, 2, 8)
+    with pytest.raises(ValueError, match="kv_mask"):
+        attention(q, k, v, backend="flash", kv_mask=jnp.ones((2, 5), bool))
+    with pytest.raises(ValueError, match=r"attention k .* and v .* must have the same shape"):
+        attention(q, k, v[:, :3], backend="ring")
+    with pytest.raises(ValueError, match=r"attention q must be \[B, L, H, D\]"):
+        attention(q[0], k, v, backend="ulysses")
+
+
+# --- sharded backends -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("context", sorted(MESHES))
+@pytest.mark.parametrize("backend", SHARDED)
+def test_sharded_backend_matches_dot_product(backend, context):
+    """Cross-attention with odd lengths (padding inside the backend) and a kv_mask, jitted."""
+    mesh = make_mesh(MESHES[context])
+    q, k, v, mask = make_inputs(2, 21, 11, 8, 8, masked=True)
+    expected = dot_product_attention(q, k, v, kv_mask=mask)
+    fn = jax.jit(lambda q, k, v, m: attention(q, k, v, backend=backend, kv_mask=m, mesh=mesh))
+    got = fn(q, k, v, mask)
+    assert got.shape == expected.shape
+    assert max_diff(got, expected) < FP32_ATOL
+
+
+@pytest.mark.parametrize("backend", SHARDED)
+def test_sharded_self_attention_without_mask(backend):
+    mesh = make_mesh(MESHES[4])
+    q, k, v, _ = make_inputs(2, 32, 32, 4, 16)
+    expected = dot_product_attention(q, k, v)
+    got = jax.jit(lambda q, k, v: attention(q, k, v, backend=backend, mesh=mesh))(q, k, v)
+    assert max_diff(got, expected) < FP32_ATOL
+
+
+@pytest.mark.parametrize("backend", SHARDED)
+def test_sharded_backend_bf16(backend):
+    mesh = make_mesh(MESHES[2])
+    q, k, v, mask = make_inputs(2, 24, 17, 8, 16, masked=True, dtype=jnp.bfloat16)
+    expected = dot_product_attention(q, k, v, kv_mask=mask)
+    got = jax.jit(lambda q, k, v, m: attention(q, k, v, backend=backend, kv_mask=m, mesh=mesh))(
+        q, k, v, mask
+    )
+    assert got.dtype == jnp.bfloat16
+    assert max_diff(got, expected) < BF16_ATOL
+
+
+@pytest.mark.parametrize("backend", SHARDED)
+def test_gradients_match_dot_product(backend):
+    """d(sum(out * cotangent))/d(q, k, v) through shard_map, ppermute and all_to_all."""
+    mesh = make_mesh(MESHES[4])
+    q, k, v, mask = make_inputs(2, 13, 10, 4, 8, masked=True)
+    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+
+    def loss(name, q, k, v):
+        out = attention(q, k, v, backend=name, kv_mask=mask, mesh=mesh)
+        return jnp.sum(out * cotangent)
+
+    expected = jax.grad(loss, argnums=(1, 2, 3))("dot_product", q, k, v)
+    got = jax.jit(jax.grad(loss, argnums=(1, 2, 3)), static_argnums=0)(backend, q, k, v)
+    for name, g, e in zip("qkv", got, expected, strict=True):
+        assert max_diff(g, e) < GRAD_ATOL, f"d{name}"
+
+
+def test_flash_chunked_gradients_match_dot_product():
+    q, k, v, mask = make_inputs(1, 19, 23, 2, 8, masked=True)
+
+    def loss(fn, q, k, v):
+        return jnp.sum(jnp.sin(fn(q, k, v, kv_mask=mask)))
+
+    flash = functools.partial(kernels.flash_attention, block_sizes=BlockSizes(4, 8))
+    expected = jax.grad(loss, argnums=(1, 2, 3))(dot_product_attention, q, k, v)
+    got = jax.jit(jax.grad(loss, argnums=(1, 2, 3)), static_argnums=0)(flash, q, k, v)
+    for name, g, e in zip("qkv", got, expected, strict=True):
+        assert max_diff(g, e) < GRAD_ATOL, f"d{name}"
+
+
+@pytest.mark.parametrize("backend", ("ulysses", "ring"))
+def test_context_parallel_falls_back_without_context_axis(backend):
+    q, k, v, mask = make_inputs(2, 9, 7, 4, 8, masked=True)
+    expected = dot_product_attention(q, k, v, kv_mask=mask)
+    no_context = make_mesh(MeshConfig(ici_data_parallelism=2, ici_tensor_parallelism=4))
+    for mesh in (None, no_context):
+        fn = jax.jit(
+            lambda q, k, v, mesh=mesh: attention(q, k, v, backend=backend, kv_mask=mask, mesh=mesh)
+        )
+        got = fn(q, k, v)
+        assert max_diff(got, expected) < FP32_ATOL
+
+
+def test_ulysses_heads_not_divisible_by_context_is_named():
+    mesh = make_mesh(MESHES[2])  # tensor 2, context 2: 2 heads -> 1 per tensor shard
+    q, k, v, _ = make_inputs(2, 8, 8, 2, 8)
+    with pytest.raises(ShardingError, match="num_attention_heads.*ici_context_parallelism 2"):
+        attention(q, k, v, backend="ulysses", mesh=mesh)
+
+
+@pytest.mark.parametrize("backend", SHARDED)
+def test_batch_and_heads_not_divisible_are_named(backend):
+    mesh = make_mesh(MESHES[2])  # data 2, tensor 2
+    q, k, v, _ = make_inputs(1, 8, 8, 4, 8)
+    with pytest.raises(ShardingError, match="batch size 1"):
+        attention(q, k, v, backend=backend, mesh=mesh)
+    q, k, v, _ = make_inputs(2, 8, 8, 3, 8)
+    with pytest.raises(ShardingError, match="heads 3.*ici_tensor_parallelism"):
+        attention(q, k, v, backend=backend, mesh=mesh)
