@@ -7,7 +7,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export NO_GCE_CHECK ?= true
 
-.PHONY: install demo test test-slow test-all lint format bench clean
+.PHONY: install demo test test-slow test-all lint format bench clean xpk-venv
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,3 +44,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) outputs build *.egg-info
+
+# xpk pins its own dependencies, so it lives in its own venv (used by `difforge deploy target=xpk`).
+xpk-venv:
+	test -x .venv-xpk/bin/xpk || ($(PYTHON) -m venv .venv-xpk && .venv-xpk/bin/pip install -q xpk==1.16.0)

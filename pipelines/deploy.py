@@ -28,12 +28,22 @@ from pipelines.config import PipelineConfig, ResolvedStep, load_pipeline_spec, s
 
 log = logging.getLogger(__name__)
 
-# TPU slice type -> (GKE accelerator label, chips per host). Topology comes from the slice name.
-TPU_ACCELERATORS = {
-    "v4": ("tpu-v4-podslice", 4),
-    "v5litepod": ("tpu-v5-lite-podslice", 4),
-    "v5p": ("tpu-v5p-slice", 4),
-    "v6e": ("tpu-v6e-slice", 4),
+# TPU slice type -> (GKE accelerator label, topology, hosts per slice, chips per host).
+TPU_SLICES = {
+    "v4-8": ("tpu-v4-podslice", "2x2x1", 1, 4),
+    "v4-16": ("tpu-v4-podslice", "2x2x2", 2, 4),
+    "v4-32": ("tpu-v4-podslice", "2x2x4", 4, 4),
+    "v5p-8": ("tpu-v5p-slice", "2x2x1", 1, 4),
+    "v5p-16": ("tpu-v5p-slice", "2x2x2", 2, 4),
+    "v5p-32": ("tpu-v5p-slice", "2x2x4", 4, 4),
+    "v5p-64": ("tpu-v5p-slice", "2x4x4", 8, 4),
+    "v5litepod-8": ("tpu-v5-lite-podslice", "2x4", 1, 8),
+    "v5litepod-16": ("tpu-v5-lite-podslice", "4x4", 4, 4),
+    "v5litepod-32": ("tpu-v5-lite-podslice", "4x8", 8, 4),
+    "v6e-8": ("tpu-v6e-slice", "2x4", 1, 8),
+    "v6e-16": ("tpu-v6e-slice", "4x4", 4, 4),
+    "v6e-32": ("tpu-v6e-slice", "4x8", 8, 4),
+    "v6e-64": ("tpu-v6e-slice", "8x8", 16, 4),
 }
 
 
@@ -121,7 +131,7 @@ def xpk_command(cfg: DeployConfig, pipeline: PipelineConfig, step: ResolvedStep)
     """``xpk workload create ...`` for one train/evaluate/generate step on a TPU/GPU slice."""
     x = cfg.xpk
     command = shlex.join(stage_argv(pipeline, step))
-    device_flag = "--tpu-type" if x.tpu_type.split("-")[0] in TPU_ACCELERATORS else "--device-type"
+    device_flag = "--tpu-type" if x.tpu_type in TPU_SLICES else "--device-type"
     return [
         "xpk",
         "workload",
@@ -151,7 +161,7 @@ def xpk_command(cfg: DeployConfig, pipeline: PipelineConfig, step: ResolvedStep)
 
 def run_xpk_dry_run(argv: list[str], manifest_path: Path) -> Path | None:
     """Run xpk offline with --dry-run; returns the JobSet manifest it wrote (None if no xpk)."""
-    xpk = shutil.which("xpk") or shutil.which(str(Path(".venv-xpk/bin/xpk")))
+    xpk = shutil.which("xpk") or shutil.which(str(Path(".venv-xpk/bin/xpk").resolve()))
     if xpk is None:
         log.warning("xpk is not installed (make xpk-venv); wrote the command only")
         return None
@@ -195,11 +205,12 @@ def dataflow_argv(cfg: DeployConfig, pipeline: PipelineConfig, step: ResolvedSte
 def jobset_manifest(cfg: DeployConfig, pipeline: PipelineConfig, step: ResolvedStep) -> dict:
     """A JobSet for one step on ``num_slices`` TPU slices (what the Argo DAG creates)."""
     x = cfg.xpk
-    family, _, chips = x.tpu_type.partition("-")
-    accelerator, chips_per_host = TPU_ACCELERATORS.get(family, ("nvidia-h100-80gb", 8))
-    hosts = (
-        max(1, int(chips or chips_per_host) // chips_per_host) if family in TPU_ACCELERATORS else 1
-    )
+    if x.tpu_type not in TPU_SLICES:
+        raise ConfigError(
+            f"xpk.tpu_type {x.tpu_type!r} has no JobSet template here; known: {sorted(TPU_SLICES)} "
+            "(for other slices use target=xpk, which lets xpk write the JobSet)"
+        )
+    accelerator, topology, hosts, chips_per_host = TPU_SLICES[x.tpu_type]
     name = _dns_name(x.workload_prefix, pipeline.name, step.step.name)
     container = {
         "name": "difforge",
@@ -230,6 +241,7 @@ def jobset_manifest(cfg: DeployConfig, pipeline: PipelineConfig, step: ResolvedS
                                     "restartPolicy": "Never",
                                     "nodeSelector": {
                                         "cloud.google.com/gke-tpu-accelerator": accelerator,
+                                        "cloud.google.com/gke-tpu-topology": topology,
                                     },
                                     "containers": [container],
                                 }
