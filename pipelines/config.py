@@ -8,7 +8,7 @@ A pipeline YAML (``configs/pipelines/*.yml``)::
       - name: data
         stage: convert
         config: configs/stages/convert.yml      # the stage's base YAML (optional)
-        set: {num_frames: 1}                    # overrides, as on the command line
+        set: {num_frames: 1, source: "${root}/assets/shapes"}   # overrides; ${root} = root
       - name: train
         stage: train
         config: configs/stages/train.yml
@@ -85,6 +85,17 @@ class ResolvedStep:
     config: Any  # the stage's validated config dataclass
 
 
+def substitute_root(value: Any, root: str) -> Any:
+    """Replace ``${root}`` in string values (recursively), so steps can name files under root."""
+    if isinstance(value, str):
+        return value.replace("${root}", root)
+    if isinstance(value, dict):
+        return {k: substitute_root(v, root) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [substitute_root(v, root) for v in value]
+    return value
+
+
 def step_output(pipeline: PipelineConfig, step_name: str) -> str:
     return storage.join(pipeline.root, step_name)
 
@@ -95,7 +106,7 @@ def resolve_step(pipeline: PipelineConfig, step: StepConfig) -> ResolvedStep:
 
     cls = _load(STAGES[step.stage].config_class)
     data = read_yaml(step.config) if step.config else {}
-    values = dict(step.set)
+    values = substitute_root(dict(step.set), pipeline.root)
     for key, source in step.inputs.items():
         values[key] = step_output(pipeline, source)
     output_dir = step_output(pipeline, step.name)
