@@ -24,7 +24,13 @@ import yaml
 
 from jaxcore import storage
 from jaxcore.config import ConfigError, load_config
-from pipelines.config import PipelineConfig, ResolvedStep, load_pipeline_spec, step_output
+from pipelines.config import (
+    PipelineConfig,
+    ResolvedStep,
+    load_pipeline_spec,
+    step_output,
+    substitute_root,
+)
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +126,7 @@ def stage_argv(
     argv = ["difforge", step.step.stage]
     if step.step.config:
         argv.append(step.step.config)
-    values = dict(step.step.set)
+    values = substitute_root(dict(step.step.set), pipeline.root)
     values.update({key: step_output(pipeline, src) for key, src in step.step.inputs.items()})
     values["output_dir"] = step.output_dir
     values.update(extra or {})
