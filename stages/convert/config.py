@@ -1,0 +1,207 @@
+"""Config of the convert stage: ``difforge convert configs/stages/convert.yml key=value ...``.
+
+Sections (each component receives only its own):
+
+- ``dataset``: the Hugging Face source and its column names;
+- ``media``: frames, frame rate and size of the clips fed to the VAE;
+- ``encoder``: the diffusers-format pipeline directory whose VAE and text encoder encode;
+- ``split``: the deterministic train/eval split and the eval timesteps;
+- ``shards``: TFRecord shard size (records or bytes);
+- ``beam``: the runner and its options (DirectRunner, DataflowRunner, portable runners).
+
+Bare keys resolve to their section when unique, so MaxDiffusion-style overrides such as
+``source=...``, ``height=480``, ``runner=DataflowRunner`` work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from stages.records import DEFAULT_TIMESTEPS_LIST
+
+RUNNERS = (
+    "DirectRunner",
+    "DataflowRunner",
+    "PortableRunner",
+    "FlinkRunner",
+    "SparkRunner",
+    "PrismRunner",
+)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """Where the rows come from.
+
+    ``source``: a local folder (imagefolder/videofolder with metadata, parquet/JSON files, or a
+    ``save_to_disk`` dataset), a parquet/JSON/CSV file, a hub id (when the network allows), or
+    ``synthetic:shapes?num_items=N&seed=S&height=H&width=W`` for the built-in shapes dataset.
+    """
+
+    source: str = "synthetic:shapes?num_items=32&seed=0&height=64&width=64"
+    revision: str | None = None
+    dataset_split: str = "train"
+    media_column: str = "image"
+    caption_column: str = "text"
+    id_column: str | None = "id"  # None: the row index is the id
+    max_items: int | None = None
+
+    def __post_init__(self):
+        if not self.source:
+            raise ValueError("source must name a dataset (folder, file, hub id or synthetic:)")
+        for key in ("media_column", "caption_column"):
+            if not getattr(self, key):
+                raise ValueError(f"{key} must be a column name")
+        if self.max_items is not None and self.max_items < 1:
+            raise ValueError(f"max_items must be >= 1, got {self.max_items}")
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    """Clip geometry: ``num_frames`` at ``fps``, resized and centre-cropped to height x width."""
+
+    height: int = 64
+    width: int = 64
+    num_frames: int = 1
+    fps: float = 16.0
+
+    def __post_init__(self):
+        for key in ("height", "width"):
+            value = getattr(self, key)
+            if value < 8 or value % 8:
+                raise ValueError(f"{key} must be a positive multiple of 8, got {value}")
+        if self.num_frames < 1 or (self.num_frames - 1) % 4:
+            raise ValueError(
+                f"num_frames must be 1 + 4k (the Wan VAE's temporal stride), got {self.num_frames}"
+            )
+        if self.fps <= 0:
+            raise ValueError(f"fps must be > 0, got {self.fps}")
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """The diffusers-format pipeline (``vae/``, ``text_encoder/``, ``tokenizer/``) that encodes."""
+
+    pretrained_model_name_or_path: str = "tiny"  # "tiny": a random-init tiny Wan pipeline
+    max_sequence_length: int = 512
+    batch_size: int = 4  # every encoder call is padded to this, so nothing recompiles
+    large_model: bool = False  # share one model copy across the worker's processes
+    weights_dtype: str = "float32"
+    activations_dtype: str = "float32"
+
+    def __post_init__(self):
+        if not self.pretrained_model_name_or_path:
+            raise ValueError("pretrained_model_name_or_path must name a pipeline directory")
+        if self.max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        for key in ("weights_dtype", "activations_dtype"):
+            if getattr(self, key) not in DTYPES:
+                raise ValueError(f"{key} must be one of {list(DTYPES)}, got {getattr(self, key)!r}")
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """Train/eval split by source-id hash, and the eval timesteps (MaxDiffusion's list)."""
+
+    eval_fraction: float = 0.1
+    split_seed: int = 0
+    timesteps_list: tuple[int, ...] = DEFAULT_TIMESTEPS_LIST
+
+    def __post_init__(self):
+        if not 0.0 <= self.eval_fraction <= 1.0:
+            raise ValueError(f"eval_fraction must be in [0, 1], got {self.eval_fraction}")
+        if not self.timesteps_list:
+            raise ValueError("timesteps_list must not be empty")
+        bad = [t for t in self.timesteps_list if not 0 <= t <= 1000]
+        if bad:
+            raise ValueError(f"timesteps_list entries must be in [0, 1000], got {bad}")
+        if len(set(self.timesteps_list)) != len(self.timesteps_list):
+            raise ValueError(f"timesteps_list has duplicates: {list(self.timesteps_list)}")
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Shard size: at most ``records_per_shard`` records and about ``max_shard_bytes`` bytes."""
+
+    records_per_shard: int | None = 1000
+    max_shard_bytes: int | None = None
+
+    def __post_init__(self):
+        if self.records_per_shard is None and self.max_shard_bytes is None:
+            raise ValueError("set records_per_shard or max_shard_bytes (or both)")
+        if self.records_per_shard is not None and self.records_per_shard < 1:
+            raise ValueError(f"records_per_shard must be >= 1, got {self.records_per_shard}")
+        if self.max_shard_bytes is not None and self.max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be >= 1, got {self.max_shard_bytes}")
+
+
+@dataclass(frozen=True)
+class BeamConfig:
+    """The Beam runner and its options; cloud fields are used by DataflowRunner only.
+
+    ``worker_accelerator`` is Dataflow's ``worker_accelerator`` service option, e.g.
+    ``type:nvidia-l4;count:1;install-nvidia-driver``. ``extra_options`` are passed to Beam as
+    they are (``--flink_master=...``, ``--environment_type=DOCKER``, ...).
+    """
+
+    runner: str = "DirectRunner"
+    direct_num_workers: int = 1
+    direct_running_mode: str = "in_memory"
+    project: str | None = None
+    region: str | None = None
+    temp_location: str | None = None
+    staging_location: str | None = None
+    sdk_container_image: str | None = None
+    setup_file: str | None = None
+    machine_type: str | None = None
+    max_num_workers: int | None = None
+    worker_accelerator: str | None = None
+    job_name: str | None = None
+    dry_run: bool = False  # DataflowRunner: build and stage the job, submit nothing
+    extra_options: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {list(RUNNERS)}, got {self.runner!r}")
+        if self.direct_running_mode not in ("in_memory", "multi_threading", "multi_processing"):
+            raise ValueError(
+                "direct_running_mode must be in_memory, multi_threading or multi_processing, "
+                f"got {self.direct_running_mode!r}"
+            )
+        if self.direct_num_workers < 1:
+            raise ValueError(f"direct_num_workers must be >= 1, got {self.direct_num_workers}")
+        if self.runner == "DataflowRunner":
+            missing = [k for k in ("project", "region", "temp_location") if not getattr(self, k)]
+            if missing:
+                raise ValueError(f"DataflowRunner needs {', '.join(missing)}")
+        bad = [o for o in self.extra_options if not o.startswith("--")]
+        if bad:
+            raise ValueError(f"extra_options must look like --name=value, got {bad}")
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    """The whole convert stage config (see the module docstring)."""
+
+    output_dir: str = ""
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    media: MediaConfig = field(default_factory=MediaConfig)
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    shards: ShardConfig = field(default_factory=ShardConfig)
+    beam: BeamConfig = field(default_factory=BeamConfig)
+    max_bad_fraction: float = 0.05
+    run_name: str = "convert"
+
+    def __post_init__(self):
+        if not self.output_dir:
+            raise ValueError("output_dir must name the artifact folder (local path or gs://)")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            raise ValueError(f"max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
+
+    def replace(self, **changes) -> ConvertConfig:
+        return dataclasses.replace(self, **changes)

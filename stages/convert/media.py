@@ -1,0 +1,194 @@
+"""Pure per-element media functions: decode an image or video, sample frames, resize and crop.
+
+An image is a 1-frame video. Videos are decoded with imageio's ffmpeg plugin (imageio-ffmpeg
+ships the binary). Every failure raises :class:`DropItem` carrying a *reason* (a short counter
+name such as ``undecodable_media``) so the Beam graph can count and skip the row.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# Drop reasons: each becomes a Beam Metrics counter and a manifest entry.
+MISSING_MEDIA = "missing_media"
+UNDECODABLE_MEDIA = "undecodable_media"
+TOO_FEW_FRAMES = "too_few_frames"
+EMPTY_CAPTION = "empty_caption"
+TOO_SMALL = "media_too_small"
+DROP_REASONS = (MISSING_MEDIA, UNDECODABLE_MEDIA, TOO_FEW_FRAMES, EMPTY_CAPTION, TOO_SMALL)
+
+VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".avi", ".mkv", ".gif", ".m4v")
+
+
+class DropItem(Exception):
+    """A source row that cannot become a record; ``reason`` is one of :data:`DROP_REASONS`."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Clip:
+    """Decoded frames ``[T, H, W, 3]`` uint8 and the source frame rate (None for an image)."""
+
+    frames: np.ndarray
+    fps: float | None
+
+
+def media_bytes(value: Any) -> tuple[bytes, str]:
+    """The raw bytes and a name hint of a dataset cell.
+
+    Accepts what ``datasets`` yields for an undecoded ``Image``/``Video`` feature
+    (``{"bytes": ..., "path": ...}``), raw bytes, or a file path string.
+    """
+    if value is None:
+        raise DropItem(MISSING_MEDIA, "the media cell is empty")
+    if isinstance(value, bytes | bytearray):
+        return bytes(value), ""
+    if isinstance(value, str):
+        return _read_path(value), value
+    if isinstance(value, Mapping):
+        data, path = value.get("bytes"), value.get("path") or ""
+        if data:
+            return bytes(data), path
+        if path:
+            return _read_path(path), path
+        raise DropItem(MISSING_MEDIA, "the media cell has neither bytes nor a path")
+    raise DropItem(UNDECODABLE_MEDIA, f"unsupported media cell type {type(value).__name__}")
+
+
+def _read_path(path: str) -> bytes:
+    from jaxcore import storage
+
+    try:
+        return storage.read_bytes(path)
+    except (OSError, storage.StorageError) as err:
+        raise DropItem(MISSING_MEDIA, f"cannot read {path}: {err}") from None
+
+
+def decode_media(data: bytes, name: str = "") -> Clip:
+    """Bytes of an image or a video -> :class:`Clip`. Images are tried first (cheap)."""
+    if not name.lower().endswith(VIDEO_SUFFIXES):
+        image = _try_decode_image(data)
+        if image is not None:
+            return Clip(image[None], None)
+    return _decode_video(data, name)
+
+
+def _try_decode_image(data: bytes) -> np.ndarray | None:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if getattr(image, "n_frames", 1) > 1:
+                return None  # animated GIF/WebP: decode as a video
+            return np.asarray(image.convert("RGB"))
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        return None
+
+
+def _decode_video(data: bytes, name: str) -> Clip:
+    """Decode every frame with imageio's ffmpeg plugin (through a temp file: ffmpeg seeks)."""
+    import imageio.v2 as imageio
+
+    suffix = os.path.splitext(name)[1] or ".mp4"
+    with tempfile.NamedTemporaryFile(suffix=suffix) as tmp:
+        tmp.write(data)
+        tmp.flush()
+        try:
+            reader = imageio.get_reader(tmp.name, format="ffmpeg")
+            try:
+                fps = float(reader.get_meta_data().get("fps") or 0.0) or None
+                frames = [np.asarray(f)[..., :3] for f in reader]
+            finally:
+                reader.close()
+        except Exception as err:  # imageio/ffmpeg raise many types for bad input
+            label = f" {name}" if name else ""
+            raise DropItem(UNDECODABLE_MEDIA, f"cannot decode{label}: {err}") from None
+    if not frames:
+        raise DropItem(UNDECODABLE_MEDIA, f"no frames in {name or 'the video'}")
+    return Clip(np.stack(frames).astype(np.uint8), fps)
+
+
+def sample_frame_indices(
+    num_source_frames: int, source_fps: float | None, num_frames: int, fps: float
+) -> list[int]:
+    """Indices of ``num_frames`` frames taken at ``fps`` from the start of the clip.
+
+    Frame k is at time k / fps, i.e. source frame ``floor(k * source_fps / fps)``; an image
+    (``source_fps`` None) is one frame. Too short a clip raises ``DropItem(too_few_frames)``.
+    """
+    if num_frames < 1:
+        raise ValueError(f"num_frames must be >= 1, got {num_frames}")
+    step = 1.0 if source_fps is None else source_fps / fps
+    indices = [int(math.floor(k * step + 1e-6)) for k in range(num_frames)]
+    if indices[-1] >= num_source_frames:
+        duration = "an image" if source_fps is None else f"{num_source_frames} frames"
+        raise DropItem(
+            TOO_FEW_FRAMES,
+            f"{num_frames} frames at {fps} fps need source frame {indices[-1]}, the clip has "
+            f"{duration}",
+        )
+    return indices
+
+
+def resize_center_crop(frames: np.ndarray, height: int, width: int) -> np.ndarray:
+    """``[T, h, w, 3]`` uint8 -> ``[T, height, width, 3]``: scale to cover, then crop the centre.
+
+    The scale is the smallest that makes both sides at least the target (aspect ratio kept);
+    resampling is bicubic (PIL), the usual choice of diffusion data pipelines.
+    """
+    from PIL import Image
+
+    _, h, w, _ = frames.shape
+    scale = max(height / h, width / w)
+    new_h, new_w = max(height, round(h * scale)), max(width, round(w * scale))
+    top, left = (new_h - height) // 2, (new_w - width) // 2
+    out = np.empty((frames.shape[0], height, width, 3), np.uint8)
+    for t, frame in enumerate(frames):
+        image = Image.fromarray(frame)
+        if (new_h, new_w) != (h, w):
+            image = image.resize((new_w, new_h), Image.Resampling.BICUBIC)
+        out[t] = np.asarray(image)[top : top + height, left : left + width]
+    return out
+
+
+def to_model_input(frames: np.ndarray) -> np.ndarray:
+    """``[T, H, W, 3]`` uint8 -> float32 ``[3, T, H, W]`` in [-1, 1] (the VAE's input layout)."""
+    video = frames.astype(np.float32) / 127.5 - 1.0
+    return np.ascontiguousarray(video.transpose(3, 0, 1, 2))
+
+
+def prepare_video(
+    value: Any, *, height: int, width: int, num_frames: int, fps: float, min_side: int = 1
+) -> np.ndarray:
+    """A dataset media cell -> float32 ``[3, num_frames, height, width]`` in [-1, 1].
+
+    Raises :class:`DropItem` (missing, undecodable, too few frames, smaller than ``min_side``).
+    """
+    data, name = media_bytes(value)
+    clip = decode_media(data, name)
+    _, h, w, _ = clip.frames.shape
+    if min(h, w) < min_side:
+        raise DropItem(TOO_SMALL, f"{w}x{h} media is smaller than min_side={min_side}")
+    indices = sample_frame_indices(len(clip.frames), clip.fps, num_frames, fps)
+    frames = resize_center_crop(clip.frames[indices], height, width)
+    return to_model_input(frames)
+
+
+def clean_caption(value: Any) -> str:
+    """Strip a caption; an empty or missing one raises ``DropItem(empty_caption)``."""
+    caption = "" if value is None else str(value).strip()
+    if not caption:
+        raise DropItem(EMPTY_CAPTION, "the caption is empty")
+    return caption

@@ -1,0 +1,286 @@
+"""The convert Beam graph: rows -> decoded clips -> RunInference(JAX encoders) -> TFRecords.
+
+    ranges --ReadRows--> rows --PrepareItem--> items --RunInference--> encoded --MakeRecord-->
+        train/*.tfrecord, eval/*.tfrecord (eval records carry a timestep)
+    PrepareItem's "dropped" side output --> dropped/dropped.jsonl (one JSON line per bad row)
+
+Every dropped row increments a Beam ``Metrics`` counter named after its reason; the stage
+reads the counters after the job and writes them into the manifest. :func:`build_graph`
+attaches the transforms to any pipeline (tests pass a ``TestPipeline`` and ``assert_that``);
+:func:`run_convert_pipeline` builds the pipeline from ``BeamConfig`` and runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+from apache_beam.metrics.metric import MetricsFilter
+
+from jaxcore import storage
+from stages import records
+from stages.convert import media, split
+from stages.convert.config import BeamConfig, DatasetConfig, MediaConfig, SplitConfig
+from stages.convert.encode import EncoderShapes, WanEncoderHandler
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "convert"
+DROPPED_TAG = "dropped"
+ROWS_READ = "rows_read"
+ROWS_PER_READ = 256
+DROPPED_FILE = "dropped/dropped.jsonl"
+RECORD_OVERHEAD_BYTES = 512  # feature names, shapes, id, TFRecord framing: a generous bound
+
+
+def dropped_counter(reason: str) -> str:
+    return f"dropped_{reason}"
+
+
+def records_counter(split_name: str) -> str:
+    return f"records_{split_name}"
+
+
+def timestep_counter(timestep: int) -> str:
+    return f"eval_timestep_{timestep}"
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Shards per split, fixed before the job so every worker writes the same names."""
+
+    records_per_shard: int
+    num_shards: Mapping[str, int]
+
+
+def plan_shards(
+    expected_counts: Mapping[str, int],
+    shapes: EncoderShapes,
+    records_per_shard: int | None,
+    max_shard_bytes: int | None,
+) -> ShardPlan:
+    """Records per shard from the count limit and/or the byte limit, and shards per split.
+
+    A record is ``4 * (latent + text elements)`` bytes plus a small overhead; dropped rows only
+    make shards smaller than planned, never larger.
+    """
+    limits = []
+    if records_per_shard is not None:
+        limits.append(records_per_shard)
+    if max_shard_bytes is not None:
+        record_bytes = 4 * (math.prod(shapes.latents) + math.prod(shapes.text))
+        limits.append(max(1, max_shard_bytes // (record_bytes + RECORD_OVERHEAD_BYTES)))
+    per_shard = min(limits)
+    shards = {s: max(1, math.ceil(expected_counts.get(s, 0) / per_shard)) for s in records.SPLITS}
+    return ShardPlan(per_shard, shards)
+
+
+class ReadRows(beam.DoFn):
+    """``(start, stop)`` row range -> ``(source_id, media cell, caption cell)``; loads once."""
+
+    def __init__(self, dataset_config: DatasetConfig):
+        self._config = dataset_config
+        self._dataset = None
+        self._rows_read = Metrics.counter(NAMESPACE, ROWS_READ)
+
+    def setup(self):
+        from stages.convert.source import load_source
+
+        self._dataset = load_source(self._config)
+
+    def process(self, row_range: tuple[int, int]) -> Iterator[tuple[str, object, object]]:
+        start, stop = row_range
+        chunk = self._dataset[start:stop]
+        cfg = self._config
+        for offset in range(stop - start):
+            index = start + offset
+            sid = f"row-{index}" if cfg.id_column is None else str(chunk[cfg.id_column][offset])
+            self._rows_read.inc()
+            yield sid, chunk[cfg.media_column][offset], chunk[cfg.caption_column][offset]
+
+
+class PrepareItem(beam.DoFn):
+    """A row -> ``{"source_id", "caption", "video"}``, or a ``dropped`` side output + counter."""
+
+    def __init__(self, media_config: MediaConfig):
+        self._media = media_config
+        self._counters = {
+            r: Metrics.counter(NAMESPACE, dropped_counter(r)) for r in media.DROP_REASONS
+        }
+
+    def process(self, row: tuple[str, object, object]):
+        source_id, cell, caption_cell = row
+        cfg = self._media
+        try:
+            caption = media.clean_caption(caption_cell)
+            video = media.prepare_video(
+                cell, height=cfg.height, width=cfg.width, num_frames=cfg.num_frames, fps=cfg.fps
+            )
+        except media.DropItem as drop:
+            self._counters[drop.reason].inc()
+            yield beam.pvalue.TaggedOutput(
+                DROPPED_TAG, {"source_id": source_id, "reason": drop.reason, "detail": drop.detail}
+            )
+            return
+        yield {"source_id": source_id, "caption": caption, "video": video}
+
+
+class MakeRecord(beam.DoFn):
+    """An encoded item -> serialized ``tf.train.Example`` on the ``train`` or ``eval`` output."""
+
+    def __init__(self, split_config: SplitConfig):
+        self._split = split_config
+        self._records = {s: Metrics.counter(NAMESPACE, records_counter(s)) for s in records.SPLITS}
+        self._buckets = {
+            t: Metrics.counter(NAMESPACE, timestep_counter(t)) for t in split_config.timesteps_list
+        }
+
+    def process(self, item: dict, eval_timesteps: Mapping[str, int]):
+        sid = item["source_id"]
+        which = split.assign_split(sid, self._split.eval_fraction, self._split.split_seed)
+        timestep = eval_timesteps[sid] if which == split.EVAL else None
+        if timestep is not None:
+            self._buckets[timestep].inc()
+        self._records[which].inc()
+        example = records.make_example(
+            item["latents"], item["encoder_hidden_states"], item["caption"], sid, timestep
+        )
+        yield beam.pvalue.TaggedOutput(which, example)
+
+
+def _is_eval(item: dict, split_config: SplitConfig) -> bool:
+    return (
+        split.assign_split(item["source_id"], split_config.eval_fraction, split_config.split_seed)
+        == split.EVAL
+    )
+
+
+def row_ranges(num_rows: int, rows_per_read: int = ROWS_PER_READ) -> list[tuple[int, int]]:
+    return [(s, min(s + rows_per_read, num_rows)) for s in range(0, num_rows, rows_per_read)]
+
+
+def build_graph(
+    pipeline: beam.Pipeline,
+    *,
+    num_rows: int,
+    dataset_config: DatasetConfig,
+    media_config: MediaConfig,
+    split_config: SplitConfig,
+    handler: WanEncoderHandler,
+) -> dict[str, beam.PCollection]:
+    """Attach the convert transforms; returns ``{"train", "eval", "dropped"}`` PCollections.
+
+    ``train``/``eval`` hold serialized examples, ``dropped`` dicts ``{source_id, reason,
+    detail}``. Writing them out is the caller's (see :func:`write_outputs`).
+    """
+    rows = (
+        pipeline
+        | "RowRanges" >> beam.Create(row_ranges(num_rows))
+        | "ReadRows" >> beam.ParDo(ReadRows(dataset_config))
+        | "SpreadRows" >> beam.Reshuffle()
+    )
+    prepared = rows | "PrepareItem" >> beam.ParDo(PrepareItem(media_config)).with_outputs(
+        DROPPED_TAG, main="items"
+    )
+    encoded = prepared.items | "Encode" >> RunInference(handler)
+    eval_timesteps = (
+        encoded
+        | "EvalIds" >> beam.Filter(_is_eval, split_config)
+        | "EvalId" >> beam.Map(lambda item: item["source_id"])
+        | "CollectEvalIds" >> beam.combiners.ToList()
+        | "AssignTimesteps"
+        >> beam.Map(split.assign_timesteps, split_config.timesteps_list, split_config.split_seed)
+    )
+    examples = encoded | "MakeRecord" >> beam.ParDo(
+        MakeRecord(split_config), beam.pvalue.AsSingleton(eval_timesteps)
+    ).with_outputs(*records.SPLITS)
+    return {
+        split.TRAIN: examples[split.TRAIN],
+        split.EVAL: examples[split.EVAL],
+        DROPPED_TAG: prepared[DROPPED_TAG],
+    }
+
+
+def RunInference(handler):  # noqa: N802 - a transform factory reads like a class
+    from apache_beam.ml.inference.base import RunInference as _RunInference
+
+    return _RunInference(handler)
+
+
+def write_outputs(
+    outputs: Mapping[str, beam.PCollection], output_dir: str, plan: ShardPlan
+) -> None:
+    """TFRecord shards named as ``records.shard_name``; dropped rows as one JSON-lines file."""
+    for split_name in records.SPLITS:
+        prefix = storage.join(output_dir, split_name, split_name)
+        _ = outputs[split_name] | f"Write{split_name.title()}" >> beam.io.WriteToTFRecord(
+            prefix,
+            file_name_suffix=".tfrecord",
+            num_shards=plan.num_shards[split_name],
+            shard_name_template="-SSSSS-of-NNNNN",
+        )
+    dropped_prefix = storage.join(output_dir, DROPPED_FILE.removesuffix(".jsonl"))
+    _ = (
+        outputs[DROPPED_TAG]
+        | "DroppedJson" >> beam.Map(lambda d: json.dumps(d, sort_keys=True))
+        | "WriteDropped"
+        >> beam.io.WriteToText(dropped_prefix, file_name_suffix=".jsonl", shard_name_template="")
+    )
+
+
+def pipeline_options(beam_config: BeamConfig, job_name: str):
+    """Beam ``PipelineOptions`` from the ``beam`` section.
+
+    Against a local GCS server (``STORAGE_EMULATOR_HOST`` set) ``--no_auth`` makes Beam's gcsio
+    use an anonymous client instead of probing for credentials (a ~19 s stall per process).
+    """
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    cfg = beam_config
+    args = [f"--runner={cfg.runner}", f"--job_name={cfg.job_name or job_name}"]
+    if cfg.runner == "DirectRunner":
+        args += [
+            f"--direct_num_workers={cfg.direct_num_workers}",
+            f"--direct_running_mode={cfg.direct_running_mode}",
+        ]
+    for key in (
+        "project",
+        "region",
+        "temp_location",
+        "staging_location",
+        "sdk_container_image",
+        "setup_file",
+        "machine_type",
+        "max_num_workers",
+    ):
+        value = getattr(cfg, key)
+        if value is not None:
+            args.append(f"--{key}={value}")
+    if cfg.worker_accelerator:
+        args.append(f"--dataflow_service_options=worker_accelerator={cfg.worker_accelerator}")
+    if cfg.dry_run:
+        args.append("--dry_run=True")
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        args.append("--no_auth")
+    args += list(cfg.extra_options)
+    return PipelineOptions(args, save_main_session=False)
+
+
+def read_counters(result) -> dict[str, int]:
+    """The stage's Metrics counters, summed over steps (committed where the runner has them)."""
+    totals: dict[str, int] = {}
+    try:
+        query = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))
+    except (AttributeError, NotImplementedError):
+        return totals
+    for counter in query["counters"]:
+        value = counter.committed if counter.committed is not None else counter.attempted
+        name = counter.key.metric.name
+        totals[name] = totals.get(name, 0) + int(value or 0)
+    return totals

@@ -1,0 +1,194 @@
+"""``difforge convert``: a Hugging Face dataset -> sharded TFRecords of latents + text embeddings.
+
+Thin driver: open the source and the encoder configs, plan shards, run the Beam graph of
+:mod:`stages.convert.pipeline`, check the drop rate, and commit the manifest last. A run killed
+midway leaves no manifest; the rerun clears the half-written shard folders and redoes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from jaxcore import storage
+from jaxcore.artifacts import ArtifactWriter, Manifest
+from stages import records
+from stages.convert import split
+from stages.convert.config import ConvertConfig
+from stages.convert.encode import WanEncoderHandler, expected_shapes, resolve_pipeline_dir
+from stages.convert.media import DROP_REASONS
+from stages.convert.pipeline import (
+    DROPPED_FILE,
+    DROPPED_TAG,
+    ROWS_READ,
+    build_graph,
+    dropped_counter,
+    pipeline_options,
+    plan_shards,
+    read_counters,
+    records_counter,
+    timestep_counter,
+    write_outputs,
+)
+from stages.convert.source import describe, load_source, source_ids
+from stages.errors import StageInputError
+
+log = logging.getLogger(__name__)
+
+STAGE = "convert"
+WORK_FOLDERS = (*records.SPLITS, DROPPED_FILE.split("/")[0])
+
+
+def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
+    """Convert ``config.dataset`` into a ``convert`` artifact at ``config.output_dir``."""
+    writer = ArtifactWriter(config.output_dir, STAGE, config)
+    done = writer.existing(force)
+    if done is not None:
+        log.info("convert: %s is already finished (same config); skipping", done.uri)
+        return done
+
+    dataset = load_source(config.dataset)
+    info = describe(dataset, config.dataset)
+    ids = source_ids(dataset, config.dataset)
+    if not ids:
+        raise StageInputError(f"source {config.dataset.source}: the dataset has no rows")
+    del dataset  # workers open their own copy
+    pipeline_dir = resolve_pipeline_dir(config.encoder.pretrained_model_name_or_path)
+    shapes = expected_shapes(
+        pipeline_dir,
+        config.media.num_frames,
+        config.media.height,
+        config.media.width,
+        config.encoder.max_sequence_length,
+    )
+    expected = {s: 0 for s in records.SPLITS}
+    for sid in ids:
+        expected[split.assign_split(sid, config.split.eval_fraction, config.split.split_seed)] += 1
+    plan = plan_shards(
+        expected, shapes, config.shards.records_per_shard, config.shards.max_shard_bytes
+    )
+    log.info(
+        "convert: %d rows (expected train %d, eval %d) -> %s shards of <= %d records",
+        len(ids),
+        expected["train"],
+        expected["eval"],
+        dict(plan.num_shards),
+        plan.records_per_shard,
+    )
+
+    for folder in WORK_FOLDERS:  # leftovers of a killed run (never a finished artifact)
+        storage.delete_tree(storage.join(writer.uri, folder))
+
+    if config.beam.dry_run:
+        _run_beam(config, info.num_rows, shapes, plan, writer.uri)
+        log.info("convert: dry run staged the job; nothing was written")
+        return None
+    started = time.perf_counter()
+    counters = _run_beam(config, info.num_rows, shapes, plan, writer.uri)
+    seconds = time.perf_counter() - started
+    summary = _summary(config, info, shapes, plan, counters, writer.uri, seconds)
+    _check_bad_fraction(config, summary)
+    return writer.commit(summary)
+
+
+def _run_beam(config: ConvertConfig, num_rows: int, shapes, plan, output_dir: str) -> dict:
+    import apache_beam as beam
+
+    handler = WanEncoderHandler(config.encoder, shapes)
+    options = pipeline_options(config.beam, job_name=_job_name(config.run_name))
+    pipeline = beam.Pipeline(options=options)
+    outputs = build_graph(
+        pipeline,
+        num_rows=num_rows,
+        dataset_config=config.dataset,
+        media_config=config.media,
+        split_config=config.split,
+        handler=handler,
+    )
+    write_outputs(outputs, output_dir, plan)
+    result = pipeline.run()
+    result.wait_until_finish()
+    return read_counters(result)
+
+
+def _job_name(run_name: str) -> str:
+    """A Dataflow-valid job name: lowercase letters, digits and hyphens."""
+    cleaned = "".join(c if c.isalnum() else "-" for c in run_name.lower()).strip("-")
+    return f"difforge-{cleaned or 'convert'}"[:63]
+
+
+def _summary(config, info, shapes, plan, counters: dict, uri: str, seconds: float) -> dict:
+    files = storage.list_files(uri)
+    shard_list = {
+        s: [f.path for f in files if f.path.startswith(f"{s}/") and f.path.endswith(".tfrecord")]
+        for s in records.SPLITS
+    }
+    counts = {s: counters.get(records_counter(s), 0) for s in records.SPLITS}
+    dropped = {r: counters.get(dropped_counter(r), 0) for r in DROP_REASONS}
+    rows_read = counters.get(ROWS_READ, 0)
+    return {
+        "source": {
+            "source": info.source,
+            "revision": info.revision,
+            "fingerprint": info.fingerprint,
+            "dataset_split": config.dataset.dataset_split,
+            "num_rows": info.num_rows,
+            "media_column": config.dataset.media_column,
+            "caption_column": config.dataset.caption_column,
+            "id_column": config.dataset.id_column,
+        },
+        "encoder": {
+            "pretrained_model_name_or_path": config.encoder.pretrained_model_name_or_path,
+            "vae": "jaxcore.models.wan_vae",
+            "text_encoder": "jaxcore.models.umt5",
+            "max_sequence_length": config.encoder.max_sequence_length,
+            "weights_dtype": config.encoder.weights_dtype,
+            "activations_dtype": config.encoder.activations_dtype,
+        },
+        "counts": counts,
+        "rows_read": rows_read,
+        "dropped": dropped,
+        "dropped_total": sum(dropped.values()),
+        "dropped_file": DROPPED_FILE,
+        "shards": shard_list,
+        "records_per_shard": plan.records_per_shard,
+        "latents_shape": list(shapes.latents),
+        "encoder_hidden_states_shape": list(shapes.text),
+        "latent_sampling": "mean",
+        "latents_normalization": {
+            "formula": "(z - latents_mean) / latents_std",
+            "latents_mean": list(shapes.latents_mean),
+            "latents_std": list(shapes.latents_std),
+        },
+        "media": {
+            "height": config.media.height,
+            "width": config.media.width,
+            "num_frames": config.media.num_frames,
+            "fps": config.media.fps,
+        },
+        "eval_fraction": config.split.eval_fraction,
+        "split_seed": config.split.split_seed,
+        "timesteps_list": list(config.split.timesteps_list),
+        "eval_timestep_counts": {
+            str(t): counters.get(timestep_counter(t), 0) for t in config.split.timesteps_list
+        },
+        "runner": config.beam.runner,
+        "seconds": round(seconds, 2),
+        "records_per_second": round(sum(counts.values()) / seconds, 3) if seconds else None,
+    }
+
+
+def _check_bad_fraction(config: ConvertConfig, summary: dict) -> None:
+    """Fail (no manifest) when more than ``max_bad_fraction`` of the rows were dropped."""
+    rows = summary["rows_read"]
+    bad = summary["dropped_total"]
+    if rows and bad / rows > config.max_bad_fraction:
+        reasons = ", ".join(f"{r}={n}" for r, n in summary["dropped"].items() if n)
+        raise StageInputError(
+            f"convert: {bad} of {rows} rows of {config.dataset.source} were dropped "
+            f"({bad / rows:.1%} > max_bad_fraction={config.max_bad_fraction}): {reasons}; "
+            f"see {storage.join(config.output_dir, DROPPED_FILE)}"
+        )
+
+
+__all__ = ["run", "DROPPED_TAG"]

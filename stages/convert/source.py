@@ -1,0 +1,180 @@
+"""Open the Hugging Face dataset a convert run reads, with its media left undecoded.
+
+What ``dataset.source`` may be (see :class:`stages.convert.config.DatasetConfig`):
+
+- a folder written with ``Dataset.save_to_disk`` -> ``datasets.load_from_disk``;
+- any other folder (imagefolder/videofolder with ``metadata.jsonl``/``.csv``, parquet or JSON
+  files) -> ``datasets.load_dataset(folder)``, which picks the builder from the files;
+- a ``.parquet``/``.json``/``.jsonl``/``.csv`` file -> the matching packaged builder;
+- ``gs://...`` -> a cached local copy, then as above;
+- ``synthetic:shapes?num_items=N&seed=S&height=H&width=W`` -> :mod:`stages.synthetic`, written
+  once into the difforge cache;
+- anything else -> a hub id (``revision`` honoured), when the network allows.
+
+Image/Video columns are cast to ``decode=False`` so rows carry ``{"bytes", "path"}`` and the
+stage decodes (and counts failures) itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages.convert.config import DatasetConfig
+from stages.errors import StageInputError
+
+log = logging.getLogger(__name__)
+
+SYNTHETIC_PREFIX = "synthetic:"
+FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """What the manifest records about the source."""
+
+    source: str
+    revision: str | None
+    fingerprint: str
+    num_rows: int
+    columns: tuple[str, ...]
+
+
+def synthetic_directory(source: str) -> Path:
+    """Write (once) and return the folder of a ``synthetic:shapes?...`` source."""
+    from jaxcore import storage
+    from stages.synthetic import make_shapes_dataset
+
+    parsed = urllib.parse.urlparse(source)
+    kind = parsed.path or parsed.netloc
+    if kind != "shapes":
+        raise StageInputError(f"source {source}: unknown synthetic dataset {kind!r} (use shapes)")
+    allowed = {"num_items", "seed", "height", "width", "corrupt", "empty_captions"}
+    params: dict[str, int] = {}
+    for key, value in urllib.parse.parse_qsl(parsed.query):
+        if key not in allowed:
+            raise StageInputError(f"source {source}: unknown parameter {key!r}; use {allowed}")
+        try:
+            params[key] = int(value)
+        except ValueError:
+            raise StageInputError(f"source {source}: {key}={value!r} is not an integer") from None
+    params.setdefault("num_items", 32)
+    digest = hashlib.sha256(repr(sorted(params.items())).encode()).hexdigest()[:12]
+    directory = storage.cache_dir() / "synthetic" / f"shapes-{digest}"
+    done = directory / ".complete"
+    if not done.exists():
+        make_shapes_dataset(directory, **params)
+        done.write_text(source)
+    return directory
+
+
+def _load_local(path: Path, config: DatasetConfig):
+    import datasets
+
+    if path.is_dir():
+        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if config.dataset_split not in loaded:
+                    raise StageInputError(
+                        f"source {config.source}: no split {config.dataset_split!r} "
+                        f"(has {sorted(loaded)}); set dataset_split"
+                    )
+                loaded = loaded[config.dataset_split]
+            return loaded
+        return datasets.load_dataset(str(path), split=config.dataset_split)
+    builder = FILE_BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise StageInputError(
+            f"source {config.source}: cannot read a {path.suffix or 'suffix-less'} file; "
+            f"use a folder or one of {sorted(FILE_BUILDERS)}"
+        )
+    return datasets.load_dataset(builder, data_files=str(path), split=config.dataset_split)
+
+
+def load_source(config: DatasetConfig):
+    """The ``datasets.Dataset`` named by ``config``, media columns undecoded, ``max_items`` kept."""
+    import datasets
+
+    from jaxcore import storage
+
+    source = config.source
+    try:
+        if source.startswith(SYNTHETIC_PREFIX):
+            dataset = _load_local(synthetic_directory(source), config)
+        elif storage.is_gcs(source):
+            dataset = _load_local(storage.local_copy(source), config)
+        elif Path(source).exists():
+            dataset = _load_local(Path(source), config)
+        elif source.startswith(("/", "./", "../")):
+            raise StageInputError(f"source {source} does not exist")
+        else:
+            dataset = datasets.load_dataset(
+                source, revision=config.revision, split=config.dataset_split
+            )
+    except StageInputError:
+        raise
+    except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError) as err:
+        raise StageInputError(f"source {source}: cannot load the dataset: {err}") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        raise StageInputError(f"source {source}: got several splits; set dataset_split")
+    _check_columns(dataset, config)
+    if config.max_items is not None and config.max_items < len(dataset):
+        dataset = dataset.select(range(config.max_items))
+    return _undecoded(dataset, config.media_column)
+
+
+def _check_columns(dataset, config: DatasetConfig) -> None:
+    columns = list(dataset.column_names)
+    for key in ("media_column", "caption_column", "id_column"):
+        name = getattr(config, key)
+        if name is not None and name not in columns:
+            hint = " (or id_column=null to use the row index)" if key == "id_column" else ""
+            raise StageInputError(
+                f"source {config.source}: {key}={name!r} is not a column; columns are "
+                f"{columns}{hint}"
+            )
+
+
+def _undecoded(dataset, column: str):
+    """Cast an Image/Video column to ``decode=False`` so rows carry bytes and paths."""
+    import datasets
+
+    feature = dataset.features[column]
+    for kind in ("Image", "Video"):
+        cls = getattr(datasets, kind, None)
+        if cls is not None and isinstance(feature, cls) and feature.decode:
+            return dataset.cast_column(column, cls(decode=False))
+    return dataset
+
+
+def source_ids(dataset, config: DatasetConfig) -> list[str]:
+    """Stable id of every row: the ``id_column`` value, or ``row-<index>`` without one.
+
+    Duplicate ids would let one item land in both splits' bookkeeping: they are an error.
+    """
+    if config.id_column is None:
+        return [f"row-{i}" for i in range(len(dataset))]
+    ids = [str(v) for v in dataset[config.id_column]]
+    seen: set[str] = set()
+    for index, sid in enumerate(ids):
+        if sid in seen:
+            raise StageInputError(
+                f"source {config.source}: id_column {config.id_column!r} repeats {sid!r} "
+                f"(row {index}); ids must be unique"
+            )
+        seen.add(sid)
+    return ids
+
+
+def describe(dataset, config: DatasetConfig) -> SourceInfo:
+    return SourceInfo(
+        source=config.source,
+        revision=config.revision,
+        fingerprint=str(getattr(dataset, "_fingerprint", "")),
+        num_rows=len(dataset),
+        columns=tuple(dataset.column_names),
+    )

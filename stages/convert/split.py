@@ -1,0 +1,49 @@
+"""Deterministic train/eval split and eval-timestep buckets, by source id.
+
+The split of a row depends only on its source id and the split seed (a SHA-256 hash), never on
+the order rows arrive in, the runner, or the other rows; so reruns and other runners put every
+row in the same split and the two splits never overlap.
+
+Eval rows get a fixed timestep from ``timesteps_list`` (MaxDiffusion's eval scheme): the eval ids
+are ranked by a second hash and dealt round-robin, so the buckets differ in size by at most one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+TRAIN, EVAL = "train", "eval"
+
+
+def unit_hash(source_id: str, seed: int, purpose: str) -> float:
+    """A uniform number in [0, 1) from ``(purpose, seed, source_id)``; stable across machines."""
+    digest = hashlib.sha256(f"{purpose}:{seed}:{source_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def assign_split(source_id: str, eval_fraction: float, seed: int = 0) -> str:
+    """``"eval"`` for about ``eval_fraction`` of ids, ``"train"`` for the rest."""
+    if not 0.0 <= eval_fraction <= 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
+    return EVAL if unit_hash(source_id, seed, "split") < eval_fraction else TRAIN
+
+
+def assign_timesteps(
+    eval_ids: Iterable[str], timesteps_list: Sequence[int], seed: int = 0
+) -> dict[str, int]:
+    """source id -> timestep: ids ranked by hash, dealt round-robin over ``timesteps_list``.
+
+    Bucket sizes differ by at most one; the result depends only on the set of ids.
+    """
+    if not timesteps_list:
+        raise ValueError("timesteps_list is empty")
+    ranked = sorted(set(eval_ids), key=lambda i: (unit_hash(i, seed, "timestep"), i))
+    return {sid: int(timesteps_list[k % len(timesteps_list)]) for k, sid in enumerate(ranked)}
+
+
+def bucket_counts(timesteps: Iterable[int], timesteps_list: Sequence[int]) -> dict[str, int]:
+    """Records per eval timestep, every listed timestep present (0 when empty)."""
+    counts = Counter(int(t) for t in timesteps)
+    return {str(t): counts.get(int(t), 0) for t in timesteps_list}
