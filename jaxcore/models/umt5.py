@@ -103,6 +103,12 @@ class UMT5Config:
                 "UMT5Config.relative_attention_num_buckets must be >= 4 (half go to each "
                 f"direction, half of those are exact), got {self.relative_attention_num_buckets}"
             )
+        max_exact = self.relative_attention_num_buckets // 4
+        if self.relative_attention_max_distance <= max_exact:
+            raise UMT5ConfigError(
+                "UMT5Config.relative_attention_max_distance must exceed num_buckets // 4 = "
+                f"{max_exact} (the exact range), got {self.relative_attention_max_distance}"
+            )
         self.activation_name  # noqa: B018 - validates feed_forward_proj early
 
     @property
@@ -468,7 +474,7 @@ def init_umt5(
     """Random-init encoder -> (module, params); params is the unboxed ``params`` collection."""
     module = UMT5Encoder(config, dtype=dtype, param_dtype=param_dtype or dtype, mesh=mesh)
     ids = jnp.zeros((1, 1), jnp.int32)
-    variables = module.init(rng, ids, jnp.ones((1, 1), jnp.int32))
+    variables = jax.jit(module.init)(rng, ids, jnp.ones((1, 1), jnp.int32))
     return module, nn.meta.unbox(variables)["params"]
 
 

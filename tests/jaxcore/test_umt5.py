@@ -88,8 +88,9 @@ def test_mask_changes_output(tmp_path):
     ids, mask = _padded_batch(128, [10], total=10)
     short = mask.copy()
     short[:, 5:] = 0
-    full = module.apply({"params": params}, ids, mask)
-    masked = module.apply({"params": params}, ids, short)
+    apply = jax.jit(module.apply)
+    full = apply({"params": params}, ids, mask)
+    masked = apply({"params": params}, ids, short)
     assert np.abs(np.asarray(full[:, :5] - masked[:, :5])).max() > 1e-3
 
 
@@ -120,7 +121,7 @@ def test_tied_embedding_under_either_key(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     weights.save_safetensors(tensors, tmp_path / "model.safetensors")
     module, params = umt5.load_umt5(tmp_path)
-    got = np.asarray(module.apply({"params": params}, ids, mask))
+    got = np.asarray(jax.jit(module.apply)({"params": params}, ids, mask))
     assert np.abs(got - expected).max() < ATOL
 
 
@@ -154,12 +155,14 @@ def test_inconsistent_or_unsupported_config_is_an_error():
         umt5.UMT5Config.from_dict({**TINY, "is_decoder": True})
     with pytest.raises(umt5.UMT5ConfigError, match="feed_forward_proj"):
         umt5.UMT5Config(feed_forward_proj="gated-swish-x")
+    with pytest.raises(umt5.UMT5ConfigError, match="relative_attention_max_distance"):
+        umt5.UMT5Config(relative_attention_num_buckets=32, relative_attention_max_distance=8)
 
 
 def test_init_and_logical_axes():
     config = umt5.UMT5Config(**TINY)
     module, params = umt5.init_umt5(config, jax.random.key(1))
-    out = module.apply({"params": params}, jnp.ones((2, 5), jnp.int32), jnp.ones((2, 5)))
+    out = jax.jit(module.apply)({"params": params}, jnp.ones((2, 5), jnp.int32), jnp.ones((2, 5)))
     assert out.shape == (2, 5, 32) and bool(jnp.isfinite(out).all())
     flat = weights._flatten(params)
     assert set(flat) == set(umt5.weight_map(config))
@@ -202,7 +205,7 @@ def test_bfloat16_runs_close(tmp_path):
     ids, mask = _padded_batch(128, [8, 5], total=8)
     expected = _torch_hidden(model, ids, mask)
     module, params = umt5.load_umt5(tmp_path, dtype=jnp.bfloat16)
-    got = module.apply({"params": params}, ids, mask)
+    got = jax.jit(module.apply)({"params": params}, ids, mask)
     assert got.dtype == jnp.bfloat16
     rel = np.abs(np.asarray(got, np.float32) - expected).max() / np.abs(expected).max()
     assert rel < 5e-2, f"bf16 relative error {rel:.2e}"
