@@ -330,21 +330,20 @@ def axis_size(mesh: Mesh | None, axis: str) -> int:
 def batch_and_heads_spec(mesh: Mesh, *, batch: int, heads: int):
     """Mesh axes for the batch and heads dimensions under the active logical axis rules.
 
-    Raises a ShardingError naming the parameter when a size does not split over its axes.
+    A size that does not divide its axes is left replicated over them (correct, as GSPMD does
+    for ``dot_product``, but redundant): a model's ``init`` traces with a batch of one, so an
+    error here would break it. Models call ``sharding.check_divisible`` to make it an error.
     """
     rules = nn.get_logical_axis_rules() or sharding.LOGICAL_AXIS_RULES
     batch_axes, heads_axes = sharding.logical_to_spec(
         ("activation_batch", "activation_heads"), rules
     )
-    for what, size, axes in (("batch size", batch, batch_axes), ("heads", heads, heads_axes)):
-        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        ways = math.prod(axis_size(mesh, a) for a in names)
-        if size % ways:
-            raise sharding.ShardingError(
-                f"attention {what} {size} is not divisible by the mesh axes {names} "
-                f"(size {ways}); for heads that is ici_tensor_parallelism, for batch data x fsdp"
-            )
-    return batch_axes, heads_axes
+    return _if_divisible(mesh, batch, batch_axes), _if_divisible(mesh, heads, heads_axes)
+
+
+def _if_divisible(mesh: Mesh, size: int, axes):
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return axes if size % math.prod(axis_size(mesh, a) for a in names) == 0 else None
 
 
 def shard_map(fn, mesh: Mesh, in_specs, out_specs):

@@ -11,6 +11,7 @@ size.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 from jax import lax
@@ -21,9 +22,10 @@ from jaxcore.kernels import flash
 from jaxcore.sharding import ShardingError
 
 
-def _check_heads_split(mesh: Mesh, heads: int, context: int) -> None:
+def _check_heads_split(mesh: Mesh, heads: int, heads_axes, context: int) -> None:
     """Ulysses hands each context shard ``heads / (tensor * context)`` whole heads."""
-    tensor = flash.axis_size(mesh, flash.TENSOR_AXIS)
+    names = (heads_axes,) if isinstance(heads_axes, str) else tuple(heads_axes or ())
+    tensor = math.prod(flash.axis_size(mesh, a) for a in names)
     local_heads = heads // tensor
     if local_heads % context:
         raise ShardingError(
@@ -67,7 +69,7 @@ def ulysses_attention(
         )
     flash.check_attention_inputs(q, k, v, kv_mask)
     batch_axes, heads_axes = flash.batch_and_heads_spec(mesh, batch=q.shape[0], heads=q.shape[2])
-    _check_heads_split(mesh, q.shape[2], context)
+    _check_heads_split(mesh, q.shape[2], heads_axes, context)
     local_attention = functools.partial(
         flash.local_flash_attention,
         scale=flash._resolve_scale(q, scale),

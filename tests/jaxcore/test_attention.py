@@ -235,11 +235,16 @@ def test_ulysses_heads_not_divisible_by_context_is_named():
 
 
 @pytest.mark.parametrize("backend", SHARDED)
-def test_batch_and_heads_not_divisible_are_named(backend):
-    mesh = make_mesh(MESHES[2])  # data 2, tensor 2
-    q, k, v, _ = make_inputs(1, 8, 8, 4, 8)
-    with pytest.raises(ShardingError, match="batch size 1"):
-        attention(q, k, v, backend=backend, mesh=mesh)
-    q, k, v, _ = make_inputs(2, 8, 8, 3, 8)
-    with pytest.raises(ShardingError, match="heads 3.*ici_tensor_parallelism"):
-        attention(q, k, v, backend=backend, mesh=mesh)
+def test_batch_and_heads_not_dividing_the_mesh_stay_replicated(backend):
+    """A batch of 1 on data=2 and 3 heads on tensor=2 are computed replicated, still exact."""
+    mesh = make_mesh(MESHES[2])  # data 2, context 2, tensor 2
+    q, k, v, mask = make_inputs(1, 8, 6, 3, 8, masked=True)
+    expected = dot_product_attention(q, k, v, kv_mask=mask)
+    if backend == "ulysses":  # 3 heads cannot split over context 2 either: that is an error
+        with pytest.raises(ShardingError, match="num_attention_heads .* = 3"):
+            attention(q, k, v, backend=backend, kv_mask=mask, mesh=mesh)
+        return
+    got = jax.jit(lambda q, k, v, m: attention(q, k, v, backend=backend, kv_mask=m, mesh=mesh))(
+        q, k, v, mask
+    )
+    assert max_diff(got, expected) < FP32_ATOL
