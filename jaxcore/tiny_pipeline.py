@@ -1,0 +1,276 @@
+"""A tiny, random-init Wan 2.1 pipeline written in diffusers' on-disk format, without torch.
+
+Used by tests, benchmarks and the demo wherever a real checkpoint would be (none can be
+downloaded here). The directory is what ``WanPipeline.save_pretrained`` writes::
+
+    model_index.json                      WanPipeline, its component classes
+    transformer/{config.json, diffusion_pytorch_model.safetensors}   WanTransformer3DModel
+    vae/{config.json, diffusion_pytorch_model.safetensors}           AutoencoderKLWan
+    text_encoder/{config.json, model.safetensors}                    UMT5EncoderModel
+    tokenizer/...                                                    T5 tokenizer (tiny vocab)
+    scheduler/scheduler_config.json       UniPCMultistepScheduler with flow sigmas (as Wan)
+
+Weights come from our own ``init_*`` functions, exported with the models' weight maps, so
+diffusers' ``WanPipeline.from_pretrained(directory)`` and our loader read the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxcore import weights
+
+DEFAULT_MODEL_CONFIG = Path(__file__).resolve().parent.parent / "configs/models/wan_tiny.yml"
+DIFFUSERS_VERSION = "0.42.1"
+TRANSFORMERS_VERSION = "5.24.0"
+
+# What diffusers writes for a flow-matching Wan 2.1 pipeline (UniPC with flow sigmas).
+UNIPC_SCHEDULER_CONFIG: dict[str, Any] = {
+    "_class_name": "UniPCMultistepScheduler",
+    "_diffusers_version": DIFFUSERS_VERSION,
+    "beta_end": 0.02,
+    "beta_schedule": "linear",
+    "beta_start": 0.0001,
+    "disable_corrector": [],
+    "dynamic_thresholding_ratio": 0.995,
+    "final_sigmas_type": "zero",
+    "flow_shift": 3.0,
+    "lower_order_final": True,
+    "num_train_timesteps": 1000,
+    "predict_x0": True,
+    "prediction_type": "flow_prediction",
+    "rescale_betas_zero_snr": False,
+    "sample_max_value": 1.0,
+    "solver_order": 2,
+    "solver_p": None,
+    "solver_type": "bh2",
+    "steps_offset": 0,
+    "thresholding": False,
+    "timestep_spacing": "linspace",
+    "trained_betas": None,
+    "use_beta_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_flow_sigmas": True,
+    "use_karras_sigmas": False,
+}
+
+
+def _model_sections(model_config: str | os.PathLike | Mapping) -> dict[str, Any]:
+    """{"transformer", "vae", "text_encoder": validated config} from a model YAML or a dict."""
+    from jaxcore.model_configs import load_model_yaml
+    from jaxcore.models.umt5 import UMT5Config
+    from jaxcore.models.wan_transformer import WanTransformerConfig
+    from jaxcore.models.wan_vae import WanVAEConfig
+
+    if isinstance(model_config, Mapping):
+        classes = {
+            "transformer": WanTransformerConfig,
+            "vae": WanVAEConfig,
+            "text_encoder": UMT5Config,
+        }
+        sections = {name: classes[name].from_dict(model_config[name]) for name in classes}
+    else:
+        sections = load_model_yaml(model_config)
+    missing = {"transformer", "vae", "text_encoder"} - set(sections)
+    if missing:
+        raise ValueError(f"model_config {model_config!r} lacks section(s) {sorted(missing)}")
+    return sections
+
+
+def _check_compatible(sections: Mapping[str, Any]) -> None:
+    """The components must fit: channels = z_dim, text_dim = the encoder's d_model."""
+    transformer, vae, text = sections["transformer"], sections["vae"], sections["text_encoder"]
+    if transformer.in_channels != vae.z_dim or transformer.out_channels != vae.z_dim:
+        raise ValueError(
+            f"transformer in/out_channels ({transformer.in_channels}/{transformer.out_channels}) "
+            f"must equal vae.z_dim ({vae.z_dim})"
+        )
+    if transformer.text_dim != text.d_model:
+        raise ValueError(
+            f"transformer.text_dim ({transformer.text_dim}) must equal text_encoder.d_model "
+            f"({text.d_model})"
+        )
+
+
+# --- exporting weights whose transforms are not plain transposes -----------------------------
+
+
+def _gamma_shape(key: str, size: int) -> tuple[int, ...]:
+    """diffusers WanRMS_norm gamma: [C, 1, 1] in attention blocks (images=True), else [C,1,1,1]."""
+    return (size, 1, 1) if ".attentions." in key else (size, 1, 1, 1)
+
+
+def _invert(path: tuple[str, ...], key: str, value: np.ndarray) -> np.ndarray:
+    """torch-layout tensor for a Flax leaf whose transform has no registered inverse.
+
+    Covers the reshaping transforms of the VAE (1x1 conv as Dense, flattened RMS gamma) and of
+    UMT5 (per-head q/k/v/o kernels). The caller checks the round trip, so a wrong guess here
+    fails loudly instead of writing a wrong checkpoint.
+    """
+    if key.endswith(".gamma"):
+        return value.reshape(_gamma_shape(key, value.shape[0]))
+    if value.ndim == 2:  # 1x1 Conv2d stored as a Dense kernel [I, O]
+        return value.T.reshape(value.shape[1], value.shape[0], 1, 1)
+    if value.ndim == 3 and path[-2] == "o":  # UMT5 output projection [H, D, E] -> [E, H*D]
+        return value.reshape(-1, value.shape[-1]).T
+    if value.ndim == 3:  # UMT5 q/k/v [E, H, D] -> [H*D, E]
+        return value.reshape(value.shape[0], -1).T
+    raise weights.WeightsError(f"export: no inverse for {key} with shape {value.shape}")
+
+
+def export_state_dict(params: Mapping, weight_map: Mapping) -> dict[str, np.ndarray]:
+    """Flax params -> {diffusers/transformers key: torch-layout array}, checked by round trip.
+
+    Uses :func:`jaxcore.weights.export_state_dict` for registered transforms and
+    :func:`_invert` for the rest; every exported tensor is pushed back through the forward
+    transform and compared with the original parameter.
+    """
+    flat = weights._flatten(params)
+    out: dict[str, np.ndarray] = {}
+    for path, (key, transform) in weight_map.items():
+        value = np.asarray(jax.device_get(flat[path]))
+        if transform in weights.INVERSE_TRANSFORMS:
+            exported = weights.INVERSE_TRANSFORMS[transform](value)
+        else:
+            exported = _invert(path, key, value)
+        if not np.array_equal(transform(exported), value):
+            raise weights.WeightsError(f"export: {key} does not round-trip through its transform")
+        out[key] = np.ascontiguousarray(exported)
+    return out
+
+
+# --- config.json writers -----------------------------------------------------------------------
+
+
+def _write_json(path: Path, data: Mapping) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(data), indent=2, sort_keys=True) + "\n")
+
+
+def _diffusers_config(class_name: str, config) -> dict:
+    return {"_class_name": class_name, "_diffusers_version": DIFFUSERS_VERSION, **config.to_dict()}
+
+
+def _umt5_config(config) -> dict:
+    """A transformers UMT5EncoderModel config.json for our UMT5Config."""
+    import dataclasses
+
+    fields = dataclasses.asdict(config)
+    return {
+        "architectures": ["UMT5EncoderModel"],
+        "model_type": "umt5",
+        "transformers_version": TRANSFORMERS_VERSION,
+        "dtype": "float32",
+        "is_encoder_decoder": True,
+        "is_decoder": False,
+        "is_gated_act": config.is_gated,
+        "dense_act_fn": config.activation_name,
+        "num_decoder_layers": config.num_layers,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "decoder_start_token_id": 0,
+        "tie_word_embeddings": True,
+        "dropout_rate": 0.0,
+        **fields,
+    }
+
+
+def _model_index(tokenizer_class: str) -> dict:
+    """model_index.json as diffusers' ``WanPipeline.save_pretrained`` writes it."""
+    return {
+        "_class_name": "WanPipeline",
+        "_diffusers_version": DIFFUSERS_VERSION,
+        "boundary_ratio": None,
+        "expand_timesteps": False,
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", tokenizer_class],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": [None, None],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+    }
+
+
+# --- the builder -------------------------------------------------------------------------------
+
+
+def write_transformer(directory: str | os.PathLike, config, params) -> None:
+    """``transformer/``-style folder: config.json + diffusion_pytorch_model.safetensors.
+
+    Also what a train run exports for its checkpoints (diffusers ``WanTransformer3DModel``).
+    """
+    from jaxcore.models import wan_transformer
+
+    folder = Path(directory)
+    _write_json(folder / "config.json", _diffusers_config("WanTransformer3DModel", config))
+    tensors = export_state_dict(params, wan_transformer.weight_map(config))
+    weights.save_safetensors(
+        tensors, folder / "diffusion_pytorch_model.safetensors", {"format": "pt"}
+    )
+
+
+def build_tiny_wan_pipeline(
+    directory: str | os.PathLike,
+    *,
+    seed: int = 0,
+    model_config: str | os.PathLike | Mapping = DEFAULT_MODEL_CONFIG,
+    flow_shift: float = 3.0,
+    transformer_output_scale: float = 1.0,
+) -> Path:
+    """Write a complete random-init diffusers Wan pipeline into ``directory``; returns it.
+
+    ``model_config``: a model YAML (``configs/models/*.yml``) or a dict with sections
+    ``transformer``, ``vae``, ``text_encoder`` (config.json names). The tokenizer's vocabulary
+    is the text encoder's ``vocab_size``. ``seed`` fixes every weight.
+    ``transformer_output_scale`` multiplies the transformer's output projection: random-init
+    models predict velocities of order 0.01, so a test can scale them up to make guidance and
+    the sampler visibly matter.
+    """
+    from jaxcore.models import umt5, wan_transformer, wan_vae
+    from jaxcore.tiny_tokenizer import build_tiny_tokenizer
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    sections = _model_sections(model_config)
+    _check_compatible(sections)
+    keys = jax.random.split(jax.random.key(seed), 3)
+
+    t_cfg = sections["transformer"]
+    _, t_params = wan_transformer.init_wan_transformer(t_cfg, keys[0])
+    if transformer_output_scale != 1.0:
+        t_params = dict(t_params)
+        t_params["proj_out"] = {
+            name: value * transformer_output_scale for name, value in t_params["proj_out"].items()
+        }
+    write_transformer(root / "transformer", t_cfg, t_params)
+
+    v_cfg = sections["vae"]
+    _, v_params = wan_vae.init_wan_vae(v_cfg, keys[1])
+    _write_json(root / "vae/config.json", _diffusers_config("AutoencoderKLWan", v_cfg))
+    weights.save_safetensors(
+        export_state_dict(v_params, wan_vae.weight_map(v_cfg)),
+        root / "vae/diffusion_pytorch_model.safetensors",
+        {"format": "pt"},
+    )
+
+    e_cfg = sections["text_encoder"]
+    _, e_params = umt5.init_umt5(e_cfg, keys[2])
+    _write_json(root / "text_encoder/config.json", _umt5_config(e_cfg))
+    # transformers stores the tied embedding once, as shared.weight.
+    tensors = export_state_dict(e_params, umt5.weight_map(e_cfg, "shared.weight"))
+    weights.save_safetensors(tensors, root / "text_encoder/model.safetensors", {"format": "pt"})
+
+    tokenizer = build_tiny_tokenizer(root / "tokenizer", vocab_size=e_cfg.vocab_size)
+    _write_json(
+        root / "scheduler/scheduler_config.json",
+        {**UNIPC_SCHEDULER_CONFIG, "flow_shift": flow_shift},
+    )
+    _write_json(root / "model_index.json", _model_index(type(tokenizer).__name__))
+    return root
