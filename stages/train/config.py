@@ -1,0 +1,208 @@
+"""Config of the ``train`` stage: a frozen dataclass with one section per component.
+
+Key names follow MaxDiffusion where it has one (``per_device_batch_size``, ``learning_rate``,
+``max_train_steps``, ``checkpoint_every``, ``eval_every``, ``weights_dtype``, ...). Bare leaf
+keys resolve on the command line when unique (``learning_rate=1e-4``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxcore.sharding import MeshConfig
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Where the transformer comes from, and how it computes.
+
+    Exactly one source: ``pretrained_model_name_or_path`` (a diffusers pipeline directory with
+    ``transformer/``, or a transformer directory; fine-tuning), ``model_config`` (a YAML whose
+    ``model_config_section`` holds the architecture; from scratch) or ``init_from`` (a previous
+    train artifact; its ``init_checkpoint``: "final", "best" or a step number).
+    """
+
+    pretrained_model_name_or_path: str | None = None
+    model_config: str | None = None
+    model_config_section: str = "transformer"
+    init_from: str | None = None
+    init_checkpoint: str = "final"
+    weights_dtype: Literal["float32", "bfloat16"] = "float32"
+    activations_dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: str = "dot_product"
+    remat_policy: str = "none"
+
+    def __post_init__(self):
+        sources = [
+            k
+            for k in ("pretrained_model_name_or_path", "model_config", "init_from")
+            if getattr(self, k)
+        ]
+        if len(sources) != 1:
+            raise ValueError(
+                "set exactly one of model.pretrained_model_name_or_path, model.model_config, "
+                f"model.init_from (got {sources or 'none'})"
+            )
+        ic = self.init_checkpoint
+        if ic not in ("final", "best") and not ic.isdigit():
+            raise ValueError(f"init_checkpoint must be 'final', 'best' or a step, got {ic!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """Input pipeline. ``synthetic`` feeds random tensors of the configured shapes."""
+
+    dataset_type: Literal["tfrecord", "synthetic"] = "tfrecord"
+    shuffle_buffer_size: int = 1024
+    prefetch_batches: int = 2
+    synthetic_latent_shape: tuple[int, ...] = (4, 1, 8, 8)
+    synthetic_text_shape: tuple[int, ...] = (8, 32)
+
+    def __post_init__(self):
+        if self.shuffle_buffer_size < 1:
+            raise ValueError(f"shuffle_buffer_size must be >= 1, got {self.shuffle_buffer_size}")
+        if len(self.synthetic_latent_shape) != 4:
+            raise ValueError(
+                f"synthetic_latent_shape must be [C, F, H, W], got {self.synthetic_latent_shape}"
+            )
+        if len(self.synthetic_text_shape) != 2:
+            raise ValueError(
+                f"synthetic_text_shape must be [L, D], got {self.synthetic_text_shape}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSection:
+    """optax AdamW with linear warm-up then constant or cosine decay, and global-norm clipping."""
+
+    learning_rate: float = 1e-5
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps_fraction: float = 0.1
+    end_learning_rate_fraction: float = 0.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    adam_weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self):
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not 0.0 <= self.warmup_steps_fraction < 1.0:
+            raise ValueError(
+                f"warmup_steps_fraction must be in [0, 1), got {self.warmup_steps_fraction}"
+            )
+        if self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (0 = off), got {self.max_grad_norm}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveSection:
+    """Flow-matching objective (Wan / SD3): timestep sampling and optional loss weighting.
+
+    ``timestep_sampling``: "uniform" t~U[0,1); "logit_normal" t=sigmoid(N(logit_mean,
+    logit_std)); "shifted" (MaxDiffusion's Wan trainer) t~U then t'=s*t/(1+(s-1)t) with
+    s=``timestep_shift``. ``loss_weighting``: "none" or "gaussian" (a bell around
+    ``weighting_center`` in timestep units, normalised over the schedule, not the batch).
+    """
+
+    timestep_sampling: Literal["uniform", "logit_normal", "shifted"] = "shifted"
+    timestep_shift: float = 3.0
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    loss_weighting: Literal["none", "gaussian"] = "none"
+    weighting_center: float = 500.0
+    weighting_width: float = 250.0
+
+    def __post_init__(self):
+        if self.timestep_shift <= 0:
+            raise ValueError(f"timestep_shift must be > 0, got {self.timestep_shift}")
+        if self.logit_std <= 0 or self.weighting_width <= 0:
+            raise ValueError("logit_std and weighting_width must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    """orbax checkpoints inside the artifact (``checkpoints/<step>``)."""
+
+    checkpoint_every: int = 100
+    max_to_keep: int = 3
+    enable_async_checkpointing: bool = True
+    save_optimizer: bool = True
+
+    def __post_init__(self):
+        if self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if self.max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1, got {self.max_to_keep}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsSection:
+    """Logging cadence, MFU reference and the optional profiler window."""
+
+    log_every: int = 1
+    peak_flops_per_device: float | None = None  # FLOP/s; None = measured (CPU) or table
+    enable_profiler: bool = False
+    profiler_start_step: int = 2
+    profiler_num_steps: int = 2
+
+    def __post_init__(self):
+        if self.log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {self.log_every}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+    """Periodic eval on the data artifact's eval split (same scoring as ``evaluate``)."""
+
+    eval_every: int = 0  # 0 = never during training
+    eval_batch_size: int = 8
+    eval_seed: int = 0
+    max_eval_records: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """``difforge train configs/stages/train.yml data=<convert artifact> output_dir=...``."""
+
+    output_dir: str
+    model: ModelSection
+    data: str | None = None  # a convert artifact (required unless dataset_type=synthetic)
+    run_name: str = "train"
+    seed: int = 0
+    max_train_steps: int = 100
+    per_device_batch_size: float = 1.0
+    export_diffusers: bool = False
+    jax_cache_dir: str | None = None
+    input: DataSection = dataclasses.field(default_factory=DataSection)
+    optimizer: OptimizerSection = dataclasses.field(default_factory=OptimizerSection)
+    objective: ObjectiveSection = dataclasses.field(default_factory=ObjectiveSection)
+    checkpointing: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
+    evaluation: EvalSection = dataclasses.field(default_factory=EvalSection)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+    def __post_init__(self):
+        if self.max_train_steps < 1:
+            raise ValueError(f"max_train_steps must be >= 1, got {self.max_train_steps}")
+        if self.per_device_batch_size <= 0:
+            raise ValueError(f"per_device_batch_size must be > 0, got {self.per_device_batch_size}")
+        if self.input.dataset_type == "tfrecord" and not self.data:
+            raise ValueError("data (a convert artifact) is required unless dataset_type=synthetic")
+        if self.evaluation.eval_every and not self.data:
+            raise ValueError("eval_every needs data (a convert artifact with an eval split)")
+
+
+def global_batch_size(per_device_batch_size: float, num_devices: int) -> int:
+    """MaxDiffusion: ``per_device_batch_size`` may be fractional; the product must be whole."""
+    total = per_device_batch_size * num_devices
+    if abs(total - round(total)) > 1e-9 or round(total) < 1:
+        raise ValueError(
+            f"per_device_batch_size={per_device_batch_size} x {num_devices} devices = {total} "
+            "is not a whole global batch"
+        )
+    return int(round(total))

@@ -1,0 +1,203 @@
+"""Input pipelines: a convert artifact's TFRecords (tf.data) or synthetic tensors, as global
+batches sharded over the mesh's batch axes.
+
+Reproducible on resume: the record order depends only on the seed (a seeded shuffle that is
+reshuffled per epoch, deterministically) and the pipeline starts at ``start_step * batch``
+records, so a resumed run reads the same batches as an uninterrupted one. Skipping reads the
+raw record bytes it passes over (no parsing), which is cheap next to a training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxcore import sharding, storage
+from jaxcore.artifacts import ArtifactError, Manifest
+from stages import records
+from stages.errors import StageInputError
+
+log = logging.getLogger(__name__)
+
+Batch = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """Shapes and shard files of one split of a convert artifact."""
+
+    artifact_uri: str
+    split: str
+    shards: tuple[str, ...]  # absolute URIs
+    records: int
+    latent_shape: tuple[int, ...]
+    text_shape: tuple[int, ...]
+    timesteps_list: tuple[int, ...] = ()
+
+
+def _shape(summary: dict, key: str, rank: int, uri: str) -> tuple[int, ...]:
+    value = summary.get(key)
+    if not isinstance(value, list) or len(value) != rank:
+        raise StageInputError(
+            f"{uri}: manifest summary {key!r} must be a list of {rank} ints, got {value!r}"
+        )
+    return tuple(int(v) for v in value)
+
+
+def split_spec(manifest: Manifest, split: str) -> DataSpec:
+    """Read a split's shard list and shapes from a convert manifest; missing files are errors."""
+    summary = manifest.summary
+    info = (summary.get("splits") or {}).get(split)
+    if not info or not info.get("shards"):
+        raise StageInputError(f"{manifest.uri}: the manifest has no {split!r} split with shards")
+    shards = []
+    present = {f.path for f in storage.list_files(manifest.uri)}
+    for rel in info["shards"]:
+        try:
+            uri = manifest.path(rel)
+        except ArtifactError as err:
+            raise StageInputError(str(err)) from None
+        if rel not in present:
+            raise StageInputError(f"{manifest.uri}: shard {rel} is listed but missing")
+        shards.append(uri)
+    return DataSpec(
+        artifact_uri=manifest.uri,
+        split=split,
+        shards=tuple(shards),
+        records=int(info.get("records", 0)),
+        latent_shape=_shape(summary, "latent_shape", 4, manifest.uri),
+        text_shape=_shape(summary, "text_shape", 2, manifest.uri),
+        timesteps_list=tuple(int(t) for t in summary.get("timesteps_list") or ()),
+    )
+
+
+def check_model_shapes(spec_latent, spec_text, in_channels: int, text_dim: int, where: str):
+    """The data must fit the model: latent channels = in_channels, text width = text_dim."""
+    if spec_latent[0] != in_channels:
+        raise StageInputError(
+            f"{where}: latent_shape {list(spec_latent)} has {spec_latent[0]} channels but the "
+            f"model's in_channels is {in_channels}"
+        )
+    if spec_text[1] != text_dim:
+        raise StageInputError(
+            f"{where}: text_shape {list(spec_text)} has width {spec_text[1]} but the model's "
+            f"text_dim is {text_dim}"
+        )
+
+
+def host_shards(shards: tuple[str, ...]) -> list[str]:
+    """This host's share of the shard files (local paths; gs:// shards are cached locally)."""
+    index, count = jax.process_index(), jax.process_count()
+    mine = list(shards[index::count])
+    if not mine:
+        raise StageInputError(
+            f"{len(shards)} shard files cannot be split over {count} hosts: write more shards"
+        )
+    return [str(storage.local_copy(s)) for s in mine]
+
+
+def tf_dataset(
+    spec: DataSpec,
+    local_batch: int,
+    *,
+    seed: int,
+    start_step: int,
+    shuffle_buffer: int,
+    prefetch: int,
+    repeat: bool = True,
+    with_timesteps=False,
+):
+    """tf.data: seeded shuffle (reshuffled per epoch), repeat, skip to ``start_step``, parse."""
+    import tensorflow as tf
+
+    ds = tf.data.TFRecordDataset(host_shards(spec.shards))
+    if repeat:
+        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True).repeat()
+        ds = ds.skip(start_step * local_batch)
+
+    def parse(x):
+        return records.parse_example(x, spec.latent_shape, spec.text_shape, with_timesteps)
+
+    ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    ds = ds.batch(local_batch, drop_remainder=repeat)
+    return ds.prefetch(prefetch)
+
+
+def _explain_tf_error(spec: DataSpec, err: Exception) -> StageInputError:
+    """Find the shard a tf.data error came from by reading each alone (only on the error path)."""
+    import tensorflow as tf
+
+    for shard in host_shards(spec.shards):
+        try:
+            ds = tf.data.TFRecordDataset([shard]).map(
+                lambda x: records.parse_example(x, spec.latent_shape, spec.text_shape)
+            )
+            for _ in ds:
+                pass
+        except tf.errors.OpError as shard_err:
+            first = str(shard_err.message).strip().splitlines()[0]
+            return StageInputError(f"{spec.artifact_uri}: bad records in {shard}: {first}")
+    first = str(getattr(err, "message", err)).strip().splitlines()[0]
+    return StageInputError(f"{spec.artifact_uri} ({spec.split}): cannot read records: {first}")
+
+
+def iterate_numpy(spec: DataSpec, dataset) -> Iterator[Batch]:
+    """Yield numpy batches; a corrupt shard or a record of the wrong shape names the shard."""
+    import tensorflow as tf
+
+    iterator = iter(dataset)
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except tf.errors.OpError as err:
+            raise _explain_tf_error(spec, err) from None
+        yield {k: v.numpy() for k, v in batch.items()}
+
+
+def synthetic_batches(
+    latent_shape, text_shape, local_batch: int, *, seed: int, start_step: int
+) -> Iterator[Batch]:
+    """Random tensors indexed by step (so resume sees the same ones), for benchmarking."""
+    step = start_step
+    while True:
+        rng = np.random.default_rng([seed, step, jax.process_index()])
+        yield {
+            records.LATENTS: rng.standard_normal((local_batch, *latent_shape), np.float32),
+            records.TEXT: rng.standard_normal((local_batch, *text_shape), np.float32),
+        }
+        step += 1
+
+
+def batch_sharding(mesh: Mesh, rank: int) -> NamedSharding:
+    """Leading (batch) axis over the activation-batch mesh axes, the rest replicated."""
+    batch_axes = sharding.logical_to_spec(("activation_batch",))[0]
+    return NamedSharding(mesh, PartitionSpec(batch_axes, *([None] * (rank - 1))))
+
+
+def local_batch_size(global_batch: int) -> int:
+    count = jax.process_count()
+    if global_batch % count:
+        raise StageInputError(
+            f"the global batch {global_batch} does not split over {count} hosts "
+            "(per_device_batch_size x devices must be a multiple of the host count)"
+        )
+    return global_batch // count
+
+
+def to_global(batch: Batch, mesh: Mesh, global_batch: int, keys=(records.LATENTS, records.TEXT)):
+    """Assemble each host's slice into one global jax.Array per key, sharded on the mesh."""
+    out = {}
+    for key in keys:
+        local = batch[key]
+        shape = (global_batch, *local.shape[1:])
+        out[key] = jax.make_array_from_process_local_data(
+            batch_sharding(mesh, local.ndim), local, shape
+        )
+    return out

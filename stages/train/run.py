@@ -1,0 +1,48 @@
+"""``difforge train``: thin entry point; the work is in ``stages.train.loop``."""
+
+from __future__ import annotations
+
+import logging
+
+from jaxcore.artifacts import ArtifactWriter, Manifest, open_artifact
+from stages.train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def run(config: TrainConfig, *, force: bool = False) -> Manifest | None:
+    """Train (resuming from the output's latest checkpoint) and commit the artifact.
+
+    Returns None, with no manifest written, when SIGTERM stopped the run after a checkpoint.
+    """
+    from stages.train import loop
+
+    loop.maybe_initialize_distributed()
+    inputs = {}
+    data_manifest = open_artifact(config.data, "convert") if config.data else None
+    if data_manifest is not None:
+        inputs["data"] = data_manifest
+    if config.model.init_from:
+        inputs["init_from"] = open_artifact(config.model.init_from, "train")
+    writer = ArtifactWriter(config.output_dir, "train", config, inputs)
+    done = writer.existing(force)
+    if done is not None:
+        log.info("train: %s is already finished (same config and inputs)", done.uri)
+        return done
+    result = loop.train(config, writer.uri, data_manifest)
+    if result.preempted:
+        log.warning("train: stopped at step %d by SIGTERM; rerun to resume", result.final_step)
+        return None
+    return writer.commit(
+        {
+            "final_step": result.final_step,
+            "final_loss": result.final_loss,
+            "checkpoints": result.checkpoints,
+            "checkpoint_dir": loop.CHECKPOINT_DIR,
+            "model_config": result.model_config,
+            "model_source": result.model_source,
+            "eval_history": result.eval_history,
+            "best_checkpoint_step": result.best_checkpoint_step,
+            "exported_transformer": "transformer" if config.export_diffusers else None,
+        }
+    )
