@@ -4,7 +4,8 @@ Tolerances (stated, and what was reached when written):
 - float32 forward: ``FP32_ATOL = 1e-5`` (reached ~6e-7).
 - float32 gradients: ``GRAD_ATOL = 1e-5`` (reached ~1e-6).
 - bfloat16 inputs, compared with dot_product on the same bf16 inputs: ``BF16_ATOL = 3e-2``
-  (bf16 has an 8-bit mantissa; outputs are O(1)).
+  (reached 7.8e-3, one bf16 ulp at 1; outputs are O(1)).
+- Flash memory at Lq = Lk = 4096, D = 8: temp 2.5 MB vs 134 MB for dot_product.
 """
 
 from __future__ import annotations
