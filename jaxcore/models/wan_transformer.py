@@ -173,12 +173,14 @@ def _rope_angles_1d(dim: int, positions: int, theta: float) -> np.ndarray:
 
 def rope_cos_sin(
     grid: tuple[int, int, int], head_dim: int, max_seq_len: int, theta: float = 10000.0
-) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin tables [L, head_dim/2] for a (frames, height, width) token grid.
+) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [L, head_dim/2] (float32) for a (frames, height, width) token grid.
 
     Each pair (2i, 2i+1) of the head dim rotates by one angle; the pairs are split into a
-    frame part, a height part and a width part (diffusers WanRotaryPosEmbed). Computed on the
-    host in float64 (shapes are static), then rounded to float32.
+    frame part, a height part and a width part (diffusers WanRotaryPosEmbed). The small
+    per-axis tables are computed on the host in float64 and rounded to float32, as diffusers
+    does; only their broadcast to the token grid happens in the graph, so a 75k-token video
+    does not embed a large constant.
     """
     for axis, n in zip(("frames", "height", "width"), grid, strict=True):
         if n > max_seq_len:
@@ -186,19 +188,24 @@ def rope_cos_sin(
                 f"{n} latent {axis} after patching exceed rope_max_seq_len={max_seq_len}"
             )
     f, h, w = grid
-    dim_f, dim_h, dim_w = rope_axis_dims(head_dim)
-    ang_f = _rope_angles_1d(dim_f, f, theta)[:, None, None, :]
-    ang_h = _rope_angles_1d(dim_h, h, theta)[None, :, None, :]
-    ang_w = _rope_angles_1d(dim_w, w, theta)[None, None, :, :]
-    angles = np.concatenate(
-        [
-            np.broadcast_to(ang_f, (f, h, w, ang_f.shape[-1])),
-            np.broadcast_to(ang_h, (f, h, w, ang_h.shape[-1])),
-            np.broadcast_to(ang_w, (f, h, w, ang_w.shape[-1])),
-        ],
-        axis=-1,
-    ).reshape(f * h * w, head_dim // 2)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    axis_angles = [
+        _rope_angles_1d(dim, n, theta)
+        for dim, n in zip(rope_axis_dims(head_dim), grid, strict=True)
+    ]
+    expand = (
+        lambda t: t[:, None, None, :],
+        lambda t: t[None, :, None, :],
+        lambda t: t[None, None, :, :],
+    )
+
+    def table(fn: Callable[[np.ndarray], np.ndarray]) -> jax.Array:
+        parts = [
+            jnp.broadcast_to(put(jnp.asarray(fn(a).astype(np.float32))), (f, h, w, a.shape[-1]))
+            for put, a in zip(expand, axis_angles, strict=True)
+        ]
+        return jnp.concatenate(parts, axis=-1).reshape(f * h * w, head_dim // 2)
+
+    return table(np.cos), table(np.sin)
 
 
 def apply_rope(x_blhd: jax.Array, cos_lk: jax.Array, sin_lk: jax.Array) -> jax.Array:
@@ -541,7 +548,8 @@ class WanTransformer(nn.Module):
         x = sharding.constrain(x.reshape(batch, -1, dim), _BATCH_LENGTH_EMBED)
 
         rope = tuple(
-            jnp.asarray(t) for t in rope_cos_sin(grid, cfg.attention_head_dim, cfg.rope_max_seq_len)
+            sharding.constrain(t, ("activation_length", "activation_kv"))
+            for t in rope_cos_sin(grid, cfg.attention_head_dim, cfg.rope_max_seq_len)
         )
         temb, temb_6d, context = ConditionEmbedder(
             cfg, self.dtype, self.param_dtype, name="condition_embedder"
