@@ -140,7 +140,13 @@ def make_mesh(
         ici = [shape[a] // dcn[a] for a in MESH_AXES]
         grid = mesh_utils.create_hybrid_device_mesh(ici, [dcn[a] for a in MESH_AXES], devices)
     else:
-        grid = np.asarray(devices).reshape([shape[a] for a in MESH_AXES])
+        from jax.experimental import mesh_utils
+
+        sizes = [shape[a] for a in MESH_AXES]
+        try:  # orders devices along the physical interconnect on TPU
+            grid = mesh_utils.create_device_mesh(sizes, devices)
+        except (ValueError, NotImplementedError, AssertionError):
+            grid = np.asarray(devices).reshape(sizes)
     return Mesh(grid, MESH_AXES)
 
 
