@@ -1,0 +1,405 @@
+"""train stage: pure pieces, the input pipeline, sharded-vs-unsharded steps, end to end.
+
+Tolerances: a training step on dp/fsdp/tp meshes matches the single-device step to 1e-5
+(loss) and 5e-5 absolute (updated parameters after one AdamW step at lr 1e-3; Adam divides by
+sqrt(v), which magnifies fp32 reduction-order differences of tiny gradients).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from jaxcore import sharding
+from jaxcore.artifacts import ArtifactError
+from jaxcore.config import load_config
+from pipelines.cli import main
+from stages import records
+from stages.errors import StageInputError
+from stages.train import data, model, objective, trainer
+from stages.train.config import ObjectiveSection, OptimizerSection, TrainConfig, global_batch_size
+from stages.train.testing import TinyDataConfig, write_convert_artifact
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_YML = REPO / "configs" / "stages" / "train.yml"
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> str:
+    uri = str(tmp_path_factory.mktemp("data") / "convert")
+    write_convert_artifact(uri)
+    return uri
+
+
+@pytest.fixture(scope="module")
+def one_layer_model(tmp_path_factory) -> str:
+    """The tiny Wan with one block (compiles faster)."""
+    sections = yaml.safe_load((REPO / "configs/models/wan_tiny.yml").read_text())
+    sections["transformer"]["num_layers"] = 1
+    path = tmp_path_factory.mktemp("model") / "wan_one_layer.yml"
+    path.write_text(yaml.safe_dump(sections))
+    return str(path)
+
+
+def _config(output_dir, *overrides) -> TrainConfig:
+    return load_config(TrainConfig, TRAIN_YML, [f"output_dir={output_dir}", *overrides])
+
+
+# --- pure pieces ------------------------------------------------------------------------------
+
+
+def test_checked_in_config_loads():
+    cfg = load_config(TrainConfig, TRAIN_YML, ["learning_rate=1e-4", "dataset_type=synthetic"])
+    assert cfg.optimizer.learning_rate == 1e-4
+    assert cfg.model.model_config == "configs/models/wan_tiny.yml"
+
+
+def test_fractional_per_device_batch_must_make_a_whole_batch():
+    assert global_batch_size(0.5, 8) == 4
+    with pytest.raises(ValueError, match="per_device_batch_size=0.3"):
+        global_batch_size(0.3, 8)
+
+
+def test_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ValueError, match="exactly one of model"):
+        _config(tmp_path, "model.init_from=/x")
+    with pytest.raises(ValueError, match="data"):
+        _config(tmp_path, "dataset_type=tfrecord")
+
+
+def test_warmup_then_constant_and_cosine():
+    sched = trainer.learning_rate_schedule(OptimizerSection(learning_rate=1.0), 100)
+    assert float(sched(0)) == 0.0 and float(sched(5)) == pytest.approx(0.5)
+    assert float(sched(50)) == 1.0
+    cos = trainer.learning_rate_schedule(
+        OptimizerSection(learning_rate=1.0, lr_schedule="cosine"), 100
+    )
+    assert float(cos(10)) == pytest.approx(1.0) and float(cos(100)) == pytest.approx(0.0)
+
+
+def test_shifted_timesteps_follow_the_maxdiffusion_formula():
+    key = jax.random.key(3)
+    u = np.asarray(jax.random.uniform(key, (1000,)))
+    t = np.asarray(objective.sample_t(key, 1000, ObjectiveSection(timestep_shift=3.0)))
+    np.testing.assert_allclose(t, 3 * u / (1 + 2 * u), rtol=1e-6)
+    assert t.mean() > u.mean()  # the shift moves mass to high noise
+
+
+def test_loss_weight_is_normalised_over_the_schedule_not_the_batch():
+    cfg = ObjectiveSection(loss_weighting="gaussian")
+    grid = np.linspace(0, 1000, 1001)
+    assert float(np.mean(objective.loss_weight(grid, cfg))) == pytest.approx(1.0, rel=1e-5)
+    one = objective.loss_weight(np.array([500.0]), cfg)  # a batch of one stays finite
+    assert np.isfinite(one).all() and float(one[0]) > 1.0
+
+
+def test_noisy_input_and_target():
+    x0, noise = np.ones((2, 3)), np.full((2, 3), 3.0)
+    xt = objective.noisy_input(x0, noise, np.array([0.0, 1.0]))
+    np.testing.assert_allclose(xt, [[1, 1, 1], [3, 3, 3]])
+    np.testing.assert_allclose(objective.velocity_target(x0, noise), 2.0)
+
+
+# --- input pipeline ---------------------------------------------------------------------------
+
+
+def _take(spec, start_step, steps, batch=4):
+    ds = data.tf_dataset(spec, batch, seed=7, start_step=start_step, shuffle_buffer=16, prefetch=1)
+    it = data.iterate_numpy(spec, ds)
+    return [next(it) for _ in range(steps)]
+
+
+def test_data_order_is_reproducible_from_any_step(tiny_data):
+    """A pipeline started at step k yields exactly batches k.. of an uninterrupted one, across
+    epoch boundaries (32 records / batch 4 = 8 steps per epoch)."""
+    spec = data.split_spec(_open(tiny_data), "train")
+    full = _take(spec, 0, 12)
+    resumed = _take(spec, 7, 5)
+    for a, b in zip(full[7:], resumed, strict=True):
+        assert list(a[records.SOURCE_ID]) == list(b[records.SOURCE_ID])
+        np.testing.assert_array_equal(a[records.LATENTS], b[records.LATENTS])
+    epoch1 = sorted(s for b in full[:8] for s in b[records.SOURCE_ID])
+    assert len(set(epoch1)) == 32  # each record once per epoch
+    assert [s for b in full[8:10] for s in b[records.SOURCE_ID]] != [
+        s for b in full[:2] for s in b[records.SOURCE_ID]
+    ]  # reshuffled per epoch
+
+
+def _open(uri):
+    from jaxcore.artifacts import open_artifact
+
+    return open_artifact(uri, "convert")
+
+
+def test_corrupt_shard_is_named(tmp_path):
+    uri = str(tmp_path / "convert")
+    manifest = write_convert_artifact(uri, TinyDataConfig(train_records=8))
+    shard = Path(uri) / manifest.summary["splits"]["train"]["shards"][1]
+    raw = bytearray(shard.read_bytes())
+    raw[40:60] = b"\xff" * 20
+    shard.write_bytes(bytes(raw))
+    spec = data.split_spec(_open(uri), "train")
+    with pytest.raises(StageInputError, match="train-00001-of-00002"):
+        _take(spec, 0, 3, batch=2)
+
+
+def test_missing_shard_and_missing_manifest(tmp_path):
+    uri = str(tmp_path / "convert")
+    manifest = write_convert_artifact(uri, TinyDataConfig(train_records=4, eval_records=2))
+    rel = manifest.summary["splits"]["train"]["shards"][0]
+    (Path(uri) / rel).unlink()
+    with pytest.raises(StageInputError, match=rel):
+        data.split_spec(_open(uri), "train")
+    with pytest.raises(ArtifactError, match="manifest.json"):
+        _open(str(tmp_path / "nothing"))
+
+
+def test_mismatched_record_shape_names_the_feature(tmp_path):
+    uri = str(tmp_path / "convert")
+    write_convert_artifact(uri, TinyDataConfig(train_records=4, eval_records=2))
+    # a manifest claiming another latent shape than the records hold
+    mpath = Path(uri) / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["summary"]["latent_shape"] = [4, 1, 4, 4]
+    mpath.write_text(json.dumps(m))
+    spec = data.split_spec(_open(uri), "train")
+    with pytest.raises(StageInputError, match="latents"):
+        _take(spec, 0, 1, batch=2)
+    with pytest.raises(StageInputError, match="in_channels"):
+        data.check_model_shapes((8, 1, 4, 4), (8, 32), 4, 32, uri)
+
+
+def test_synthetic_batches_are_indexed_by_step():
+    a = data.synthetic_batches((4, 1, 2, 2), (3, 8), 2, seed=1, start_step=0)
+    b = data.synthetic_batches((4, 1, 2, 2), (3, 8), 2, seed=1, start_step=2)
+    first = [next(a) for _ in range(3)]
+    np.testing.assert_array_equal(first[2][records.LATENTS], next(b)[records.LATENTS])
+
+
+# --- the step on meshes -----------------------------------------------------------------------
+
+
+def _one_step(model_yaml, mesh):
+    section = model.ModelSection(model_config=model_yaml)
+    module, params, _ = model.build_model(section, mesh, jax.random.key(0))
+    tx, sched = trainer.make_optimizer(
+        OptimizerSection(learning_rate=1e-3, warmup_steps_fraction=0.0), 10
+    )
+    p_sh = model.param_target_shardings(module, mesh)
+    o_sh = trainer.opt_state_shardings(tx, params, p_sh, mesh)
+    opt = jax.jit(tx.init, out_shardings=o_sh)(params)
+    step = trainer.make_train_step(module, tx, sched, ObjectiveSection(), mesh, p_sh, o_sh, 0)
+    rng = np.random.default_rng(0)
+    host = {
+        records.LATENTS: rng.standard_normal((8, 4, 1, 8, 8), np.float32),
+        records.TEXT: rng.standard_normal((8, 8, 32), np.float32),
+    }
+    params, _, metrics = step(params, opt, data.to_global(host, mesh, 8), 0)
+    return jax.device_get(params), float(metrics["loss"])
+
+
+MESHES = {
+    "dp": sharding.MeshConfig(ici_data_parallelism=8),
+    "fsdp": sharding.MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=8),
+    "tp": sharding.MeshConfig(ici_data_parallelism=4, ici_tensor_parallelism=2),
+    "dp_fsdp_tp": sharding.MeshConfig(
+        ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def single_device_step(one_layer_model):
+    single = sharding.make_mesh(sharding.MeshConfig(), devices=jax.devices()[:1])
+    assert single.size == 1
+    return _one_step(one_layer_model, single)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "dp_fsdp_tp",
+        pytest.param("dp", marks=pytest.mark.slow),
+        pytest.param("fsdp", marks=pytest.mark.slow),
+        pytest.param("tp", marks=pytest.mark.slow),
+    ],
+)
+def test_sharded_step_equals_single_device_step(name, one_layer_model, single_device_step):
+    ref_params, ref_loss = single_device_step
+    params, loss = _one_step(one_layer_model, sharding.make_mesh(MESHES[name]))
+    assert loss == pytest.approx(ref_loss, abs=1e-5)
+    worst = max(
+        jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), params, ref_params))
+    )
+    assert worst < 5e-5, worst
+    moved = max(
+        jax.tree.leaves(
+            jax.tree.map(
+                lambda a, b: float(np.max(np.abs(a - b))), params, _initial(one_layer_model)
+            )
+        )
+    )
+    assert moved > 1e-4  # the step did change the parameters
+
+
+def _initial(model_yaml):
+    section = model.ModelSection(model_config=model_yaml)
+    mesh = sharding.make_mesh(sharding.MeshConfig(), devices=jax.devices()[:1])
+    _, params, _ = model.build_model(section, mesh, jax.random.key(0))
+    return jax.device_get(params)
+
+
+# --- end to end -------------------------------------------------------------------------------
+
+
+def _summary(uri):
+    return json.loads((Path(uri) / "manifest.json").read_text())["summary"]
+
+
+def _losses(uri):
+    rows = [json.loads(x) for x in (Path(uri) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+@pytest.mark.slow
+def test_end_to_end_train_and_evaluate_local(tiny_data, one_layer_model, tmp_path):
+    """~100 steps on the tiny dataset: training loss falls, the last checkpoint scores better
+    than the first, evaluate names the best checkpoint, export writes diffusers weights."""
+    out = tmp_path / "train"
+    rc = main(
+        [
+            "train",
+            str(TRAIN_YML),
+            f"data={tiny_data}",
+            f"output_dir={out}",
+            "dataset_type=tfrecord",
+            f"model.model_config={one_layer_model}",
+            "max_train_steps=100",
+            "checkpoint_every=25",
+            "max_to_keep=5",
+            "eval_every=25",
+            "learning_rate=3e-3",
+            "export_diffusers=true",
+            "-q",
+        ]
+    )
+    assert rc == 0
+    summary = _summary(out)
+    assert summary["checkpoints"] == [25, 50, 75, 100] and summary["final_step"] == 100
+    losses = _losses(out)
+    first, last = (
+        np.mean([losses[s] for s in range(1, 11)]),
+        np.mean([losses[s] for s in range(91, 101)]),
+    )
+    assert last < 0.5 * first, (first, last)
+    history = {e["step"]: e["eval_loss"] for e in summary["eval_history"]}
+    assert history[100] < history[25]
+    assert (out / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    assert (out / "loss_curve.png").stat().st_size > 1000
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+    ev = tmp_path / "eval"
+    args = [
+        "evaluate",
+        str(REPO / "configs/stages/evaluate.yml"),
+        f"checkpoints={out}",
+        f"data={tiny_data}",
+        f"output_dir={ev}",
+        "-q",
+    ]
+    assert main(args) == 0
+    ev_summary = _summary(ev)
+    assert ev_summary["best_checkpoint_step"] == min(history, key=history.get)
+    for step, loss in history.items():  # evaluate and periodic eval share the scoring code
+        assert ev_summary["eval_loss"][str(step)] == pytest.approx(loss, rel=1e-5)
+
+
+def _train_cmd(data_uri, model_yaml, out, steps):
+    return [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "train",
+        str(TRAIN_YML),
+        f"data={data_uri}",
+        f"output_dir={out}",
+        "dataset_type=tfrecord",
+        f"model.model_config={model_yaml}",
+        f"max_train_steps={steps}",
+        "checkpoint_every=4",
+        "max_to_keep=2",
+        "enable_async_checkpointing=false",
+        "-q",
+    ]
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_data, one_layer_model, tmp_path):
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
+    steps = 12
+    straight = tmp_path / "straight"
+    subprocess.run(
+        _train_cmd(tiny_data, one_layer_model, straight, steps),
+        cwd=REPO,
+        env=env,
+        check=True,
+        timeout=900,
+    )
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _train_cmd(tiny_data, one_layer_model, killed, steps), cwd=REPO, env=env
+    )
+    deadline = time.monotonic() + 600
+    while not (killed / "checkpoints" / "4").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "manifest.json").exists()
+    subprocess.run(
+        _train_cmd(tiny_data, one_layer_model, killed, steps),
+        cwd=REPO,
+        env=env,
+        check=True,
+        timeout=900,
+    )
+    a, b = _losses(straight), _losses(killed)
+    assert sorted(a) == sorted(b) == list(range(1, steps + 1))
+    for s in range(1, steps + 1):
+        assert b[s] == pytest.approx(a[s], rel=1e-6, abs=1e-7), s
+    assert _summary(killed)["final_loss"] == pytest.approx(_summary(straight)["final_loss"])
+
+
+@pytest.mark.slow
+def test_checkpoints_on_gcs_save_keep_resume_and_reshard(gcs_root, one_layer_model):
+    """orbax on the local GCS server: saves every 2 steps keeping 2, a longer run resumes from
+    the latest, and a checkpoint restores onto another mesh shape."""
+    from stages.train import checkpointing, loop
+
+    out = f"{gcs_root}/train"
+    common = [f"model.model_config={one_layer_model}", "checkpoint_every=2", "max_to_keep=2"]
+    first = loop.train(_config(out, *common, "max_train_steps=4"), out)
+    assert first.checkpoints == [2, 4]
+    second = loop.train(_config(out, *common, "max_train_steps=6"), out)
+    assert second.checkpoints == [4, 6]  # resumed at 4 (no step 2 re-saved), kept 2
+    mesh = sharding.make_mesh(sharding.MeshConfig(ici_data_parallelism=2, ici_tensor_parallelism=4))
+    cfg = model.config_from_yaml(one_layer_model, "transformer")
+    module = model.make_module(cfg, model.ModelSection(model_config="x"), mesh)
+    params = checkpointing.restore_params(f"{out}/checkpoints", 6, module, mesh)
+    q = params["blocks_0"]["attn1"]["to_q"]["kernel"]
+    assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert checkpointing.read_meta(f"{out}/checkpoints", 6)["model_config"]["num_layers"] == 1
