@@ -11,6 +11,7 @@ slices; ``-1`` means "the rest of the devices".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -211,3 +212,17 @@ def check_divisible(mesh: Mesh, *, batch: int | None = None, heads: int | None =
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     """Activation sharding hint by logical names; a no-op outside a mesh / rules context."""
     return nn.with_logical_constraint(x, tuple(logical))
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh | None, rules=None):
+    """Activate ``mesh`` and the logical axis rules together.
+
+    Use this, not ``with mesh:`` — under jax >= 0.10 the latter is deprecated and flax's
+    logical sharding constraints silently become no-ops inside it.
+    """
+    with contextlib.ExitStack() as stack:
+        if mesh is not None:
+            stack.enter_context(jax.set_mesh(mesh))
+        stack.enter_context(nn.logical_axis_rules(rules or LOGICAL_AXIS_RULES))
+        yield
