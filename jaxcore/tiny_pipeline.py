@@ -274,3 +274,11 @@ def build_tiny_wan_pipeline(
     )
     _write_json(root / "model_index.json", _model_index(type(tokenizer).__name__))
     return root
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m jaxcore.tiny_pipeline OUTPUT_DIRECTORY")
+    print(build_tiny_wan_pipeline(sys.argv[1]))

@@ -1,0 +1,130 @@
+"""Config of the ``generate`` stage: a frozen dataclass with one section per component.
+
+Key names follow MaxDiffusion where it has one (``pretrained_model_name_or_path``,
+``num_inference_steps``, ``guidance_scale``, ``flow_shift``, ``height``, ``width``,
+``num_frames``, ``fps``, ``seed``, ``per_device_batch_size``, ``attention``,
+``weights_dtype``, ``activations_dtype``). Bare leaf keys resolve on the command line when
+unique (``guidance_scale=1``). Per-prompt values in a ``.jsonl`` prompt file override the
+``sampling`` section for that prompt only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxcore.sharding import MeshConfig
+
+SCHEDULERS = ("unipc", "flow_euler")
+
+
+def check_video_shape(height: int, width: int, num_frames: int, where: str = "") -> None:
+    """Raise ValueError naming the parameter when a shape cannot be rendered by Wan 2.1.
+
+    The VAE downsamples space by 8 and time by 4 (first frame kept), and the transformer
+    patches latents by 2 in space, so height/width must be multiples of 16 and
+    ``num_frames - 1`` a multiple of 4 (diffusers WanPipeline silently rounds; we refuse).
+    """
+    prefix = f"{where}: " if where else ""
+    for name, value in (("height", height), ("width", width)):
+        if not isinstance(value, int) or value < 16 or value % 16:
+            raise ValueError(f"{prefix}{name} must be a positive multiple of 16, got {value!r}")
+    if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % 4:
+        raise ValueError(f"{prefix}num_frames must be 1, 5, 9, ... (4k + 1), got {num_frames!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSection:
+    """Defaults for every prompt (a ``.jsonl`` line may override each of them)."""
+
+    height: int = 480
+    width: int = 832
+    num_frames: int = 81
+    num_inference_steps: int = 50
+    guidance_scale: float = 5.0
+    flow_shift: float | None = None  # None: the pipeline's scheduler_config.json value
+    scheduler: Literal["unipc", "flow_euler"] = "unipc"
+    negative_prompt: str = ""
+    seed: int = 0
+    max_sequence_length: int = 512
+
+    def __post_init__(self):
+        check_video_shape(self.height, self.width, self.num_frames)
+        if self.num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
+        if self.flow_shift is not None and self.flow_shift <= 0:
+            raise ValueError(f"flow_shift must be > 0, got {self.flow_shift}")
+        if self.max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """How the models compute. The source is ``pretrained_model_name_or_path`` (top level)."""
+
+    weights_dtype: Literal["float32", "bfloat16"] = "float32"
+    activations_dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: str = "dot_product"
+    checkpoint: str = "best"  # for a train artifact: "best", "final" or a step number
+    # For a train artifact: the diffusers pipeline that supplies the VAE, text encoder,
+    # tokenizer and scheduler (default: the pipeline the run was fine-tuned from).
+    base_pipeline: str | None = None
+
+    def __post_init__(self):
+        ck = self.checkpoint
+        if ck not in ("best", "final") and not ck.isdigit():
+            raise ValueError(f"checkpoint must be 'best', 'final' or a step, got {ck!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSection:
+    """What each prompt leaves behind, and the run's gallery."""
+
+    fps: int = 16
+    save_arrays: bool = False  # also write <name>.npy: float32 [F, H, W, 3] in [0, 1]
+    writer_threads: int = 4
+    contact_sheet_columns: int = 8
+    thumbnail_size: int = 160
+
+    def __post_init__(self):
+        if self.fps < 1:
+            raise ValueError(f"fps must be >= 1, got {self.fps}")
+        if self.writer_threads < 1:
+            raise ValueError(f"writer_threads must be >= 1, got {self.writer_threads}")
+        if self.contact_sheet_columns < 1:
+            raise ValueError(
+                f"contact_sheet_columns must be >= 1, got {self.contact_sheet_columns}"
+            )
+        if self.thumbnail_size < 8:
+            raise ValueError(f"thumbnail_size must be >= 8, got {self.thumbnail_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    """``difforge generate``: render every prompt of ``prompt_file`` into ``output_dir``.
+
+    ``pretrained_model_name_or_path``: a diffusers Wan pipeline directory (local or gs://), a
+    Hugging Face repo id (from the local cache; nothing is downloaded at run time), or a
+    ``train`` artifact (its ``model.checkpoint``).
+    ``per_device_batch_size``: prompts per device per batch; the global batch is this times the
+    data-parallel ways of the mesh (at least 1), padded up to a multiple of those ways.
+    """
+
+    pretrained_model_name_or_path: str = ""
+    prompt_file: str = ""
+    output_dir: str = ""
+    run_name: str = ""
+    per_device_batch_size: float = 1.0
+    sampling: SamplingSection = dataclasses.field(default_factory=SamplingSection)
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    output: OutputSection = dataclasses.field(default_factory=OutputSection)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+    def __post_init__(self):
+        for key in ("pretrained_model_name_or_path", "prompt_file", "output_dir"):
+            if not getattr(self, key):
+                raise ValueError(f"{key} is required (set it in the YAML or as {key}=...)")
+        if self.per_device_batch_size <= 0:
+            raise ValueError(f"per_device_batch_size must be > 0, got {self.per_device_batch_size}")

@@ -1,0 +1,212 @@
+"""What each rendered prompt leaves in the artifact, and the run's gallery.
+
+Layout of a generate artifact::
+
+    outputs/<name>.png | outputs/<name>.mp4   1-frame renders as PNG, videos as MP4 (H.264)
+    outputs/<name>.npy                        float32 [F, H, W, 3] in [0, 1] (save_arrays=true)
+    thumbs/<name>.png                         first frame, small (for the gallery)
+    records/<name>.json                       per-prompt record, written LAST for that prompt
+    contact_sheet.png, index.html             the gallery of the whole run
+    manifest.json                             written last of all (jaxcore.artifacts)
+
+Every file is written atomically (``storage.write_bytes`` / ``upload_file``: temp + rename
+locally, a single upload on GCS), and a prompt counts as done only when its record exists with
+the same fingerprint, so a killed run leaves no half-visible output and a rerun redoes exactly
+the missing prompts.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from jaxcore import storage
+
+log = logging.getLogger(__name__)
+
+OUTPUTS, THUMBS, RECORDS = "outputs", "thumbs", "records"
+CONTACT_SHEET, GALLERY = "contact_sheet.png", "index.html"
+
+
+def media_path(name: str, num_frames: int) -> str:
+    """Relative path of a prompt's image (1 frame) or video."""
+    return f"{OUTPUTS}/{name}.png" if num_frames == 1 else f"{OUTPUTS}/{name}.mp4"
+
+
+def encode_png(frame_hwc: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.asarray(frame_hwc, np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def encode_mp4(frames_fhwc: np.ndarray, fps: int) -> bytes:
+    """H.264 MP4 through imageio's ffmpeg (bundled by imageio-ffmpeg), via a temp file."""
+    import imageio.v2 as imageio
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "video.mp4")
+        writer = imageio.get_writer(
+            path, fps=fps, codec="libx264", quality=8, macro_block_size=16, ffmpeg_log_level="error"
+        )
+        try:
+            for frame in frames_fhwc:
+                writer.append_data(np.asarray(frame, np.uint8))
+        finally:
+            writer.close()
+        return Path(path).read_bytes()
+
+
+def thumbnail(frame_hwc: np.ndarray, size: int) -> bytes:
+    """PNG of the frame scaled so its longer side is ``size`` (nearest: tiny renders stay crisp)."""
+    from PIL import Image
+
+    image = Image.fromarray(np.asarray(frame_hwc, np.uint8))
+    scale = size / max(image.size)
+    target = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+    buffer = io.BytesIO()
+    image.resize(target, Image.NEAREST).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(array, np.float32), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def write_prompt_outputs(
+    root: str,
+    record: dict,
+    video_fhwc: np.ndarray,
+    *,
+    fps: int,
+    save_arrays: bool,
+    thumbnail_size: int,
+) -> dict:
+    """Encode and write one prompt's files, then its record (last). Returns the record.
+
+    ``video_fhwc``: float32 [F, H, W, 3] in [0, 1]; ``record`` holds id/name/params/...;
+    the written paths are added to it.
+    """
+    from jaxcore.wan_pipeline import to_uint8
+
+    name = record["name"]
+    frames = to_uint8(video_fhwc)
+    output = media_path(name, frames.shape[0])
+    data = encode_png(frames[0]) if frames.shape[0] == 1 else encode_mp4(frames, fps)
+    storage.write_bytes(storage.join(root, output), data)
+    thumb = f"{THUMBS}/{name}.png"
+    storage.write_bytes(storage.join(root, thumb), thumbnail(frames[0], thumbnail_size))
+    record = {**record, "output": output, "thumbnail": thumb, "array": None}
+    if save_arrays:
+        record["array"] = f"{OUTPUTS}/{name}.npy"
+        storage.write_bytes(storage.join(root, record["array"]), npy_bytes(video_fhwc))
+    storage.write_text(
+        storage.join(root, f"{RECORDS}/{name}.json"), json.dumps(record, indent=1, sort_keys=True)
+    )
+    return record
+
+
+def load_records(root: str, threads: int = 8) -> dict[str, dict]:
+    """{name: record} of every finished prompt under ``root`` (unreadable records are skipped:
+    they are rendered again)."""
+    names = [
+        f.path[: -len(".json")]
+        for f in storage.list_files(storage.join(root, RECORDS))
+        if f.path.endswith(".json") and "/" not in f.path and not f.path.startswith(".")
+    ]
+
+    def read(name: str):
+        try:
+            return name, json.loads(storage.read_text(storage.join(root, RECORDS, f"{name}.json")))
+        except (storage.StorageError, json.JSONDecodeError) as err:
+            log.warning("ignoring unreadable record %s: %s", name, err)
+            return name, None
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return {name: rec for name, rec in pool.map(read, names) if rec is not None}
+
+
+def remove_stale_partials(root: str) -> int:
+    """Delete temp files a killed local run left (``.*.partial``); GCS uploads leave none."""
+    if storage.is_gcs(root):
+        return 0
+    removed = 0
+    for folder in (OUTPUTS, THUMBS, RECORDS):
+        path = Path(root) / folder
+        if path.is_dir():
+            for stale in path.glob(".*.partial"):
+                stale.unlink(missing_ok=True)
+                removed += 1
+    return removed
+
+
+def contact_sheet(root: str, records: Iterable[Mapping], columns: int, size: int) -> bytes:
+    """A grid of every prompt's thumbnail (in prompt order) as PNG bytes."""
+    from PIL import Image
+
+    records = list(records)
+    rows = max(1, -(-len(records) // columns))
+    cols = min(columns, max(1, len(records)))
+    pad = 4
+    sheet = Image.new("RGB", (cols * (size + pad) + pad, rows * (size + pad) + pad), (24, 24, 24))
+    for i, record in enumerate(records):
+        thumb = Image.open(io.BytesIO(storage.read_bytes(storage.join(root, record["thumbnail"]))))
+        x = pad + (i % cols) * (size + pad) + (size - thumb.width) // 2
+        y = pad + (i // cols) * (size + pad) + (size - thumb.height) // 2
+        sheet.paste(thumb.convert("RGB"), (x, y))
+    buffer = io.BytesIO()
+    sheet.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def gallery_html(records: Iterable[Mapping], title: str) -> str:
+    """A self-contained index.html: one card per prompt with its media, prompt and settings."""
+    cards = []
+    for record in records:
+        params = record["params"]
+        output = html.escape(record["output"])
+        if output.endswith(".mp4"):
+            media = (
+                f'<video src="{output}" poster="{html.escape(record["thumbnail"])}" '
+                "controls loop muted playsinline></video>"
+            )
+        else:
+            media = f'<img src="{output}" alt="{html.escape(record["id"])}">'
+        settings = (
+            f"seed {params['seed']} · {params['width']}x{params['height']} · "
+            f"{params['num_frames']} frame(s) · {params['num_inference_steps']} steps · "
+            f"guidance {params['guidance_scale']:g} · shift {params['flow_shift']:g}"
+        )
+        negative = params.get("negative_prompt") or ""
+        cards.append(
+            '<figure class="card">'
+            f'<a href="{output}">{media}</a>'
+            f"<figcaption><b>{html.escape(record['id'])}</b> {html.escape(params['prompt'])}"
+            + (f'<br><span class="neg">not: {html.escape(negative)}</span>' if negative else "")
+            + f'<br><span class="meta">{html.escape(settings)} · '
+            f"{record.get('seconds', 0):.2f} s</span></figcaption></figure>"
+        )
+    style = (
+        "body{font-family:sans-serif;background:#111;color:#ddd;margin:1em}"
+        ".grid{display:flex;flex-wrap:wrap;gap:12px}.card{width:260px;margin:0}"
+        ".card img,.card video{width:256px;image-rendering:pixelated;background:#000}"
+        ".meta,.neg{color:#999;font-size:smaller}"
+    )
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title><style>{style}</style></head><body>"
+        f"<h1>{html.escape(title)}</h1><p><img src='{CONTACT_SHEET}' alt='contact sheet'></p>"
+        f"<div class='grid'>{''.join(cards)}</div></body></html>\n"
+    )

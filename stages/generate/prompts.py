@@ -1,0 +1,243 @@
+"""Prompt files -> validated :class:`PromptSpec` list, before anything is rendered.
+
+Formats (local path or ``gs://``):
+- ``.txt``: one prompt per line; blank lines and lines starting with ``#`` are ignored.
+- ``.jsonl``: one JSON object per line (blank and ``#`` lines ignored) with ``prompt`` and
+  optionally ``id``, ``negative_prompt``, ``seed``, ``height``, ``width``, ``num_frames``,
+  ``num_inference_steps``, ``guidance_scale``, ``flow_shift`` and ``latents`` (a ``.npy`` of
+  the initial noise, relative to the prompt file or absolute/gs://).
+
+Every problem (broken JSON, unknown field, wrong type, bad value, empty prompt, duplicate id)
+is a :class:`StageInputError` naming the file and line; all lines are checked first.
+
+Determinism: a prompt without an explicit ``seed`` gets one derived from the config seed and
+its id (:func:`derive_seed`), so its noise never depends on batch composition or device count,
+and the derived seed is recorded so the run can be reproduced elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from collections.abc import Iterable
+
+from jaxcore import storage
+from stages.errors import StageInputError
+from stages.generate.config import SamplingSection, check_video_shape
+
+FIELDS_INT = ("seed", "height", "width", "num_frames", "num_inference_steps")
+FIELDS_FLOAT = ("guidance_scale", "flow_shift")
+FIELDS_STR = ("id", "prompt", "negative_prompt", "latents")
+KNOWN_FIELDS = frozenset((*FIELDS_INT, *FIELDS_FLOAT, *FIELDS_STR))
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+MAX_NAME_LENGTH = 80
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSpec:
+    """One prompt with every render parameter resolved (file values over config defaults)."""
+
+    index: int  # position in the file (0-based, counting prompts only)
+    line: int  # 1-based line number in the prompt file
+    id: str
+    name: str  # file-safe, collision-free output name derived from id
+    prompt: str
+    negative_prompt: str
+    seed: int
+    height: int
+    width: int
+    num_frames: int
+    num_inference_steps: int
+    guidance_scale: float
+    flow_shift: float | None
+    latents: str | None  # URI of a .npy of initial noise, or None
+
+    @property
+    def group_key(self) -> tuple:
+        """Prompts with the same key share one compiled program (shape, steps, CFG on/off)."""
+        return (
+            self.height,
+            self.width,
+            self.num_frames,
+            self.num_inference_steps,
+            self.guidance_scale > 1.0,
+            self.flow_shift,
+        )
+
+    def params(self) -> dict:
+        """The render parameters, as recorded in the per-prompt record and the manifest."""
+        return {
+            "prompt": self.prompt,
+            "negative_prompt": self.negative_prompt,
+            "seed": self.seed,
+            "height": self.height,
+            "width": self.width,
+            "num_frames": self.num_frames,
+            "num_inference_steps": self.num_inference_steps,
+            "guidance_scale": self.guidance_scale,
+            "flow_shift": self.flow_shift,
+            "latents": self.latents,
+        }
+
+
+def derive_seed(base_seed: int, prompt_id: str) -> int:
+    """A 31-bit seed from the config seed and the prompt id (stable across runs and hosts)."""
+    digest = hashlib.sha256(f"{base_seed}:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def safe_name(prompt_id: str) -> str:
+    """A file name for ``prompt_id``: no path separators, no traversal, no collisions.
+
+    Ids that are already safe (letters, digits, ``._-``, not starting with a dot, at most
+    ``MAX_NAME_LENGTH`` long) are used as they are. Any other id is sanitised and suffixed with
+    a hash of the original, so two different ids never map to the same name.
+    """
+    if (
+        prompt_id
+        and not _UNSAFE.search(prompt_id)
+        and not prompt_id.startswith(".")
+        and len(prompt_id) <= MAX_NAME_LENGTH
+    ):
+        return prompt_id
+    cleaned = _UNSAFE.sub("_", prompt_id).strip("._")[: MAX_NAME_LENGTH - 9] or "prompt"
+    digest = hashlib.sha256(prompt_id.encode()).hexdigest()[:8]
+    return f"{cleaned}-{digest}"
+
+
+def _where(uri: str, line: int) -> str:
+    return f"{uri} line {line}"
+
+
+def _check_type(value, field: str, where: str):
+    """Validate one field's JSON type; ints are accepted for float fields."""
+    if field in FIELDS_INT:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise StageInputError(f"{where}: {field} must be an integer, got {value!r}")
+        return value
+    if field in FIELDS_FLOAT:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise StageInputError(f"{where}: {field} must be a number, got {value!r}")
+        return float(value)
+    if not isinstance(value, str):
+        raise StageInputError(f"{where}: {field} must be a string, got {value!r}")
+    return value
+
+
+def _parse_jsonl_line(text: str, where: str) -> dict:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise StageInputError(
+            f"{where}: malformed JSON ({err.msg} at column {err.colno})"
+        ) from None
+    if not isinstance(record, dict):
+        raise StageInputError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    unknown = sorted(set(record) - KNOWN_FIELDS)
+    if unknown:
+        raise StageInputError(
+            f"{where}: unknown field(s) {unknown}; known fields: {sorted(KNOWN_FIELDS)}"
+        )
+    if "prompt" not in record:
+        raise StageInputError(f"{where}: missing field 'prompt'")
+    return {k: _check_type(v, k, where) for k, v in record.items()}
+
+
+def _resolve_latents(path: str, prompt_file: str) -> str:
+    """A relative ``latents`` path is relative to the prompt file's folder."""
+    if storage.is_gcs(path) or path.startswith("/"):
+        return path
+    folder = prompt_file.rsplit("/", 1)[0] if "/" in prompt_file else "."
+    return storage.join(folder, path)
+
+
+def _check_values(fields: dict, where: str) -> None:
+    if not fields["prompt"].strip():
+        raise StageInputError(f"{where}: empty prompt")
+    if fields["num_inference_steps"] < 1:
+        raise StageInputError(
+            f"{where}: num_inference_steps must be >= 1, got {fields['num_inference_steps']}"
+        )
+    if fields["seed"] < 0:
+        raise StageInputError(f"{where}: seed must be >= 0, got {fields['seed']}")
+    if fields["flow_shift"] is not None and fields["flow_shift"] <= 0:
+        raise StageInputError(f"{where}: flow_shift must be > 0, got {fields['flow_shift']}")
+    try:
+        check_video_shape(fields["height"], fields["width"], fields["num_frames"])
+    except ValueError as err:
+        raise StageInputError(f"{where}: {err}") from None
+
+
+def _raw_entries(uri: str, lines: Iterable[str]) -> Iterable[tuple[int, dict]]:
+    """(line number, fields given on that line) for every prompt line."""
+    is_jsonl = uri.endswith(".jsonl")
+    for number, raw in enumerate(lines, start=1):
+        text = raw.strip()
+        if not text or text.startswith("#"):
+            continue
+        where = _where(uri, number)
+        yield number, _parse_jsonl_line(text, where) if is_jsonl else {"prompt": text}
+
+
+def parse_prompts(uri: str, lines: Iterable[str], defaults: SamplingSection) -> list[PromptSpec]:
+    """Validate every line and resolve defaults; raises StageInputError naming the line."""
+    if not uri.endswith((".txt", ".jsonl")):
+        raise StageInputError(f"prompt_file {uri}: expected a .txt or .jsonl file")
+    specs: list[PromptSpec] = []
+    seen_ids: dict[str, int] = {}
+    seen_names: dict[str, int] = {}
+    for number, given in _raw_entries(uri, lines):
+        where = _where(uri, number)
+        index = len(specs)
+        prompt_id = given.get("id", f"{index:05d}")
+        if not prompt_id.strip():
+            raise StageInputError(f"{where}: empty id")
+        if prompt_id in seen_ids:
+            raise StageInputError(
+                f"{where}: duplicate id {prompt_id!r} (first used on line {seen_ids[prompt_id]})"
+            )
+        seen_ids[prompt_id] = number
+        name = safe_name(prompt_id)
+        if name in seen_names:  # only possible when a raw id equals another's sanitised name
+            raise StageInputError(
+                f"{where}: id {prompt_id!r} gives the output name {name!r} already used on "
+                f"line {seen_names[name]}; choose another id"
+            )
+        seen_names[name] = number
+        fields = {
+            "prompt": given["prompt"],
+            "negative_prompt": given.get("negative_prompt", defaults.negative_prompt),
+            "seed": given.get("seed", derive_seed(defaults.seed, prompt_id)),
+            "height": given.get("height", defaults.height),
+            "width": given.get("width", defaults.width),
+            "num_frames": given.get("num_frames", defaults.num_frames),
+            "num_inference_steps": given.get("num_inference_steps", defaults.num_inference_steps),
+            "guidance_scale": given.get("guidance_scale", defaults.guidance_scale),
+            "flow_shift": given.get("flow_shift", defaults.flow_shift),
+        }
+        _check_values(fields, where)
+        latents = given.get("latents")
+        if latents is not None:
+            if not latents.endswith(".npy"):
+                raise StageInputError(f"{where}: latents must name a .npy file, got {latents!r}")
+            latents = _resolve_latents(latents, uri)
+        specs.append(
+            PromptSpec(index=index, line=number, id=prompt_id, name=name, latents=latents, **fields)
+        )
+    if not specs:
+        raise StageInputError(f"prompt_file {uri} holds no prompts")
+    return specs
+
+
+def read_prompt_file(uri: str, defaults: SamplingSection) -> list[PromptSpec]:
+    """Read and validate a prompt file (local or gs://)."""
+    try:
+        text = storage.read_text(uri)
+    except storage.StorageError:
+        raise StageInputError(f"prompt_file {uri} does not exist") from None
+    except UnicodeDecodeError as err:
+        raise StageInputError(f"prompt_file {uri} is not UTF-8 text: {err}") from None
+    return parse_prompts(uri, text.splitlines(), defaults)

@@ -1,0 +1,198 @@
+"""Bulk rendering: group prompts by shape, batch, shard, render, hand results to writers.
+
+- Prompts are grouped by :attr:`PromptSpec.group_key` (size, frames, steps, CFG on/off, shift)
+  in file order, so each group compiles once; a group is cut into global batches of
+  ``batch_size`` prompts, each padded (by repeating its last prompt) to a multiple of the
+  mesh's batch ways.
+- Each process renders the rows of every batch that land on its own devices (a disjoint share
+  of the list, ``jax.process_index``), and writes only those.
+- Initial noise comes from each prompt's own seed (or its ``latents`` .npy), so a prompt's
+  output never depends on the batch it was in, the batch size or the device count.
+- The device work of batch k+1 is dispatched before the host waits for batch k, and encoding /
+  uploading runs in a writer thread pool, so host and device work overlap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from jaxcore import storage
+from stages.errors import StageInputError
+from stages.generate.prompts import PromptSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One global batch of same-shape prompts, and this process's rows of it."""
+
+    specs: tuple[PromptSpec, ...]  # the real prompts of the whole (global) batch
+    padded_size: int  # global rows after padding (a multiple of the batch ways)
+    local_rows: tuple[int, ...]  # global row indices this process renders
+
+    def row_spec(self, row: int) -> PromptSpec:
+        """The prompt rendered in ``row`` (padding rows repeat the last prompt)."""
+        return self.specs[min(row, len(self.specs) - 1)]
+
+    def local_real(self) -> list[tuple[int, PromptSpec]]:
+        """(row, spec) of this process's rows that hold a real prompt (not padding)."""
+        return [(r, self.specs[r]) for r in self.local_rows if r < len(self.specs)]
+
+
+def global_batch_size(per_device_batch_size: float, batch_ways: int) -> int:
+    """Prompts per batch: ``per_device_batch_size`` x the mesh's batch ways, at least 1."""
+    return max(1, int(round(per_device_batch_size * batch_ways)))
+
+
+def plan_batches(
+    specs: Sequence[PromptSpec],
+    batch_size: int,
+    batch_ways: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> list[Batch]:
+    """Group by shape (first appearance order), cut into batches, pad, split over processes."""
+    groups: dict[tuple, list[PromptSpec]] = {}
+    for spec in specs:
+        groups.setdefault(spec.group_key, []).append(spec)
+    padded = math.ceil(batch_size / batch_ways) * batch_ways
+    if padded % process_count:
+        raise StageInputError(
+            f"a batch of {padded} rows does not split over {process_count} processes; "
+            "raise per_device_batch_size"
+        )
+    per_process = padded // process_count
+    rows = tuple(range(process_index * per_process, (process_index + 1) * per_process))
+    batches = []
+    for members in groups.values():
+        for start in range(0, len(members), batch_size):
+            chunk = tuple(members[start : start + batch_size])
+            batches.append(Batch(chunk, padded, rows))
+    return batches
+
+
+def read_latents(spec: PromptSpec, shape: Sequence[int]) -> np.ndarray:
+    """The prompt's ``latents`` .npy, checked against the expected per-sample shape."""
+    where = f"line {spec.line} (id {spec.id!r})"
+    try:
+        array = np.load(io.BytesIO(storage.read_bytes(spec.latents)), allow_pickle=False)
+    except storage.StorageError:
+        raise StageInputError(f"{where}: latents file {spec.latents} does not exist") from None
+    except ValueError as err:
+        raise StageInputError(
+            f"{where}: latents file {spec.latents} is not a .npy: {err}"
+        ) from None
+    if array.ndim == len(shape) + 1 and array.shape[0] == 1:
+        array = array[0]  # a [1, C, F, H, W] dump of a single-prompt run
+    if tuple(array.shape) != tuple(shape):
+        raise StageInputError(
+            f"{where}: latents {spec.latents} has shape {tuple(array.shape)}, but "
+            f"{spec.height}x{spec.width} with {spec.num_frames} frame(s) needs {tuple(shape)}"
+        )
+    return array.astype(np.float32)
+
+
+def check_latent_files(specs: Sequence[PromptSpec], latent_shape: Callable) -> None:
+    """Before rendering: every ``latents`` file exists and has the right shape."""
+    for spec in specs:
+        if spec.latents is not None:
+            read_latents(spec, latent_shape(spec.height, spec.width, spec.num_frames))
+
+
+def initial_noise(spec: PromptSpec, shape: Sequence[int]) -> np.ndarray:
+    """The prompt's own initial latents: its .npy, or noise from its seed alone."""
+    from jaxcore.wan_pipeline import initial_latents
+
+    if spec.latents is not None:
+        return read_latents(spec, shape)
+    return initial_latents(spec.seed, shape)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    batch: Batch
+    video: object  # jax.Array [local rows, F, H, W, 3], still computing
+    started: float
+
+
+def _dispatch(pipe, batch: Batch, scheduler: str, max_sequence_length: int) -> _InFlight:
+    """Host prep (noise, text) for this process's rows, then queue the device work."""
+    started = time.perf_counter()
+    first = batch.specs[0]
+    shape = pipe.latent_shape(first.height, first.width, first.num_frames)
+    rows = [batch.row_spec(r) for r in batch.local_rows]
+    latents = np.stack([initial_noise(s, shape) for s in rows])
+    use_cfg = first.guidance_scale > 1.0
+    negatives = [s.negative_prompt for s in rows] if use_cfg else None
+    text, neg_text = pipe.encode_prompts([s.prompt for s in rows], negatives, max_sequence_length)
+    z = pipe.sample(
+        latents,
+        text,
+        neg_text,
+        num_inference_steps=first.num_inference_steps,
+        guidance_scale=[s.guidance_scale for s in rows],
+        flow_shift=first.flow_shift,
+        scheduler=scheduler,
+    )
+    return _InFlight(batch, pipe.decode(z), started)
+
+
+def _local_rows(array) -> np.ndarray:
+    """This process's rows of a batch-sharded array, in row order, on the host."""
+    if getattr(array, "is_fully_addressable", True):
+        return np.asarray(array)
+    shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)
+    seen, parts = set(), []
+    for shard in shards:
+        start = shard.index[0].start or 0
+        if start not in seen:
+            seen.add(start)
+            parts.append(np.asarray(shard.data))
+    return np.concatenate(parts)
+
+
+def render_batches(
+    pipe,
+    batches: Sequence[Batch],
+    *,
+    scheduler: str,
+    max_sequence_length: int,
+    on_result: Callable[[PromptSpec, np.ndarray, float, int], dict],
+    writer_threads: int = 4,
+    progress=None,
+) -> list[dict]:
+    """Render every batch; ``on_result(spec, video_fhwc, seconds, batch_size)`` runs in the
+    writer pool for each real prompt of this process. Returns the records it produced."""
+    futures: list[Future] = []
+    with ThreadPoolExecutor(max_workers=writer_threads) as pool:
+
+        def collect(flight: _InFlight) -> None:
+            video = _local_rows(flight.video)  # blocks until the device is done
+            seconds = (time.perf_counter() - flight.started) / max(1, len(flight.batch.specs))
+            offset = flight.batch.local_rows[0]
+            for row, spec in flight.batch.local_real():
+                future = pool.submit(
+                    on_result, spec, video[row - offset], seconds, len(flight.batch.specs)
+                )
+                if progress is not None:
+                    future.add_done_callback(lambda _f: progress.update(1))
+                futures.append(future)
+
+        pending: _InFlight | None = None
+        for batch in batches:
+            current = _dispatch(pipe, batch, scheduler, max_sequence_length)
+            if pending is not None:
+                collect(pending)
+            pending = current
+        if pending is not None:
+            collect(pending)
+        return [f.result() for f in futures]

@@ -1,0 +1,183 @@
+"""``difforge generate``: thin entry point; the work is in prompts / model / render / outputs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+
+from jaxcore import storage
+from jaxcore.artifacts import ArtifactError, ArtifactWriter, Manifest
+from jaxcore.config import to_dict
+from stages.generate import outputs
+from stages.generate.config import GenerateConfig
+from stages.generate.prompts import PromptSpec, read_prompt_file
+
+log = logging.getLogger(__name__)
+
+
+def _run_fingerprint(config: GenerateConfig) -> str:
+    """What, besides a prompt's own parameters, decides its pixels."""
+    payload = {
+        "model": config.pretrained_model_name_or_path,
+        "model_section": to_dict(config.model),
+        "scheduler": config.sampling.scheduler,
+        "max_sequence_length": config.sampling.max_sequence_length,
+        "fps": config.output.fps,
+        "save_arrays": config.output.save_arrays,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _fingerprint(spec: PromptSpec, run_fingerprint: str) -> str:
+    blob = json.dumps({"run": run_fingerprint, "params": spec.params()}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _prompt_file_sha256(uri: str) -> str:
+    return hashlib.sha256(storage.read_bytes(uri)).hexdigest()
+
+
+def _resolve_shift(specs: list[PromptSpec], default_shift: float) -> list[PromptSpec]:
+    """Fill ``flow_shift=None`` with the pipeline's scheduler value (recorded per prompt)."""
+    import dataclasses
+
+    return [
+        s if s.flow_shift is not None else dataclasses.replace(s, flow_shift=default_shift)
+        for s in specs
+    ]
+
+
+def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
+    """Render every prompt not already rendered (same fingerprint), then commit the artifact."""
+    import jax
+    from tqdm import tqdm
+
+    from jaxcore.sharding import make_mesh
+    from stages.generate import model, render
+
+    specs = read_prompt_file(config.prompt_file, config.sampling)  # fails before any work
+    prompt_sha = _prompt_file_sha256(config.prompt_file)
+    train_manifest = model.train_artifact(config.pretrained_model_name_or_path)
+    inputs = {"model": train_manifest} if train_manifest is not None else {}
+    writer = ArtifactWriter(config.output_dir, "generate", config, inputs)
+    done = writer.existing(force)
+    if done is not None:
+        if done.summary.get("prompt_file_sha256") != prompt_sha:
+            raise ArtifactError(
+                f"{writer.uri} is a finished run of an earlier version of {config.prompt_file}; "
+                "pass --force to render what changed, or choose another output_dir"
+            )
+        log.info("generate: %s is already finished (same config and prompts)", done.uri)
+        return done
+
+    mesh = make_mesh(config.mesh)
+    pipe, provenance, _ = model.load(config, mesh)
+    specs = _resolve_shift(specs, pipe.default_flow_shift)
+    render.check_latent_files(specs, pipe.latent_shape)  # also before any rendering
+    run_fp = _run_fingerprint(config)
+    if jax.process_index() == 0:
+        outputs.remove_stale_partials(writer.uri)
+    _barrier("generate-start")
+    finished = outputs.load_records(writer.uri)
+    todo = [
+        s for s in specs if finished.get(s.name, {}).get("fingerprint") != _fingerprint(s, run_fp)
+    ]
+    log.info("generate: %d prompts, %d to render", len(specs), len(todo))
+
+    def write(spec: PromptSpec, video, seconds: float, batch_size: int) -> dict:
+        record = {
+            "id": spec.id,
+            "name": spec.name,
+            "index": spec.index,
+            "line": spec.line,
+            "params": spec.params(),
+            "scheduler": config.sampling.scheduler,
+            "fingerprint": _fingerprint(spec, run_fp),
+            "seconds": seconds,
+            "batch_size": batch_size,
+            "process_index": jax.process_index(),
+        }
+        return outputs.write_prompt_outputs(
+            writer.uri,
+            record,
+            video,
+            fps=config.output.fps,
+            save_arrays=config.output.save_arrays,
+            thumbnail_size=config.output.thumbnail_size,
+        )
+
+    batch_size = render.global_batch_size(config.per_device_batch_size, pipe.batch_ways)
+    batches = render.plan_batches(
+        todo, batch_size, pipe.batch_ways, jax.process_index(), jax.process_count()
+    )
+    started = time.perf_counter()
+    mine = sum(len(b.local_real()) for b in batches)
+    with tqdm(total=mine, unit="prompt", desc="generate", disable=None) as progress:
+        render.render_batches(
+            pipe,
+            batches,
+            scheduler=config.sampling.scheduler,
+            max_sequence_length=config.sampling.max_sequence_length,
+            on_result=write,
+            writer_threads=config.output.writer_threads,
+            progress=progress,
+        )
+    elapsed = time.perf_counter() - started
+    _barrier("generate-rendered")
+    if jax.process_index() != 0:
+        return None  # process 0 writes the gallery and the manifest
+    return _finish(config, writer, specs, run_fp, prompt_sha, provenance, len(todo), elapsed)
+
+
+def _barrier(name: str) -> None:
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _finish(config, writer, specs, run_fp, prompt_sha, provenance, rendered, elapsed) -> Manifest:
+    """Check every prompt has its record, write the contact sheet and gallery, commit."""
+    records = outputs.load_records(writer.uri)
+    ordered = []
+    for spec in specs:
+        record = records.get(spec.name)
+        if record is None or record.get("fingerprint") != _fingerprint(spec, run_fp):
+            raise ArtifactError(
+                f"{writer.uri}: prompt {spec.id!r} (line {spec.line}) has no finished output"
+            )
+        ordered.append(record)
+    sheet = outputs.contact_sheet(
+        writer.uri, ordered, config.output.contact_sheet_columns, config.output.thumbnail_size
+    )
+    storage.write_bytes(writer.file(outputs.CONTACT_SHEET), sheet)
+    title = config.run_name or f"difforge generate: {config.prompt_file}"
+    storage.write_text(writer.file(outputs.GALLERY), outputs.gallery_html(ordered, title))
+    summary = {
+        "prompt_file": config.prompt_file,
+        "prompt_file_sha256": prompt_sha,
+        "model": provenance,
+        "num_prompts": len(specs),
+        "rendered_this_run": rendered,
+        "reused": len(specs) - rendered,
+        "render_seconds": round(elapsed, 3),
+        "contact_sheet": outputs.CONTACT_SHEET,
+        "gallery": outputs.GALLERY,
+        "prompts": [
+            {
+                "id": r["id"],
+                "name": r["name"],
+                "output": r["output"],
+                "array": r["array"],
+                "seed": r["params"]["seed"],
+                "params": r["params"],
+                "seconds": round(r["seconds"], 4),
+            }
+            for r in ordered
+        ],
+    }
+    return writer.commit(summary)
