@@ -503,6 +503,38 @@ def _block_class(remat_policy: str) -> type[nn.Module]:
     return nn.remat(WanBlock, policy=REMAT_POLICIES[remat_policy], prevent_cse=True)
 
 
+class PatchEmbedding(nn.Module):
+    """diffusers' Conv3d(in, D, kernel=stride=patch) as a contraction over patch contents.
+
+    The kernel keeps the flax Conv3d layout [pt, ph, pw, C, D] so ``weights.conv3d`` loads it.
+    """
+
+    config: WanTransformerConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, patches):
+        cfg = self.config
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(
+                nn.initializers.xavier_uniform(in_axis=(0, 1, 2, 3), out_axis=4),
+                (None, None, None, "conv_in", "embed"),
+            ),
+            (*cfg.patch_size, cfg.in_channels, cfg.hidden_dim),
+            self.param_dtype,
+        )
+        bias = self.param(
+            "bias",
+            nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+            (cfg.hidden_dim,),
+            self.param_dtype,
+        )
+        out = jnp.einsum("bfhwtpqc,tpqcd->bfhwd", patches, kernel.astype(self.dtype))
+        return out + bias.astype(self.dtype)
+
+
 class WanTransformer(nn.Module):
     """Wan 2.1 T2V transformer: ``(video [B,C,F,H,W], timestep [B], text [B,L,text_dim])
     -> prediction [B, out_channels, F, H, W]`` (= diffusers WanTransformer3DModel.forward)."""
@@ -572,38 +604,6 @@ class WanTransformer(nn.Module):
             self.param_dtype,
         )(x)
         return unpatchify(x, grid, cfg.patch_size)
-
-
-class PatchEmbedding(nn.Module):
-    """diffusers' Conv3d(in, D, kernel=stride=patch) as a contraction over patch contents.
-
-    The kernel keeps the flax Conv3d layout [pt, ph, pw, C, D] so ``weights.conv3d`` loads it.
-    """
-
-    config: WanTransformerConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, patches):
-        cfg = self.config
-        kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(
-                nn.initializers.xavier_uniform(in_axis=(0, 1, 2, 3), out_axis=4),
-                (None, None, None, "conv_in", "embed"),
-            ),
-            (*cfg.patch_size, cfg.in_channels, cfg.hidden_dim),
-            self.param_dtype,
-        )
-        bias = self.param(
-            "bias",
-            nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
-            (cfg.hidden_dim,),
-            self.param_dtype,
-        )
-        out = jnp.einsum("bfhwtpqc,tpqcd->bfhwd", patches, kernel.astype(self.dtype))
-        return out + bias.astype(self.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
