@@ -1,0 +1,172 @@
+"""Flow-matching (rectified-flow) training math: pure, jittable functions.
+
+The forward process interpolates data and noise linearly, ``x_t = (1 - t) x0 + t noise``, and
+the model regresses the constant velocity ``v = noise - x0`` (Liu et al., arXiv 2209.03003;
+Lipman et al., arXiv 2210.02747; Esser et al. "SD3", arXiv 2403.03206). Wan 2.1 and
+MaxDiffusion's Wan trainer use this with shifted uniform timesteps; the model is fed
+``1000 * t``.
+
+Loss weights, when used, are normalised over a fixed grid of timesteps (the *schedule*), never
+over the batch: MaxDiffusion normalises its Gaussian weight over the batch's own timesteps, so
+a batch of one is NaN and each batch's lowest-weight sample gets weight 0. Here a weight is a
+fixed function of ``t`` alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TIMESTEP_METHODS = ("uniform", "logit_normal", "shifted")
+WEIGHT_SCHEMES = ("none", "gaussian")
+
+# MaxDiffusion's Wan trainer keeps a little noise at t = 0: sigma = (1 - t) * SIGMA_MIN + t.
+MAXDIFFUSION_SIGMA_MIN = 0.003 / 1.002
+
+# Largest float32 below 1: keeps sampled t in [0, 1) where rounding would give exactly 1.
+_BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
+
+
+def shift_timesteps(t: jax.Array, shift: float) -> jax.Array:
+    """Static shift ``t' = s t / (1 + (s - 1) t)`` (SD3 eq. 23; Wan, MaxDiffusion training).
+
+    ``s > 1`` moves mass towards high noise; ``s = 1`` is the identity; 0 and 1 are fixed.
+    """
+    return shift * t / (1 + (shift - 1) * t)
+
+
+def sample_timesteps(
+    rng: jax.Array,
+    batch: int,
+    method: str = "shifted",
+    *,
+    shift: float = 3.0,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+) -> jax.Array:
+    """Samples ``[batch]`` float32 training times ``t`` in [0, 1) (1 is pure noise).
+
+    Methods:
+      ``"uniform"``: ``t ~ U[0, 1)``.
+      ``"logit_normal"``: ``t = sigmoid(n)``, ``n ~ N(logit_mean, logit_std^2)`` (SD3 sec. 3.1).
+      ``"shifted"``: ``t ~ U[0, 1)`` then :func:`shift_timesteps` with ``shift`` (Wan /
+        MaxDiffusion default, ``shift = 3``).
+    """
+    if method not in TIMESTEP_METHODS:
+        raise ValueError(f"unknown timestep method {method!r}; expected one of {TIMESTEP_METHODS}")
+    if shift <= 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    if logit_std <= 0:
+        raise ValueError(f"logit_std must be > 0, got {logit_std}")
+    if method == "logit_normal":
+        normal = jax.random.normal(rng, (batch,), jnp.float32)
+        t = jax.nn.sigmoid(logit_mean + logit_std * normal)
+    else:
+        t = jax.random.uniform(rng, (batch,), jnp.float32)
+        if method == "shifted":
+            t = shift_timesteps(t, shift)
+    # sigmoid of a large value, or the shift of a t just below 1, can round up to exactly 1.
+    return jnp.minimum(t, _BELOW_ONE)
+
+
+def model_timesteps(t: jax.Array, num_train_timesteps: int = 1000) -> jax.Array:
+    """The timestep the model is conditioned on: ``num_train_timesteps * t`` (float)."""
+    return num_train_timesteps * t
+
+
+def _per_sample(values: jax.Array, ndim: int) -> jax.Array:
+    """Reshapes ``[B]`` per-sample values to broadcast against a rank-``ndim`` batch."""
+    return values.reshape(values.shape + (1,) * (ndim - values.ndim))
+
+
+def add_noise(
+    x0: jax.Array, noise: jax.Array, t: jax.Array, *, sigma_min: float = 0.0
+) -> jax.Array:
+    """Noisy sample ``x_t = (1 - sigma) x0 + sigma noise`` with ``sigma = (1 - t) sigma_min + t``.
+
+    Args:
+      x0: clean latents ``[B, ...]``.
+      noise: standard normal noise, same shape.
+      t: ``[B]`` times in [0, 1].
+      sigma_min: 0 (default) gives plain ``sigma = t`` (diffusers ``scale_noise``, Wan). Use
+        :data:`MAXDIFFUSION_SIGMA_MIN` to reproduce MaxDiffusion's Wan trainer, which keeps a
+        residual noise level at ``t = 0``. The velocity target stays ``noise - x0`` either way.
+    """
+    if x0.shape != noise.shape:
+        raise ValueError(f"x0 shape {x0.shape} != noise shape {noise.shape}")
+    if t.shape != x0.shape[:1]:
+        raise ValueError(f"t must have shape [batch] = {x0.shape[:1]}, got {t.shape}")
+    sigma = _per_sample((1 - t) * sigma_min + t, x0.ndim)
+    return (1 - sigma) * x0 + sigma * noise
+
+
+def velocity_target(x0: jax.Array, noise: jax.Array) -> jax.Array:
+    """Regression target of rectified flow: ``d x_t / d t = noise - x0``."""
+    return noise - x0
+
+
+def _gaussian(t: jax.Array, center: float, sharpness: float) -> jax.Array:
+    """``exp(-sharpness (t - center)^2)``; with the defaults, DiffSynth/MaxDiffusion's bell
+    ``exp(-2 ((T - 500) / 1000)^2)`` written in ``t = T / 1000``."""
+    return jnp.exp(-sharpness * (t - center) ** 2)
+
+
+def weight_grid(grid_size: int = 1000, grid_shift: float = 1.0) -> jax.Array:
+    """The fixed schedule weights are normalised over: ``shift(i / grid_size)``, i < grid_size.
+
+    ``grid_shift`` equal to the training shift makes the mean weight 1 under the shifted
+    timestep distribution rather than under the uniform one.
+    """
+    grid = jnp.arange(grid_size, dtype=jnp.float32) / grid_size
+    return shift_timesteps(grid, grid_shift)
+
+
+def loss_weights(
+    t: jax.Array,
+    scheme: str = "none",
+    *,
+    center: float = 0.5,
+    sharpness: float = 2.0,
+    grid_size: int = 1000,
+    grid_shift: float = 1.0,
+) -> jax.Array:
+    """Per-sample loss weights ``[B]`` for times ``t`` (a fixed function of ``t`` alone).
+
+    ``"none"``: all ones. ``"gaussian"``: a bell around ``center``, shifted so its minimum over
+    the schedule is 0 and scaled so its mean over the schedule is 1 (the DiffSynth/MaxDiffusion
+    weighting, but normalised over :func:`weight_grid` rather than over the batch, so a batch of
+    one, or a batch sharing one timestep, gets the same finite weights as any other).
+    """
+    if scheme not in WEIGHT_SCHEMES:
+        raise ValueError(f"unknown loss weight scheme {scheme!r}; expected one of {WEIGHT_SCHEMES}")
+    if scheme == "none":
+        return jnp.ones(t.shape, jnp.float32)
+    grid_values = _gaussian(weight_grid(grid_size, grid_shift), center, sharpness)
+    floor = jnp.min(grid_values)
+    scale = jnp.mean(grid_values - floor)
+    # The grid spans [0, 1), so for t in [0, 1) the floor is the global minimum and weights >= 0;
+    # clamp anyway so a t outside the grid's span can never produce a negative weight.
+    return jnp.maximum(_gaussian(t, center, sharpness) - floor, 0.0) / scale
+
+
+def flow_matching_loss(
+    pred: jax.Array, target: jax.Array, weights: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Weighted MSE: returns ``(loss, per_sample)``.
+
+    ``per_sample[b] = weights[b] * mean((pred[b] - target[b])^2)`` over all non-batch dims, so
+    each sample's loss depends on that sample alone; ``loss = mean(per_sample)``. Computed in
+    float32 whatever the input dtype.
+    """
+    if pred.shape != target.shape:
+        raise ValueError(f"pred shape {pred.shape} != target shape {target.shape}")
+    error = (pred.astype(jnp.float32) - target.astype(jnp.float32)) ** 2
+    per_sample = jnp.mean(error, axis=tuple(range(1, error.ndim)))
+    if weights is not None:
+        if weights.shape != per_sample.shape:
+            raise ValueError(
+                f"weights must have shape [batch] = {per_sample.shape}, got {weights.shape}"
+            )
+        per_sample = per_sample * weights.astype(jnp.float32)
+    return jnp.mean(per_sample), per_sample
