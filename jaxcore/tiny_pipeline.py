@@ -16,6 +16,7 @@ diffusers' ``WanPipeline.from_pretrained(directory)`` and our loader read the sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -160,8 +161,6 @@ def _diffusers_config(class_name: str, config) -> dict:
 
 def _umt5_config(config) -> dict:
     """A transformers UMT5EncoderModel config.json for our UMT5Config."""
-    import dataclasses
-
     fields = dataclasses.asdict(config)
     return {
         "architectures": ["UMT5EncoderModel"],
@@ -251,7 +250,13 @@ def build_tiny_wan_pipeline(
         }
     write_transformer(root / "transformer", t_cfg, t_params)
 
-    v_cfg = sections["vae"]
+    # diffusers' WanPipeline sizes its own noise from these (metadata) factors: write the ones
+    # this (possibly tiny) architecture really has, so both pipelines agree on latent shapes.
+    v_cfg = dataclasses.replace(
+        sections["vae"],
+        scale_factor_temporal=sections["vae"].temporal_compression,
+        scale_factor_spatial=sections["vae"].spatial_compression,
+    )
     _, v_params = wan_vae.init_wan_vae(v_cfg, keys[1])
     _write_json(root / "vae/config.json", _diffusers_config("AutoencoderKLWan", v_cfg))
     weights.save_safetensors(
