@@ -573,6 +573,8 @@ class WanTransformer(nn.Module):
         self._check_inputs(hidden_states, timestep, encoder_hidden_states)
         grid = patch_grid(hidden_states.shape, cfg.patch_size)
         batch, dim = hidden_states.shape[0], cfg.hidden_dim
+        if self.mesh is not None:
+            sharding.check_divisible(self.mesh, batch=batch, heads=cfg.num_attention_heads)
 
         # patch embedding: a stride=kernel Conv3d is a contraction over each patch
         patches = patchify(hidden_states.astype(self.dtype), cfg.patch_size)
@@ -674,9 +676,10 @@ def _zeros(spec: jax.ShapeDtypeStruct) -> jax.Array:
 def abstract_params(module: WanTransformer) -> dict:
     """The ``params`` collection as boxed ShapeDtypeStructs (nn.Partitioned kept), no allocation."""
     inputs = _dummy_inputs(module.config)
+    shapes_only = module.clone(mesh=None)  # parameters do not depend on the mesh
 
     def init(rng):
-        return module.init(rng, *(_zeros(s) for s in inputs))
+        return shapes_only.init(rng, *(_zeros(s) for s in inputs))
 
     return jax.eval_shape(init, jax.random.key(0))["params"]
 
@@ -741,9 +744,10 @@ def init_wan_transformer(
         remat_policy=remat_policy,
     )
     inputs = _dummy_inputs(config)
+    unmeshed = module.clone(mesh=None)  # a dummy batch of 1 need not divide the mesh
 
     def init(key):
-        return _unbox(module.init(key, *(_zeros(s) for s in inputs))["params"])
+        return _unbox(unmeshed.init(key, *(_zeros(s) for s in inputs))["params"])
 
     if mesh is None:
         return module, jax.jit(init)(rng)

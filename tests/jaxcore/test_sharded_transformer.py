@@ -141,10 +141,6 @@ def test_ulysses_heads_not_divisible_by_context_is_a_sharding_error():
         _init_shapes(module, 2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="WanTransformer does not yet call sharding.check_divisible when given a mesh",
-)
 @pytest.mark.parametrize(
     ("heads", "batch", "message"),
     [(3, 4, "num_attention_heads 3 .* ici_tensor_parallelism 2"), (4, 2, "batch size 2")],
