@@ -81,7 +81,7 @@ def _save_reference(directory: Path, config: dict, seed: int = 0):
 def _inputs(config: dict, batch: int, frames: int, height: int, width: int, text_len: int):
     rng = np.random.default_rng(1)
     video = rng.standard_normal((batch, config["in_channels"], frames, height, width), np.float32)
-    timestep = np.array([999.0, 17.3, 500.0][:batch], np.float32)
+    timestep = np.array([999.0, 17.3, 500.0, 250.5][:batch], np.float32)
     text = rng.standard_normal((batch, text_len, config["text_dim"]), np.float32)
     return video, timestep, text
 
@@ -214,11 +214,12 @@ def test_loads_onto_a_mesh(tiny_checkpoint):
     ].sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
 
     _, plain = wt.load_wan_transformer(tiny_checkpoint)
-    video, timestep, text = _inputs(TINY, 2, 2, 4, 4, 3)
-    apply = jax.jit(module.apply)
-    expected = apply({"params": plain}, video, timestep, text)
-    with mesh, nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
-        got = apply({"params": params}, video, timestep, text)
+    video, timestep, text = _inputs(TINY, 4, 2, 4, 4, 3)  # batch 4 = data x fsdp
+    expected = jax.jit(wt.WanTransformer(module.config).apply)(
+        {"params": plain}, video, timestep, text
+    )
+    with sharding.mesh_context(mesh):
+        got = jax.jit(module.apply)({"params": params}, video, timestep, text)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5)
 
 
