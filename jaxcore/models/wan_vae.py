@@ -197,13 +197,27 @@ class WanVAEConfig:
 # ----------------------------------------------------------------------------------------------
 
 
+# Std of a unit normal truncated to [-2, 2] (flax variance_scaling divides by it).
+_TRUNCATED_NORMAL_STD = 0.87962566103423978
+# Initializer per parameter leaf name; the layers and init_wan_vae both use this table.
+PARAM_INITIALIZERS = {
+    "kernel": nn.initializers.lecun_normal(),
+    "bias": nn.initializers.zeros_init(),
+    "gamma": nn.initializers.ones_init(),
+}
+
+
 def _kernel_init(ndim: int):
-    """lecun_normal over [*spatial, in, out], annotated with logical axes (VAE: replicated)."""
-    names = ("conv_spatial",) * (ndim - 2) + ("conv_in", "conv_out")
-    return nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
+    """lecun_normal over [*window, in, out], annotated with logical axes (VAE: replicated).
+
+    The window axes are unnamed (never sharded): flax forbids one logical name on several
+    axes of an array, so ``conv_spatial`` cannot cover T, H and W together.
+    """
+    names = (None,) * (ndim - 2) + ("conv_in", "conv_out")
+    return nn.with_logical_partitioning(PARAM_INITIALIZERS["kernel"], names)
 
 
-_BIAS_INIT = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("conv_out",))
+_BIAS_INIT = nn.with_logical_partitioning(PARAM_INITIALIZERS["bias"], ("conv_out",))
 
 
 def _conv(x, kernel, bias, strides, padding, dtype):
@@ -316,7 +330,7 @@ class RMSNorm(nn.Module):
         channels = x.shape[-1]
         gamma = self.param(
             "gamma",
-            nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",)),
+            nn.with_logical_partitioning(PARAM_INITIALIZERS["gamma"], ("norm",)),
             (channels,),
             self.param_dtype,
         )
@@ -363,9 +377,7 @@ class AttentionBlock(nn.Module):
     def __call__(self, x_bthwc: jax.Array) -> jax.Array:
         b, t, h, w, c = x_bthwc.shape
         kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        dense_kernel = nn.with_logical_partitioning(
-            nn.initializers.lecun_normal(), ("conv_in", "conv_out")
-        )
+        dense_kernel = _kernel_init(2)
         x_nlc = RMSNorm(name="norm", **kw)(x_bthwc).reshape(b * t, h * w, c)
         qkv = nn.Dense(3 * c, kernel_init=dense_kernel, bias_init=_BIAS_INIT, name="to_qkv", **kw)(
             x_nlc
@@ -803,8 +815,11 @@ def _source_entry(path: tuple[str, ...], ndim: int) -> tuple[str, weights.Transf
 
 def weight_map(config: WanVAEConfig) -> dict:
     """{flax param path: (diffusers AutoencoderKLWan key, transform)} for weights.load_params."""
-    abstract = nn.meta.unbox(abstract_params(WanVAE(config)))
-    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    return _weight_map_for(abstract_params(WanVAE(config)))
+
+
+def _weight_map_for(abstract: Mapping) -> dict:
+    flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(abstract))[0]
     entries = {}
     for keypath, leaf in flat:
         path = tuple(str(k.key) for k in keypath)
@@ -833,7 +848,7 @@ def load_wan_vae(
     shardings = sharding.param_shardings(mesh, boxed, rules) if mesh is not None else None
     params = weights.load_params(
         weights.SafetensorsReader(directory),
-        weight_map(config),
+        _weight_map_for(boxed),
         nn.meta.unbox(boxed),
         shardings=shardings,
         dtype=dtype,
@@ -850,15 +865,33 @@ def init_wan_vae(
     mesh: jax.sharding.Mesh | None = None,
     rules=None,
 ) -> tuple[WanVAE, dict]:
-    """Random init; returns ``(module, params)`` with unboxed params (sharded if a mesh)."""
+    """Random init; returns ``(module, params)`` with unboxed params (sharded if a mesh).
+
+    Kernels are LeCun normal (normal truncated at +-2 sigma, variance 1 / fan_in: flax's
+    ``lecun_normal``, the layers' declared init), biases zero, gammas one. ``module.init``
+    would have to compile a multi-chunk forward (the temporal resamplers create their time
+    convs only after the first chunk), and one RNG draw per parameter compiles slowly on CPU;
+    so shapes come from ``eval_shape`` and all kernels share one truncated-normal draw.
+    """
     module = WanVAE(config, dtype=dtype, param_dtype=dtype, attention=attention, mesh=mesh)
-    spec = _dummy_video(config)
+    boxed = abstract_params(module)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(boxed))
+    kernel_sizes = [math.prod(leaf.shape) for path, leaf in flat if path[-1].key == "kernel"]
 
     def init(key):
-        variables = module.init(key, jnp.zeros(spec.shape, spec.dtype))
-        return nn.meta.unbox(variables["params"])
+        noise = jax.random.truncated_normal(key, -2.0, 2.0, (sum(kernel_sizes),), dtype)
+        pieces = iter(jnp.split(noise, np.cumsum(kernel_sizes)[:-1]))
+        leaves = []
+        for path, leaf in flat:
+            if path[-1].key == "kernel":
+                fan_in = math.prod(leaf.shape[:-1])
+                scale = math.sqrt(1.0 / fan_in) / _TRUNCATED_NORMAL_STD
+                leaves.append(next(pieces).reshape(leaf.shape) * scale)
+            else:
+                leaves.append(PARAM_INITIALIZERS[path[-1].key](key, leaf.shape, dtype))
+        return jax.tree_util.tree_unflatten(treedef, leaves)
 
     if mesh is None:
         return module, jax.jit(init)(rng)
-    shardings = nn.meta.unbox(sharding.param_shardings(mesh, abstract_params(module), rules))
+    shardings = nn.meta.unbox(sharding.param_shardings(mesh, boxed, rules))
     return module, jax.jit(init, out_shardings=shardings)(rng)
