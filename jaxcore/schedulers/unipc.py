@@ -16,6 +16,11 @@ predictions, the last sample) lives in :class:`UniPCState` with fixed shapes, so
 :func:`unipc_step` works with a traced step index inside ``jax.jit`` / ``lax.fori_loop``. The
 per-step order is chosen with ``lax.switch`` over branches that each have a static order, so
 each branch is exactly the reference formula for that order.
+
+Scope: flow prediction with ``predict_x0=True`` only (diffusers rejects ``predict_x0=False``
+for flow models), no ``solver_p``, no thresholding. One deliberate difference: with
+``solver_type="bh1"`` diffusers returns NaN on the last step (``B(h) = -h = -inf`` times a
+zero residual); we return the exact limit, the data prediction. bh2 (Wan) has no such case.
 """
 
 from __future__ import annotations
@@ -228,10 +233,15 @@ def _predict(state: UniPCState, sample: jax.Array, index: jax.Array, order: int)
 
 
 def _correct(
-    state: UniPCState, x0_pred: jax.Array, sample: jax.Array, index: jax.Array, order: int
+    state: UniPCState, x0_pred: jax.Array, unused_sample: jax.Array, index: jax.Array, order: int
 ) -> jax.Array:
-    """UniC-``order``: corrects ``sample`` (the prediction for sigma ``index``) using the new data
-    prediction ``x0_pred`` there (diffusers ``multistep_uni_c_bh_update``)."""
+    """UniC-``order``: the corrected sample at sigma ``index`` (diffusers
+    ``multistep_uni_c_bh_update``).
+
+    It re-integrates from ``state.last_sample`` (sigma ``index - 1``) with the new data
+    prediction ``x0_pred``; the uncorrected sample itself is not an input of the formula (the
+    argument only keeps the ``lax.switch`` branch signatures uniform).
+    """
     m0 = state.model_outputs[-1]
     sigma_s0, sigma_t = state.sigmas[index - 1], state.sigmas[index]
     lambda_s0, lambda_t = _log_snr(sigma_s0), _log_snr(sigma_t)
