@@ -1,0 +1,225 @@
+"""``python -m bench.run`` (``make bench``): every benchmark in one process, side by side.
+
+Order matters: the matmul limit is measured first, then each benchmark; all figures get the
+fraction of the limit (``frac_of_limit`` = GFLOP/s / limit GFLOP/s; for the training step
+this is the MFU) and, within a (bench, case), the ratio to difforge
+(``vs_difforge`` = other's median / difforge's median: > 1 means difforge is faster).
+Results: ``bench/results/latest.json`` (records + machine facts) and ``latest.md`` (a table).
+
+    python -m bench.run                 # all, sizes by jax.default_backend()
+    python -m bench.run --quick         # smaller sizes, fewer repetitions
+    python -m bench.run --only transformer --only matmul
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import json
+import logging
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+log = logging.getLogger("bench")
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# name -> module; matmul first (the limit every other figure is divided by).
+BENCHMARKS = {
+    "matmul": "bench.matmul",
+    "transformer": "bench.transformer",
+    "train_step": "bench.train_step",
+    "vae": "bench.vae",
+    "generate": "bench.generate",
+    "convert": "bench.convert",
+    "compile_cache": "bench.compile_cache",
+    "memory": "bench.memory",
+}
+GOALS = {
+    "transformer_forward": "difforge >= 0.90 of the matmul limit",
+    "train_step": "MFU >= 0.70",
+    "generate": "share of wall time outside device compute < 0.10",
+    "memory_load": "peak RSS growth < 1.3 x weight bytes",
+    "memory_attention": "flash temp memory grows linearly (exponent ~1)",
+}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=sorted(BENCHMARKS),
+        default=None,
+        help="run only this benchmark (repeatable); matmul always runs",
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, 2 repetitions")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 3)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
+    return parser.parse_args(argv)
+
+
+def machine_facts() -> dict:
+    import jax
+
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()[:8]],
+        "device_count": jax.device_count(),
+        "cpu_threads": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "load_average_at_start": load,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+def add_derived(records: list[dict]) -> None:
+    """Fraction of the matmul limit for every FLOP-counted record; ratios to difforge."""
+    limit = next((r for r in records if r["bench"] == "matmul" and r["impl"] == "xla"), None)
+    limit_gflops = limit["gflop_per_s"] if limit else None
+    ours = {(r["bench"], r["case"]): r for r in records if r["impl"] == "difforge"}
+    for record in records:
+        if limit_gflops and "gflop_per_s" in record:
+            record["frac_of_limit"] = record["gflop_per_s"] / limit_gflops
+        base = ours.get((record["bench"], record["case"]))
+        if base is not None and record is not base and "median_s" in record:
+            record["vs_difforge"] = record["median_s"] / base["median_s"]
+
+
+def _fmt_seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _fmt_value(record: dict) -> str:
+    if record["unit"] == "s" and "median_s" in record:
+        return _fmt_seconds(record["median_s"])
+    value, unit = record["value"], record["unit"]
+    if "bytes" in unit and unit != "x weight bytes":
+        return f"{value / 2**20:.1f} MiB"
+    if unit == "s":
+        return _fmt_seconds(value)
+    return f"{value:.3g} {unit}"
+
+
+def _note(record: dict) -> str:
+    notes = []
+    if "max_abs_diff_vs_diffusers" in record:
+        notes.append(f"max abs diff {record['max_abs_diff_vs_diffusers']:.1e}")
+    if "items_per_s" in record:
+        notes.append(f"{record['items_per_s']:.3g} {record['item_unit']}/s")
+    if "first_call_s" in record:
+        notes.append(f"first call {_fmt_seconds(record['first_call_s'])}")
+    for key in ("growth_exponent", "speedup", "outside_compute_share", "encoder_items_per_s"):
+        if key in record:
+            notes.append(f"{key} {record[key]:.3g}")
+    if record.get("error"):
+        notes.append(f"ERROR {record['error']}")
+    return "; ".join(notes)
+
+
+def markdown_table(records: list[dict], facts: dict) -> str:
+    """One row per record: value, spread, GFLOP/s, fraction of the limit, ratio to difforge."""
+    lines = [
+        f"# difforge benchmarks ({facts['date']}, backend {facts['backend']}, "
+        f"{facts['cpu_threads']} CPU threads, load average at start {facts['load_average_at_start']})",
+        "",
+        "`vs difforge` = other's median / difforge's median (> 1: difforge is faster; < 1: "
+        "difforge is SLOWER). `% limit` = GFLOP/s over the XLA matmul limit (MFU for train_step).",
+        "",
+        "| bench | case | impl | median / value | spread (min-max) | GFLOP/s | % limit | "
+        "vs difforge | notes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        spread = (
+            f"{_fmt_seconds(r['min_s'])} - {_fmt_seconds(r['max_s'])} (n={r['reps']})"
+            if "min_s" in r
+            else ""
+        )
+        gflops = f"{r['gflop_per_s']:.1f}" if "gflop_per_s" in r else ""
+        frac = f"{100 * r['frac_of_limit']:.0f}%" if "frac_of_limit" in r else ""
+        ratio = ""
+        if "vs_difforge" in r:
+            ratio = f"{r['vs_difforge']:.2f}x" + (
+                " (difforge SLOWER)" if r["vs_difforge"] < 1 else ""
+            )
+        lines.append(
+            f"| {r['bench']} | {r['case']} | {r['impl']} | {_fmt_value(r)} | {spread} | "
+            f"{gflops} | {frac} | {ratio} | {_note(r)} |"
+        )
+    lines += ["", "Goals:", *(f"- {k}: {v}" for k, v in GOALS.items()), ""]
+    return "\n".join(lines)
+
+
+def run_benchmarks(names: list[str], ctx) -> list[dict]:
+    """Run each benchmark; a failure becomes an error record, not a lost run."""
+    from bench.common import check_record
+
+    records: list[dict] = []
+    for name in names:
+        started = time.perf_counter()
+        log.info("bench %s ...", name)
+        try:
+            module = importlib.import_module(BENCHMARKS[name])
+            produced = module.run(ctx)
+            for record in produced:
+                check_record(record)
+            records += produced
+        except Exception as err:  # noqa: BLE001 - keep the other benchmarks' numbers
+            log.error("bench %s failed:\n%s", name, traceback.format_exc())
+            records.append(
+                {
+                    "bench": name,
+                    "case": "-",
+                    "impl": "-",
+                    "unit": "error",
+                    "value": float("nan"),
+                    "error": f"{type(err).__name__}: {err}",
+                }
+            )
+        log.info("bench %s done in %.0f s", name, time.perf_counter() - started)
+    return records
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    from bench.common import BenchContext
+
+    profile = "quick" if args.quick else "full"
+    ctx = BenchContext(profile=profile, reps=args.reps or (2 if args.quick else 3))
+    names = (
+        list(BENCHMARKS) if not args.only else ["matmul", *[n for n in args.only if n != "matmul"]]
+    )
+    facts = machine_facts()
+    started = time.perf_counter()
+    records = run_benchmarks(names, ctx)
+    add_derived(records)
+    facts["total_seconds"] = time.perf_counter() - started
+    facts["profile"], facts["reps"] = profile, ctx.reps
+    with contextlib.suppress(OSError):
+        facts["load_average_at_end"] = os.getloadavg()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "latest.json").write_text(
+        json.dumps({"machine": facts, "results": records}, indent=1) + "\n"
+    )
+    table = markdown_table(records, facts)
+    (args.out / "latest.md").write_text(table)
+    print(table)
+    return 1 if any(r.get("error") for r in records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

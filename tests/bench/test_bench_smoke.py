@@ -1,0 +1,73 @@
+"""Smoke tests of the benchmarks: each runs at its tiniest size with one repetition and must
+return well-formed records (no timing assertions: numbers are for bench/results, not tests)."""
+
+import importlib
+import math
+
+import pytest
+
+from bench import run as bench_run
+from bench.common import BenchContext, check_record, timed_record, value_record
+
+FAST = ("matmul", "transformer", "vae")
+SLOW = ("train_step", "generate", "convert", "compile_cache", "memory")
+
+
+@pytest.fixture
+def ctx(tmp_path):
+    return BenchContext(profile="smoke", reps=1, warmup=1, workdir=tmp_path)
+
+
+def _check_all(records, module_name):
+    assert records, f"{module_name} returned no records"
+    for record in records:
+        check_record(record)
+        for key, value in record.items():
+            if isinstance(value, float) and key != "value":
+                assert math.isfinite(value), f"{module_name}: {key} is {value}"
+
+
+@pytest.mark.parametrize("name", [*FAST, *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW)])
+def test_benchmark_smoke(name, ctx):
+    records = importlib.import_module(bench_run.BENCHMARKS[name]).run(ctx)
+    _check_all(records, name)
+    if name == "transformer":
+        ours = next(r for r in records if r["impl"] == "difforge")
+        assert ours["max_abs_diff_vs_diffusers"] < 1e-4  # same weights, same computation
+
+
+def test_every_benchmark_has_a_test():
+    assert set(bench_run.BENCHMARKS) == set(FAST) | set(SLOW)
+
+
+def test_check_record_names_the_bad_key():
+    good = timed_record("b", "c", "difforge", [1.0, 2.0, 3.0], flops=6e9)
+    check_record(good)
+    assert good["median_s"] == 2.0 and good["gflop_per_s"] == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="'impl'"):
+        check_record({**good, "impl": ""})
+    with pytest.raises(ValueError, match="median_s"):
+        check_record({k: v for k, v in good.items() if k != "median_s"})
+    with pytest.raises(ValueError, match="'value'"):
+        check_record(value_record("b", "c", "x", float("nan"), "bytes") | {"value": "big"})
+
+
+def test_derived_fractions_ratios_and_table():
+    records = [
+        timed_record("matmul", "n", "xla", [1.0], flops=100e9),
+        timed_record("fwd", "S", "difforge", [2.0], flops=100e9),
+        timed_record("fwd", "S", "diffusers_eager", [8.0], flops=100e9),
+        value_record("memory_load", "m", "difforge", 1.1, "x weight bytes"),
+    ]
+    bench_run.add_derived(records)
+    assert records[1]["frac_of_limit"] == pytest.approx(0.5)
+    assert records[2]["vs_difforge"] == pytest.approx(4.0)
+    facts = {"date": "d", "backend": "cpu", "cpu_threads": 2, "load_average_at_start": None}
+    table = bench_run.markdown_table(records, facts)
+    assert "| fwd | S | diffusers_eager | 8.00 s |" in table and "4.00x" in table
+    assert "50%" in table
+
+
+def test_bad_profile_is_an_error():
+    with pytest.raises(ValueError, match="profile"):
+        BenchContext(profile="huge")
