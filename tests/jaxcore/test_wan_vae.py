@@ -296,3 +296,17 @@ def test_larger_video_round_trip_matches_diffusers(tmp_path, frames):
     assert _max_err(posterior.logvar, logvar_ref) < ATOL
     expected = _torch_decode(model, mean_ref)
     assert _max_err(wan_vae.decode(module, params, jnp.asarray(mean_ref)), expected) < ATOL
+
+
+def test_bfloat16_encode_tracks_float32(tiny):
+    """bf16 activations and weights (the production dtype) run the same chunk loop; caches
+    follow the dtype. Bound: bf16 has 8 mantissa bits, |mean| ~1 -> within 3e-2."""
+    _, module, params, directory = tiny
+    module16, params16 = wan_vae.load_wan_vae(directory, dtype=jnp.bfloat16)
+    video = jnp.asarray(_video((1, 3, 5, 8, 8), seed=13))
+
+    got = wan_vae.encode(module16, params16, video).mean
+    expected = wan_vae.encode(module, params, video).mean
+
+    assert got.dtype == jnp.bfloat16
+    assert _max_err(got.astype(jnp.float32), np.asarray(expected)) < 3e-2
