@@ -9,6 +9,7 @@ BASE = [
     "orbax-checkpoint>=0.12",
     "apache-beam[gcp]>=2.77",
     "google-cloud-storage>=3",
+    "gcsfs",  # orbax reaches gs:// through etils.epath -> fsspec
     "transformers>=5",
     "huggingface_hub>=1",
     "safetensors>=0.8",

@@ -70,6 +70,8 @@ def gcs_server():
         "GOOGLE_AUTH_TOKEN_FOR_TESTING": "dummy",
         "EPATH_USE_TF": "false",
         "GOOGLE_CLOUD_PROJECT": "local",
+        # gcsfs (orbax's path layer) otherwise probes each bucket for HNS and stalls 60 s
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
     }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

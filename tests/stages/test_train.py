@@ -388,9 +388,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_data, one_layer_mod
 def test_checkpoints_on_gcs_save_keep_resume_and_reshard(gcs_root, one_layer_model):
     """orbax on the local GCS server: saves every 2 steps keeping 2, a longer run resumes from
     the latest, and a checkpoint restores onto another mesh shape."""
-    # orbax reaches gs:// through etils.epath -> fsspec, which needs gcsfs (not yet a project
-    # dependency; see the report). tensorstore does the array I/O.
-    pytest.importorskip("gcsfs", reason="orbax on gs:// needs gcsfs")
+    # orbax reaches gs:// through etils.epath -> fsspec -> gcsfs; tensorstore does the array I/O.
     from stages.train import checkpointing, loop
 
     out = f"{gcs_root}/train"
