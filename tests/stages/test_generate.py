@@ -223,12 +223,11 @@ def test_kill_and_resume_renders_only_the_rest(tiny_dir, tmp_path):
         "num_inference_steps=2",
         "guidance_scale=1",
         "save_arrays=true",
-        "-q",
     ]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipelines.cli", "generate", "configs/stages/generate.yml"]
-        + [f"output_dir={killed}", *common],
+        + [f"output_dir={killed}", *common, "-q"],
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -250,14 +249,14 @@ def test_kill_and_resume_renders_only_the_rest(tiny_dir, tmp_path):
         Image.open(png).load()
 
     argv = ["generate", "configs/stages/generate.yml", *common]
-    assert cli.main([*argv, f"output_dir={killed}"]) == 0
+    assert cli.main([*argv, f"output_dir={killed}", "-q"]) == 0
     summary = open_artifact(str(killed), "generate").summary
     assert summary["rendered_this_run"] == 40 - done_before
     assert summary["reused"] == done_before
     assert not list(killed.rglob("*.partial"))
 
     fresh = tmp_path / "fresh"
-    assert cli.main([*argv, f"output_dir={fresh}"]) == 0
+    assert cli.main([*argv, f"output_dir={fresh}", "-q"]) == 0
     fresh_files = sorted(p.relative_to(fresh).as_posix() for p in fresh.rglob("*.npy"))
     assert fresh_files == sorted(p.relative_to(killed).as_posix() for p in killed.rglob("*.npy"))
     assert len(fresh_files) == 40
