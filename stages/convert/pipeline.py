@@ -272,6 +272,26 @@ def pipeline_options(beam_config: BeamConfig, job_name: str):
     return PipelineOptions(args, save_main_session=False)
 
 
+def staged_files(pipeline: beam.Pipeline) -> list[str]:
+    """Names of the files a remote runner stages for the job (e.g. ``workflow.tar.gz`` built
+    from ``setup_file``), read from the runner's pipeline proto; empty for local runners."""
+    from apache_beam.portability import common_urns
+    from apache_beam.portability.api import beam_runner_api_pb2
+
+    proto = getattr(pipeline.runner, "proto_pipeline", None)
+    if proto is None:
+        return []
+    names = []
+    for env in proto.components.environments.values():
+        for dep in env.dependencies:
+            if dep.role_urn == common_urns.artifact_roles.STAGING_TO.urn:
+                payload = beam_runner_api_pb2.ArtifactStagingToRolePayload.FromString(
+                    dep.role_payload
+                )
+                names.append(payload.staged_name)
+    return sorted(names)
+
+
 def read_counters(result) -> dict[str, int]:
     """The stage's Metrics counters, summed over steps (committed where the runner has them)."""
     totals: dict[str, int] = {}

@@ -27,6 +27,7 @@ from stages.convert.pipeline import (
     plan_shards,
     read_counters,
     records_counter,
+    staged_files,
     timestep_counter,
     write_outputs,
 )
@@ -80,18 +81,21 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
         storage.delete_tree(storage.join(writer.uri, folder))
 
     if config.beam.dry_run:
-        _run_beam(config, info.num_rows, shapes, plan, writer.uri)
-        log.info("convert: dry run staged the job; nothing was written")
+        _, staged = _run_beam(config, info.num_rows, shapes, plan, writer.uri)
+        log.info("convert: dry run built the job (staging %s); nothing was submitted", staged)
         return None
     started = time.perf_counter()
-    counters = _run_beam(config, info.num_rows, shapes, plan, writer.uri)
+    counters, _ = _run_beam(config, info.num_rows, shapes, plan, writer.uri)
     seconds = time.perf_counter() - started
     summary = _summary(config, info, shapes, plan, counters, writer.uri, seconds)
     _check_bad_fraction(config, summary)
     return writer.commit(summary)
 
 
-def _run_beam(config: ConvertConfig, num_rows: int, shapes, plan, output_dir: str) -> dict:
+def _run_beam(
+    config: ConvertConfig, num_rows: int, shapes, plan, output_dir: str
+) -> tuple[dict, list[str]]:
+    """Build and run the job; returns (Metrics counters, files a remote runner stages)."""
     import apache_beam as beam
 
     handler = WanEncoderHandler(config.encoder, shapes)
@@ -108,7 +112,7 @@ def _run_beam(config: ConvertConfig, num_rows: int, shapes, plan, output_dir: st
     write_outputs(outputs, output_dir, plan)
     result = pipeline.run()
     result.wait_until_finish()
-    return read_counters(result)
+    return read_counters(result), staged_files(pipeline)
 
 
 def _job_name(run_name: str) -> str:
