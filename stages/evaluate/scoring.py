@@ -54,14 +54,14 @@ def per_record_loss(module, params, latents, text, timesteps, id_hashes, seed: i
     """Flow-matching MSE of each record at its own timestep (0..1000) and its own noise."""
     noise = record_noise(seed, id_hashes, latents.shape[1:])
     t = timesteps.astype(jnp.float32) / objective.NUM_TRAIN_TIMESTEPS
-    x_t = objective.noisy_input(latents, noise, objective.sigma_of_t(t))
+    x_t = objective.noisy_input(latents, noise, t)
     prediction = module.apply(
         {"params": params},
         x_t.astype(module.dtype),
         t * objective.NUM_TRAIN_TIMESTEPS,
         text.astype(module.dtype),
     )
-    return objective.per_sample_mse(prediction, objective.velocity_target(latents, noise))
+    return objective.per_sample_loss(prediction, objective.velocity_target(latents, noise))
 
 
 def eval_batches(spec: DataSpec, batch_size: int, max_records: int | None) -> Iterator[dict]:

@@ -7,14 +7,12 @@ and a resumed run equals an uninterrupted one.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxcore import sharding
@@ -74,11 +72,7 @@ def opt_state_shardings(tx, params, param_shardings, mesh: Mesh):
     )
 
 
-@contextlib.contextmanager
-def mesh_context(mesh: Mesh, rules=None):
-    """Mesh + logical axis rules, so the model's ``constrain`` hints resolve."""
-    with mesh, nn.logical_axis_rules(rules or sharding.LOGICAL_AXIS_RULES):
-        yield
+mesh_context = sharding.mesh_context
 
 
 @dataclasses.dataclass
@@ -98,13 +92,12 @@ def flow_matching_loss(module, params, latents, text, key, cfg: ObjectiveSection
     key_t, key_noise = jax.random.split(key)
     batch = latents.shape[0]
     t = objective.sample_t(key_t, batch, cfg)
-    sigma = objective.sigma_of_t(t)
     timestep = t * objective.NUM_TRAIN_TIMESTEPS
     noise = jax.random.normal(key_noise, latents.shape, jnp.float32)
-    x_t = objective.noisy_input(latents, noise, sigma)
+    x_t = objective.noisy_input(latents, noise, t)
     prediction = module.apply({"params": params}, x_t.astype(module.dtype), timestep, text)
-    per_sample = objective.per_sample_mse(prediction, objective.velocity_target(latents, noise))
-    return jnp.mean(per_sample * objective.loss_weight(timestep, cfg))
+    per_sample = objective.per_sample_loss(prediction, objective.velocity_target(latents, noise))
+    return jnp.mean(per_sample * objective.loss_weight(t, cfg))
 
 
 def make_train_step(
