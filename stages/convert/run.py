@@ -29,6 +29,7 @@ from stages.convert.pipeline import (
     records_counter,
     staged_files,
     timestep_counter,
+    use_anonymous_gcs_with_emulator,
     write_outputs,
 )
 from stages.convert.source import describe, load_source, source_ids
@@ -98,6 +99,7 @@ def _run_beam(
     """Build and run the job; returns (Metrics counters, files a remote runner stages)."""
     import apache_beam as beam
 
+    use_anonymous_gcs_with_emulator()
     handler = WanEncoderHandler(config.encoder, shapes)
     options = pipeline_options(config.beam, job_name=_job_name(config.run_name))
     pipeline = beam.Pipeline(options=options)

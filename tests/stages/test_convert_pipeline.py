@@ -354,7 +354,6 @@ def test_cli_end_to_end_local(tmp_path, shapes_dir, encoder_dir, direct, capsys)
     assert (Path(out) / "manifest.json").read_bytes() == before
 
 
-@pytest.mark.slow
 def test_cli_end_to_end_gcs(gcs_root, shapes_dir, encoder_dir, direct):
     assert main(["convert", CONFIG, *_overrides(shapes_dir, encoder_dir, gcs_root)]) == 0
     _check_artifact(gcs_root, direct, shapes_dir)
