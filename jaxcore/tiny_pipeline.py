@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxcore import weights
 
@@ -100,51 +99,8 @@ def _check_compatible(sections: Mapping[str, Any]) -> None:
         )
 
 
-# --- exporting weights whose transforms are not plain transposes -----------------------------
-
-
-def _gamma_shape(key: str, size: int) -> tuple[int, ...]:
-    """diffusers WanRMS_norm gamma: [C, 1, 1] in attention blocks (images=True), else [C,1,1,1]."""
-    return (size, 1, 1) if ".attentions." in key else (size, 1, 1, 1)
-
-
-def _invert(path: tuple[str, ...], key: str, value: np.ndarray) -> np.ndarray:
-    """torch-layout tensor for a Flax leaf whose transform has no registered inverse.
-
-    Covers the reshaping transforms of the VAE (1x1 conv as Dense, flattened RMS gamma) and of
-    UMT5 (per-head q/k/v/o kernels). The caller checks the round trip, so a wrong guess here
-    fails loudly instead of writing a wrong checkpoint.
-    """
-    if key.endswith(".gamma"):
-        return value.reshape(_gamma_shape(key, value.shape[0]))
-    if value.ndim == 2:  # 1x1 Conv2d stored as a Dense kernel [I, O]
-        return value.T.reshape(value.shape[1], value.shape[0], 1, 1)
-    if value.ndim == 3 and path[-2] == "o":  # UMT5 output projection [H, D, E] -> [E, H*D]
-        return value.reshape(-1, value.shape[-1]).T
-    if value.ndim == 3:  # UMT5 q/k/v [E, H, D] -> [H*D, E]
-        return value.reshape(value.shape[0], -1).T
-    raise weights.WeightsError(f"export: no inverse for {key} with shape {value.shape}")
-
-
-def export_state_dict(params: Mapping, weight_map: Mapping) -> dict[str, np.ndarray]:
-    """Flax params -> {diffusers/transformers key: torch-layout array}, checked by round trip.
-
-    Uses :func:`jaxcore.weights.export_state_dict` for registered transforms and
-    :func:`_invert` for the rest; every exported tensor is pushed back through the forward
-    transform and compared with the original parameter.
-    """
-    flat = weights._flatten(params)
-    out: dict[str, np.ndarray] = {}
-    for path, (key, transform) in weight_map.items():
-        value = np.asarray(jax.device_get(flat[path]))
-        if transform in weights.INVERSE_TRANSFORMS:
-            exported = weights.INVERSE_TRANSFORMS[transform](value)
-        else:
-            exported = _invert(path, key, value)
-        if not np.array_equal(transform(exported), value):
-            raise weights.WeightsError(f"export: {key} does not round-trip through its transform")
-        out[key] = np.ascontiguousarray(exported)
-    return out
+# Kept for callers that imported it from here; the implementation lives in weights.
+export_state_dict = weights.export_state_dict
 
 
 # --- config.json writers -----------------------------------------------------------------------
@@ -209,7 +165,7 @@ def write_transformer(directory: str | os.PathLike, config, params) -> None:
 
     folder = Path(directory)
     _write_json(folder / "config.json", _diffusers_config("WanTransformer3DModel", config))
-    tensors = export_state_dict(params, wan_transformer.weight_map(config))
+    tensors = weights.export_state_dict(params, wan_transformer.weight_map(config))
     weights.save_safetensors(
         tensors, folder / "diffusion_pytorch_model.safetensors", {"format": "pt"}
     )
@@ -260,7 +216,7 @@ def build_tiny_wan_pipeline(
     _, v_params = wan_vae.init_wan_vae(v_cfg, keys[1])
     _write_json(root / "vae/config.json", _diffusers_config("AutoencoderKLWan", v_cfg))
     weights.save_safetensors(
-        export_state_dict(v_params, wan_vae.weight_map(v_cfg)),
+        weights.export_state_dict(v_params, wan_vae.weight_map(v_cfg)),
         root / "vae/diffusion_pytorch_model.safetensors",
         {"format": "pt"},
     )
@@ -269,7 +225,7 @@ def build_tiny_wan_pipeline(
     _, e_params = umt5.init_umt5(e_cfg, keys[2])
     _write_json(root / "text_encoder/config.json", _umt5_config(e_cfg))
     # transformers stores the tied embedding once, as shared.weight.
-    tensors = export_state_dict(e_params, umt5.weight_map(e_cfg, "shared.weight"))
+    tensors = weights.export_state_dict(e_params, umt5.weight_map(e_cfg, "shared.weight"))
     weights.save_safetensors(tensors, root / "text_encoder/model.safetensors", {"format": "pt"})
 
     tokenizer = build_tiny_tokenizer(root / "tokenizer", vocab_size=e_cfg.vocab_size)

@@ -12,6 +12,7 @@ are refused: loading them can run arbitrary code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -319,6 +320,19 @@ def save_safetensors(tensors: Mapping[str, np.ndarray], path: str | os.PathLike,
 
 # --- exporting (flax -> diffusers layout) ----------------------------------------------------
 
+
+@dataclasses.dataclass(frozen=True)
+class Invertible:
+    """A transform that carries its inverse, for reshaping transforms that depend on the
+    config or the key (export writes diffusers layout back through ``inverse``)."""
+
+    forward: Transform
+    inverse: Transform
+
+    def __call__(self, w: np.ndarray) -> np.ndarray:
+        return self.forward(w)
+
+
 INVERSE_TRANSFORMS: dict[Transform, Transform] = {
     identity: identity,
     linear: linear,  # a transpose is its own inverse
@@ -331,15 +345,20 @@ INVERSE_TRANSFORMS: dict[Transform, Transform] = {
 def export_state_dict(params: Mapping, weight_map: WeightMap) -> dict[str, np.ndarray]:
     """Flax params -> {diffusers key: array in torch layout}, the inverse of :func:`load_params`.
 
-    Custom transforms need an entry in ``INVERSE_TRANSFORMS`` (an error names the key otherwise).
+    Every tensor is pushed back through its forward transform and compared with the parameter,
+    so a wrong inverse fails here instead of writing a wrong checkpoint.
     """
     flat = _flatten(params)
     out: dict[str, np.ndarray] = {}
     for path, (key, transform) in weight_map.items():
         if path not in flat:
             raise WeightsError(f"export: the params have no {_fmt(path)} (for {key})")
-        inverse = INVERSE_TRANSFORMS.get(transform)
+        inverse = getattr(transform, "inverse", None) or INVERSE_TRANSFORMS.get(transform)
         if inverse is None:
             raise WeightsError(f"export: no inverse transform registered for {key}")
-        out[key] = np.ascontiguousarray(inverse(np.asarray(jax.device_get(flat[path]))))
+        value = np.asarray(jax.device_get(flat[path]))
+        exported = np.ascontiguousarray(inverse(value))
+        if not np.array_equal(transform(exported), value):
+            raise WeightsError(f"export: {key} does not round-trip through its transform")
+        out[key] = exported
     return out

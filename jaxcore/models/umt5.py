@@ -433,7 +433,7 @@ def _heads_in(num_heads: int, d_kv: int):
     def transform(w: np.ndarray) -> np.ndarray:
         return w.T.reshape(w.shape[1], num_heads, d_kv)
 
-    return transform
+    return weights.Invertible(transform, lambda k: k.reshape(k.shape[0], -1).T)
 
 
 def _heads_out(num_heads: int, d_kv: int):
@@ -442,7 +442,7 @@ def _heads_out(num_heads: int, d_kv: int):
     def transform(w: np.ndarray) -> np.ndarray:
         return w.T.reshape(num_heads, d_kv, w.shape[0])
 
-    return transform
+    return weights.Invertible(transform, lambda k: k.reshape(-1, k.shape[-1]).T)
 
 
 def weight_map(config: UMT5Config, embedding_key: str = "shared.weight") -> dict:

@@ -793,6 +793,11 @@ def _conv1x1_to_dense(w: np.ndarray) -> np.ndarray:
     return w.reshape(w.shape[0], w.shape[1]).T
 
 
+_CONV1X1_AS_DENSE = weights.Invertible(
+    _conv1x1_to_dense, lambda k: k.T.reshape(k.shape[1], k.shape[0], 1, 1)
+)
+
+
 def _flatten_gamma(w: np.ndarray) -> np.ndarray:
     """WanRMS_norm gamma [C, 1, 1(, 1)] -> [C]."""
     return w.reshape(-1)
@@ -804,12 +809,16 @@ def _source_entry(path: tuple[str, ...], ndim: int) -> tuple[str, weights.Transf
     *modules, leaf = path
     key = ".".join(re.sub(r"_(\d+)$", r".\1", m) for m in modules)
     if leaf == "gamma":
-        return f"{key}.gamma", _flatten_gamma
+        # diffusers WanRMS_norm keeps gamma as [C, 1, 1] (images=True, attention) or [C, 1, 1, 1]
+        ones = (1, 1) if ".attentions." in f".{key}." else (1, 1, 1)
+        return f"{key}.gamma", weights.Invertible(
+            _flatten_gamma, lambda g: g.reshape(g.shape[0], *ones)
+        )
     if leaf == "bias":
         return f"{key}.bias", weights.identity
     if leaf != "kernel":
         raise ValueError(f"no diffusers name for parameter {'/'.join(path)}")
-    transform = {5: weights.conv3d, 4: weights.conv2d, 2: _conv1x1_to_dense}[ndim]
+    transform = {5: weights.conv3d, 4: weights.conv2d, 2: _CONV1X1_AS_DENSE}[ndim]
     return f"{key}.weight", transform
 
 
