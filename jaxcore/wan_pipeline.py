@@ -36,11 +36,10 @@ from flax import linen as nn
 
 from jaxcore import sharding, storage, weights
 from jaxcore.models import umt5, wan_transformer, wan_vae
-from jaxcore.schedulers import flow_euler, unipc
+from jaxcore.schedulers import make_scheduler
 
 log = logging.getLogger(__name__)
 
-SCHEDULERS = ("unipc", "flow_euler")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 # What a Hugging Face snapshot needs (no pickles, no code).
@@ -122,38 +121,6 @@ def _unipc_options(config: Mapping[str, Any], where: str) -> UniPCOptions:
         disable_corrector=tuple(config.get("disable_corrector") or ()),
         num_train_timesteps=int(config.get("num_train_timesteps", 1000)),
     )
-
-
-def make_sampler(
-    name: str,
-    num_inference_steps: int,
-    flow_shift: float,
-    sample_shape: Sequence[int],
-    options: UniPCOptions = UniPCOptions(),
-):
-    """(state, step_fn) for ``name``; ``step_fn(state, velocity, sample) -> (sample, state)``.
-
-    The state carries the model timesteps (``state.timesteps``) and has fixed shapes, so it can
-    ride in a ``lax.fori_loop`` carry.
-    """
-    if name == "unipc":
-        state = unipc.make_unipc(
-            num_inference_steps,
-            flow_shift,
-            solver_order=options.solver_order,
-            solver_type=options.solver_type,
-            lower_order_final=options.lower_order_final,
-            disable_corrector=options.disable_corrector,
-            num_train_timesteps=options.num_train_timesteps,
-            sample_shape=tuple(sample_shape),
-        )
-        return state, unipc.unipc_step
-    if name == "flow_euler":
-        state = flow_euler.make_flow_euler(
-            num_inference_steps, flow_shift, options.num_train_timesteps
-        )
-        return state, flow_euler.flow_euler_step
-    raise ValueError(f"unknown scheduler {name!r}; choose one of {SCHEDULERS}")
 
 
 # --- the jitted denoising loop --------------------------------------------------------------------
@@ -316,12 +283,15 @@ class WanPipelineJax:
         elif not isinstance(neg_text_emb, jax.Array):
             neg_text_emb = self.shard_batch(neg_text_emb)
         shift = self.default_flow_shift if flow_shift is None else float(flow_shift)
-        options = (
-            _unipc_options(self.scheduler_config, f"{self.source}/scheduler")
-            if scheduler == "unipc"
-            else UniPCOptions()
+        if scheduler == "unipc":
+            options = dataclasses.asdict(
+                _unipc_options(self.scheduler_config, f"{self.source}/scheduler")
+            )
+        else:
+            options = {"num_train_timesteps": UniPCOptions().num_train_timesteps}
+        state, step_fn = make_scheduler(
+            scheduler, num_inference_steps, shift, sample_shape=latents.shape, **options
         )
-        state, step_fn = make_sampler(scheduler, num_inference_steps, shift, latents.shape, options)
         fn = _denoise_fn(self.transformer, step_fn, use_cfg)
         with self._context():
             return fn(
