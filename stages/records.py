@@ -12,7 +12,13 @@ One ``tf.train.Example`` per item, as MaxDiffusion writes Wan TFRecords, plus sh
 | ``source_id`` | bytes | stable id of the source row |
 | ``timesteps`` | int64 | eval split only: the fixed timestep (0..1000) this record is scored at |
 
-Shards: ``<split>/<split>-NNNNN-of-MMMMM.tfrecord`` inside the convert artifact.
+Shards: ``<split>/<split>-NNNNN-of-MMMMM.tfrecord`` inside the convert artifact. The convert
+manifest's summary describes them for readers::
+
+    splits: {train: {records: N, shards: [paths]}, eval: {records: M, shards: [paths]}}
+    latent_shape: [C, F, H, W]
+    text_shape: [L, D]
+    timesteps_list: [125, ...]
 """
 
 from __future__ import annotations

@@ -151,15 +151,18 @@ def _summary(config, info, shapes, plan, counters: dict, uri: str, seconds: floa
             "weights_dtype": config.encoder.weights_dtype,
             "activations_dtype": config.encoder.activations_dtype,
         },
-        "counts": counts,
+        # the schema train/evaluate read (stages/records.py documents it)
+        "splits": {
+            name: {"records": counts.get(name, 0), "shards": shard_list.get(name, [])}
+            for name in records.SPLITS
+        },
+        "latent_shape": list(shapes.latents),
+        "text_shape": list(shapes.text),
         "rows_read": rows_read,
         "dropped": dropped,
         "dropped_total": sum(dropped.values()),
         "dropped_file": DROPPED_FILE,
-        "shards": shard_list,
         "records_per_shard": plan.records_per_shard,
-        "latents_shape": list(shapes.latents),
-        "encoder_hidden_states_shape": list(shapes.text),
         "latent_sampling": "mean",
         "latents_normalization": {
             "formula": "(z - latents_mean) / latents_std",

@@ -283,13 +283,13 @@ def _read_split(manifest, split_name: str) -> list[dict]:
     import tensorflow as tf
 
     local = storage.local_copy(manifest.uri)
-    files = [str(local / p) for p in manifest.summary["shards"][split_name]]
+    files = [str(local / p) for p in manifest.summary["splits"][split_name]["shards"]]
     assert files == sorted(files) and files
     dataset = tf.data.TFRecordDataset(files).map(
         lambda s: records.parse_example(
             s,
-            manifest.summary["latents_shape"],
-            manifest.summary["encoder_hidden_states_shape"],
+            manifest.summary["latent_shape"],
+            manifest.summary["text_shape"],
             with_timesteps=split_name == "eval",
         )
     )
@@ -305,8 +305,8 @@ def _check_artifact(uri: str, direct, shapes_dir: Path) -> None:
 
     manifest = open_artifact(uri, "convert")
     s = manifest.summary
-    assert s["latents_shape"] == [4, 1, HEIGHT // 2, WIDTH // 2]
-    assert s["encoder_hidden_states_shape"] == [SEQ_LEN, 32]
+    assert s["latent_shape"] == [4, 1, HEIGHT // 2, WIDTH // 2]
+    assert s["text_shape"] == [SEQ_LEN, 32]
     assert s["latent_sampling"] == "mean"
     assert s["latents_normalization"]["latents_mean"] == pytest.approx(list(LATENTS_MEAN))
     assert s["rows_read"] == 14 and s["dropped_total"] == 2
@@ -316,14 +316,17 @@ def _check_artifact(uri: str, direct, shapes_dir: Path) -> None:
         [media.UNDECODABLE_MEDIA, media.EMPTY_CAPTION]
     )
     train, evals = _read_split(manifest, "train"), _read_split(manifest, "eval")
-    assert len(train) == s["counts"]["train"] and len(evals) == s["counts"]["eval"]
+    assert (
+        len(train) == s["splits"]["train"]["records"]
+        and len(evals) == s["splits"]["eval"]["records"]
+    )
     assert len(train) + len(evals) == 12
     train_ids = {r[records.SOURCE_ID].decode() for r in train}
     eval_ids = {r[records.SOURCE_ID].decode() for r in evals}
     assert not train_ids & eval_ids and len(train_ids) == len(train)
     assert all(split.assign_split(i, 0.4, 0) == "eval" for i in eval_ids)
     # Shards hold at most records_per_shard records (planned from the source count).
-    assert len(s["shards"]["train"]) == -(-sum(split.assign_split(
+    assert len(s["splits"]["train"]["shards"]) == -(-sum(split.assign_split(
         f"shape-3-{i:05d}", 0.4, 0) == "train" for i in range(14)) // 4)  # fmt: skip
     # Eval buckets: every record's timestep is listed, sizes differ by at most one.
     bucket = split.bucket_counts([int(r[records.TIMESTEPS]) for r in evals], s["timesteps_list"])
