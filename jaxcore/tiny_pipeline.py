@@ -237,6 +237,39 @@ def build_tiny_wan_pipeline(
     return root
 
 
+TINY = "tiny"  # the name stages accept for pretrained_model_name_or_path
+
+
+def cached_tiny_pipeline(model_config: str | os.PathLike = DEFAULT_MODEL_CONFIG) -> Path:
+    """The tiny pipeline of ``model_config``, built once into the difforge cache.
+
+    Keyed by the model YAML's bytes, so an edited config builds a fresh pipeline; built in a
+    temporary folder and renamed into place, so a killed build never looks complete.
+    """
+    import hashlib
+    import shutil
+    import tempfile
+
+    from jaxcore import storage
+
+    digest = hashlib.sha256(Path(model_config).read_bytes()).hexdigest()[:12]
+    directory = storage.cache_dir() / f"tiny_wan_pipeline-{digest}"
+    if (directory / "model_index.json").exists():
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=directory.parent))
+    try:
+        build_tiny_wan_pipeline(staging, model_config=model_config)
+        try:
+            os.rename(staging, directory)
+        except OSError:  # another process finished first
+            if not (directory / "model_index.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
 if __name__ == "__main__":
     import sys
 

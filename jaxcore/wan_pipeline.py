@@ -351,13 +351,18 @@ class WanPipelineJax:
 
 
 def resolve_pipeline_dir(path_or_uri_or_repo_id: str) -> Path:
-    """A local pipeline directory for a local path, a ``gs://`` URI or a Hugging Face repo id.
+    """A local pipeline directory for a local path, a ``gs://`` URI, a Hugging Face repo id, or
+    ``tiny`` (the random-init tiny pipeline of ``configs/models/wan_tiny.yml``).
 
     gs:// trees are copied into the local cache once; repo ids are resolved with
     ``huggingface_hub.snapshot_download`` limited to json/safetensors/tokenizer files (it reads
     the local cache when offline; nothing with code or pickles is fetched).
     """
     source = str(path_or_uri_or_repo_id)
+    if source == "tiny":  # the random-init tiny pipeline (tests, demos), built once and cached
+        from jaxcore.tiny_pipeline import cached_tiny_pipeline
+
+        return cached_tiny_pipeline()
     if storage.is_gcs(source):
         return storage.local_copy(source)
     local = Path(source).expanduser()

@@ -17,7 +17,6 @@ needs), and importable on its own so a benchmark can time the bare encoders
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -34,7 +33,6 @@ from stages.convert.config import EncoderConfig
 log = logging.getLogger(__name__)
 
 VAE_DIR, TEXT_ENCODER_DIR, TOKENIZER_DIR = "vae", "text_encoder", "tokenizer"
-TINY = "tiny"
 
 
 class EncoderLoadError(ValueError):
@@ -47,23 +45,13 @@ def resolve_pipeline_dir(pretrained_model_name_or_path: str) -> Path:
     ``tiny`` builds (once, in the difforge cache) the random-init tiny Wan pipeline of
     ``jaxcore.tiny_pipeline``, for the demo and tests.
     """
-    from jaxcore import storage
+    from jaxcore.wan_pipeline import PipelineError
+    from jaxcore.wan_pipeline import resolve_pipeline_dir as resolve
 
-    if pretrained_model_name_or_path == TINY:
-        try:
-            from jaxcore.tiny_pipeline import DEFAULT_MODEL_CONFIG, build_tiny_wan_pipeline
-        except ImportError as err:
-            raise EncoderLoadError(
-                "pretrained_model_name_or_path=tiny needs jaxcore.tiny_pipeline "
-                f"(build_tiny_wan_pipeline), which is not available: {err}"
-            ) from None
-        # Keyed by the tiny model YAML, so an edited tiny config builds a fresh pipeline.
-        digest = hashlib.sha256(DEFAULT_MODEL_CONFIG.read_bytes()).hexdigest()[:12]
-        directory = storage.cache_dir() / f"tiny_wan_pipeline-{digest}"
-        if not (directory / "model_index.json").exists():
-            build_tiny_wan_pipeline(directory)
-        return directory
-    directory = storage.local_copy(pretrained_model_name_or_path)
+    try:
+        directory = resolve(pretrained_model_name_or_path)
+    except PipelineError as err:
+        raise EncoderLoadError(str(err)) from None
     for part in (VAE_DIR, TEXT_ENCODER_DIR, TOKENIZER_DIR):
         if not (directory / part).is_dir():
             raise EncoderLoadError(
