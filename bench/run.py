@@ -108,7 +108,7 @@ def _fmt_value(record: dict) -> str:
     value, unit = record["value"], record["unit"]
     if "bytes" in unit and unit != "x weight bytes":
         return f"{value / 2**20:.1f} MiB"
-    if unit == "s":
+    if unit in ("s", "startup s"):
         return _fmt_seconds(value)
     return f"{value:.3g} {unit}"
 
