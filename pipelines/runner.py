@@ -66,4 +66,5 @@ def _record_chain(config: PipelineConfig, manifests: dict[str, artifacts.Manifes
         return found
     if found is not None:  # an earlier chain's record: replaced, its steps' artifacts stay
         storage.delete(storage.join(writer.uri, artifacts.MANIFEST))
-    return writer.commit({"steps": {name: m.uri for name, m in manifests.items()}})
+    # a list, not a mapping: the manifest's JSON sorts mapping keys, and the order is the chain
+    return writer.commit({"steps": [{"name": n, "uri": m.uri} for n, m in manifests.items()]})

@@ -20,17 +20,17 @@ from stages.generate.config import GenerateConfig
 log = logging.getLogger(__name__)
 
 
-def train_artifact(source: str) -> Manifest | None:
-    """The train manifest when ``source`` is a finished train artifact, else None."""
+def checkpoint_artifact(source: str) -> Manifest | None:
+    """The manifest when ``source`` is a finished train or evaluate artifact, else None."""
     if not (storage.is_gcs(source) or Path(source).is_dir()):
         return None
     manifest = artifacts.read_manifest(source)
     if manifest is None:
         return None
-    if manifest.stage != "train":
+    if manifest.stage not in ("train", "evaluate"):
         raise StageInputError(
             f"pretrained_model_name_or_path {source} is a {manifest.stage!r} artifact; "
-            "expected a diffusers pipeline or a train artifact"
+            "expected a diffusers pipeline, a train artifact or an evaluate artifact"
         )
     return manifest
 
@@ -63,17 +63,17 @@ def load(config: GenerateConfig, mesh) -> tuple[object, dict, dict[str, Manifest
         attention=section.attention,
         mesh=mesh,
     )
-    manifest = train_artifact(source)
-    if manifest is None:
+    if checkpoint_artifact(source) is None:
         pipe = wan_pipeline.load_wan_pipeline(source, **common)
         return pipe, {"source": "pipeline", "path": source}, {}
 
     from stages.train import checkpointing
-    from stages.train.model import resolve_init_step
+    from stages.train.model import resolve_checkpoint_source
 
+    resolved = resolve_checkpoint_source(source, section.checkpoint)
+    manifest, step = resolved.train, resolved.step
     base = _base_pipeline(config, manifest)
     pipe = wan_pipeline.load_wan_pipeline(base, **common)
-    step = resolve_init_step(manifest, section.checkpoint)
     t_config = wan.WanTransformerConfig.from_dict(manifest.summary["model_config"])
     module = dataclasses.replace(pipe.transformer, config=t_config)
     params = checkpointing.restore_params(
@@ -82,4 +82,4 @@ def load(config: GenerateConfig, mesh) -> tuple[object, dict, dict[str, Manifest
     pipe = dataclasses.replace(pipe, transformer=module, transformer_params=params)
     log.info("generate: transformer from %s step %d, the rest from %s", manifest.uri, step, base)
     provenance = {"source": "train_artifact", "path": manifest.uri, "step": step, "base": base}
-    return pipe, provenance, {"model": manifest}
+    return pipe, provenance, resolved.inputs

@@ -59,8 +59,13 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
 
     specs = read_prompt_file(config.prompt_file, config.sampling)  # fails before any work
     prompt_sha = _prompt_file_sha256(config.prompt_file)
-    train_manifest = model.train_artifact(config.pretrained_model_name_or_path)
-    inputs = {"model": train_manifest} if train_manifest is not None else {}
+    inputs = {}
+    if model.checkpoint_artifact(config.pretrained_model_name_or_path) is not None:
+        from stages.train.model import resolve_checkpoint_source
+
+        inputs = resolve_checkpoint_source(
+            config.pretrained_model_name_or_path, config.model.checkpoint
+        ).inputs
     writer = ArtifactWriter(config.output_dir, "generate", config, inputs)
     done = writer.existing(force)
     if done is not None:

@@ -3,6 +3,7 @@ train artifact's checkpoint; and the way back out (diffusers-format export)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcore import storage, weights
-from jaxcore.artifacts import open_artifact
+from jaxcore.artifacts import Manifest, open_artifact, read_manifest
 from jaxcore.config import read_yaml
 from jaxcore.models import wan_transformer as wan
 from stages.errors import StageInputError
@@ -81,6 +82,39 @@ def abstract_params_with_shardings(module, mesh):
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointSource:
+    """A checkpoint named through artifacts: the train artifact and the step to restore.
+
+    ``inputs`` are the artifacts it came through (for the consumer's manifest)."""
+
+    train: Manifest
+    step: int
+    inputs: dict
+
+
+def resolve_checkpoint_source(uri: str, which: str) -> CheckpointSource:
+    """A train artifact (``which``: "final", "best" or a step) or an evaluate artifact (its
+    best checkpoint, as evaluation named it; "final"/a step then refer to its train artifact).
+    """
+    manifest = read_manifest(uri)
+    if manifest is None:
+        open_artifact(uri, "train")  # raises, naming the missing manifest
+    if manifest.stage == "evaluate":
+        train = open_artifact(manifest.summary["train_artifact"], "train")
+        if which == "best":
+            step = int(manifest.summary["best_checkpoint_step"])
+            resolve_init_step(train, str(step))  # the checkpoint must still exist
+        else:
+            step = resolve_init_step(train, which)
+        return CheckpointSource(train, step, {"evaluation": manifest, "model": train})
+    if manifest.stage != "train":
+        raise StageInputError(
+            f"{uri} is a {manifest.stage!r} artifact; expected a train or evaluate artifact"
+        )
+    return CheckpointSource(manifest, resolve_init_step(manifest, which), {"model": manifest})
+
+
 def resolve_init_step(train_manifest, which: str) -> int:
     """'final', 'best' (from the train summary) or an explicit step listed in the artifact."""
     summary = train_manifest.summary
@@ -134,8 +168,8 @@ def build_model(section: ModelSection, mesh, rng) -> tuple[wan.WanTransformer, d
         return module, params, {"source": "config", "path": section.model_config}
     from stages.train import checkpointing
 
-    manifest = open_artifact(section.init_from, "train")
-    step = resolve_init_step(manifest, section.init_checkpoint)
+    source = resolve_checkpoint_source(section.init_from, section.init_checkpoint)
+    manifest, step = source.train, source.step
     config = wan.WanTransformerConfig.from_dict(manifest.summary["model_config"])
     module = make_module(config, section, mesh)
     params = checkpointing.restore_params(

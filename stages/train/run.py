@@ -6,6 +6,7 @@ import logging
 
 from jaxcore.artifacts import ArtifactWriter, Manifest, open_artifact
 from stages.train.config import TrainConfig
+from stages.train.model import resolve_checkpoint_source
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,8 @@ def run(config: TrainConfig, *, force: bool = False) -> Manifest | None:
     if data_manifest is not None:
         inputs["data"] = data_manifest
     if config.model.init_from:
-        inputs["init_from"] = open_artifact(config.model.init_from, "train")
+        source = resolve_checkpoint_source(config.model.init_from, config.model.init_checkpoint)
+        inputs.update({f"init_from_{k}": m for k, m in source.inputs.items()})
     writer = ArtifactWriter(config.output_dir, "train", config, inputs)
     done = writer.existing(force)
     if done is not None:

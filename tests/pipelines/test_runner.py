@@ -88,7 +88,8 @@ def test_chain_runs_in_order_and_records_itself(tmp_path):
     assert storage.read_text(str(tmp_path / "root/use/out.txt")) == "hello?"
     assert manifest.stage == "pipeline"
     assert set(manifest.inputs) == {"make", "use"}
-    assert manifest.summary["steps"]["use"].endswith("root/use")
+    assert [s["name"] for s in manifest.summary["steps"]] == ["make", "use"]
+    assert manifest.summary["steps"][1]["uri"].endswith("root/use")
 
 
 def test_rerun_skips_finished_steps_and_config_change_reruns_downstream(tmp_path):
