@@ -1,0 +1,209 @@
+"""pipelines.demo_assets: the shipped demo VAE (loads in ours and diffusers, reconstructs fresh
+shapes), the colour check (passes true images, fails wrong/blank/noise), the demo model YAML,
+and build_demo_assets (loadable pipeline, idempotent)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from pipelines import demo_assets
+from stages import synthetic
+
+# Measured on the shipped VAE (32x32, the 24 seed-99 demo items below, posterior mean, fp32):
+# PSNR 29.1 dB (fit-vae's own held-out report: 28.5 dB demo palette, 27.5 dB all 8 colours);
+# the threshold leaves ~3 dB of margin. A random-init VAE of this size scores ~9-11 dB.
+MIN_DEMO_PSNR_DB = 26.0
+# Same weights, same fp32 math: ours vs diffusers' reconstruction, max abs on [-1, 1] pixels.
+# Reached: 7.9e-7.
+PARITY_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def fresh_demo_items():
+    """Demo-palette shapes the VAE never saw (fit-vae trains on seed 0, evaluates seed 1)."""
+    return demo_assets.make_demo_items(24, demo_assets.DEMO_IMAGE_SIZE, seed=99)
+
+
+@pytest.fixture(scope="module")
+def shipped_vae():
+    from jaxcore.models import wan_vae
+
+    return wan_vae.load_wan_vae(demo_assets.DEMO_VAE_DIR)
+
+
+# --- the shipped VAE ---------------------------------------------------------------------------
+
+
+def test_shipped_vae_is_small_and_diffusers_shaped():
+    folder = demo_assets.DEMO_VAE_DIR
+    assert (folder / "diffusion_pytorch_model.safetensors").stat().st_size < 2_000_000
+    config = json.loads((folder / "config.json").read_text())
+    assert config["_class_name"] == "AutoencoderKLWan"
+    assert config["scale_factor_spatial"] == 2 and config["z_dim"] == 4
+
+
+def test_shipped_vae_matches_diffusers(shipped_vae, fresh_demo_items):
+    torch = pytest.importorskip("torch")
+    from diffusers import AutoencoderKLWan
+
+    from jaxcore import vae_fitting
+    from jaxcore.models import wan_vae
+
+    module, params = shipped_vae
+    video = vae_fitting.images_to_video(demo_assets.decode_items(fresh_demo_items[:4]))
+    ours = np.asarray(wan_vae.decode(module, params, wan_vae.encode(module, params, video).mean))
+    reference = AutoencoderKLWan.from_pretrained(demo_assets.DEMO_VAE_DIR).eval()
+    with torch.no_grad():
+        x = torch.from_numpy(np.array(video))
+        theirs = reference.decode(reference.encode(x).latent_dist.mean).sample.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=PARITY_ATOL)
+
+
+def test_shipped_vae_reconstructs_fresh_shapes(shipped_vae, fresh_demo_items):
+    from jaxcore import vae_fitting
+
+    module, params = shipped_vae
+    images = demo_assets.decode_items(fresh_demo_items)
+    recon = vae_fitting.reconstruct(module, params, images)
+    assert vae_fitting.psnr(images, recon) > MIN_DEMO_PSNR_DB
+    report = demo_assets.check_colours(list(recon), [it["text"] for it in fresh_demo_items])
+    assert report.pass_fraction == 1.0, [c for c in report.checks if not c.passed]
+
+
+def test_shipped_latent_stats_normalise(shipped_vae, fresh_demo_items):
+    """latents_mean/std in the shipped config give ~unit-scale latents on fresh shapes."""
+    from jaxcore import vae_fitting
+    from jaxcore.models import wan_vae
+
+    module, params = shipped_vae
+    video = vae_fitting.images_to_video(demo_assets.decode_items(fresh_demo_items))
+    z = wan_vae.normalize_latents(wan_vae.encode(module, params, video).mean, module.config)
+    per_channel = np.moveaxis(np.asarray(z), 1, -1).reshape(-1, module.config.z_dim)
+    # Fitted on other images (a mix with all 8 colours). Reached: |mean| <= 0.11, std 0.95-1.07;
+    # loose bounds, but a missing or wrong normalisation (std off by 2x, mean off by 1) fails.
+    assert np.all(np.abs(per_channel.mean(0)) < 0.5), per_channel.mean(0)
+    assert np.all((per_channel.std(0) > 0.5) & (per_channel.std(0) < 2.0)), per_channel.std(0)
+
+
+def test_demo_model_yaml_is_consistent_with_the_shipped_vae():
+    from jaxcore.model_configs import load_model_yaml
+    from jaxcore.models.wan_vae import WanVAEConfig
+
+    sections = load_model_yaml(demo_assets.DEMO_MODEL_YAML)
+    transformer, vae, text = sections["transformer"], sections["vae"], sections["text_encoder"]
+    assert transformer.in_channels == transformer.out_channels == vae.z_dim
+    assert transformer.text_dim == text.d_model
+    shipped = json.loads((demo_assets.DEMO_VAE_DIR / "config.json").read_text())
+    assert vae == WanVAEConfig.from_dict(shipped)
+
+
+# --- the colour check ----------------------------------------------------------------------------
+
+
+def _draw(colour, shape, background, seed=0):
+    rng = np.random.default_rng(seed)
+    size = demo_assets.DEMO_IMAGE_SIZE
+    return np.asarray(synthetic.draw_shape(shape, colour, background, size, size, rng))
+
+
+def test_check_colours_passes_true_images():
+    combos = demo_assets.demo_combinations()
+    images = [_draw(c, s, b, seed=i) for i, (c, s, b) in enumerate(combos)]
+    prompts = [synthetic.caption_for(c, s, b) for c, s, b in combos]
+    report = demo_assets.check_colours(images, prompts)
+    assert report.pass_fraction == 1.0, [c for c in report.checks if not c.passed]
+    assert all(c.background_found == c.background_expected for c in report.checks)
+    assert report.passed(0.8)
+
+
+def test_check_colours_fails_wrong_colours():
+    combos = demo_assets.demo_combinations()
+    palette = demo_assets.DEMO_COLOURS
+    images, prompts = [], []
+    for i, (colour, shape, background) in enumerate(combos):
+        wrong = palette[(palette.index(colour) + 1) % len(palette)]
+        images.append(_draw(wrong, shape, background, seed=i))
+        prompts.append(synthetic.caption_for(colour, shape, background))
+    report = demo_assets.check_colours(images, prompts)
+    assert report.pass_fraction == 0.0
+    assert [c.found for c in report.checks] == [
+        palette[(palette.index(c) + 1) % len(palette)] for c, _, _ in combos
+    ]
+    assert not report.passed(0.8)
+
+
+@pytest.mark.parametrize("fill", [0, 128, 245])
+def test_check_colours_fails_blank_images(fill):
+    image = np.full((32, 32, 3), fill, np.uint8)
+    check = demo_assets.check_image(image, "a red circle on a white background")
+    assert not check.passed and check.found is None and check.shape_fraction == 0.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_check_colours_fails_noise(seed):
+    noise = np.random.default_rng(seed).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    prompts = [synthetic.caption_for(c, "circle", "white") for c in demo_assets.DEMO_COLOURS]
+    report = demo_assets.check_colours([noise] * len(prompts), prompts)
+    assert report.pass_fraction == 0.0, report.checks
+
+
+def test_check_colours_input_errors():
+    with pytest.raises(ValueError, match="does not read"):
+        demo_assets.parse_prompt("a photo of a cat")
+    with pytest.raises(ValueError, match="'teal' is not one of"):
+        demo_assets.parse_prompt("a teal circle on a white background")
+    with pytest.raises(ValueError, match="2 images but 1 prompts"):
+        demo_assets.check_colours(
+            [_draw("red", "circle", "white")] * 2, ["a red x on a white background"]
+        )
+    with pytest.raises(ValueError, match="uint8 HxWx3"):
+        demo_assets.check_image(np.zeros((32, 32), np.uint8), "a red circle on a white background")
+
+
+# --- dataset, prompts, assets --------------------------------------------------------------------
+
+
+def test_demo_items_cover_every_prompt_and_are_deterministic():
+    items = demo_assets.make_demo_items(48, 32, seed=5)
+    assert {(i["colour"], i["shape"], i["background"]) for i in items} == set(
+        demo_assets.demo_combinations()
+    )
+    again = demo_assets.make_demo_items(48, 32, seed=5)
+    assert [i["image_bytes"] for i in items] == [i["image_bytes"] for i in again]
+    prompts = demo_assets.demo_prompts()
+    assert len(prompts) == 24 and len({p["id"] for p in prompts}) == 24
+    assert {p["prompt"] for p in prompts} == {i["text"] for i in items}
+
+
+def test_build_demo_assets_is_loadable_and_idempotent(tmp_path):
+    assets = demo_assets.build_demo_assets(tmp_path, num_items=24, seed=0)
+    lines = (assets.dataset / "metadata.jsonl").read_text().splitlines()
+    assert len(lines) == 24 and all(
+        (assets.dataset / json.loads(x)["file_name"]).exists() for x in lines
+    )
+    prompts = [json.loads(x) for x in assets.prompts.read_text().splitlines()]
+    assert [p["prompt"] for p in prompts] == [p["prompt"] for p in demo_assets.demo_prompts(0)]
+    shipped = demo_assets.DEMO_VAE_DIR / "diffusion_pytorch_model.safetensors"
+    assert (
+        assets.pipeline / "vae/diffusion_pytorch_model.safetensors"
+    ).read_bytes() == shipped.read_bytes()
+
+    stamps = {p: p.stat().st_mtime_ns for p in (assets.dataset, assets.pipeline, assets.prompts)}
+    assert demo_assets.build_demo_assets(tmp_path, num_items=24, seed=0) == assets
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    assert not [p for p in (tmp_path / "assets").iterdir() if p.name.startswith(".") and p.is_dir()]
+
+    wan_pipeline = pytest.importorskip("jaxcore.wan_pipeline")
+    pipeline = wan_pipeline.load_wan_pipeline(assets.pipeline)
+    assert pipeline.vae.config.z_dim == pipeline.transformer.config.in_channels == 4
+
+    # Other parameters rebuild only what they change.
+    rebuilt = demo_assets.build_demo_assets(tmp_path, num_items=30, seed=0)
+    assert len((rebuilt.dataset / "metadata.jsonl").read_text().splitlines()) == 30
+    assert assets.pipeline.stat().st_mtime_ns == stamps[assets.pipeline]
+
+
+def test_build_demo_assets_names_a_missing_vae(tmp_path):
+    with pytest.raises(FileNotFoundError, match="fit-vae"):
+        demo_assets.build_demo_assets(tmp_path, vae_dir=tmp_path / "nowhere")
