@@ -3,7 +3,6 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export NO_GCE_CHECK ?= true
 
