@@ -39,11 +39,12 @@ def random_vae():
 def test_fit_lowers_the_loss():
     images = _blocky_images(8)
     _, history = vae_fitting.fit_wan_vae(
-        TINY, images, steps=8, batch_size=4, learning_rate=1e-2, log_every=1, progress=False
+        TINY, images, steps=8, batch_size=8, learning_rate=1e-2, log_every=1, progress=False
     )
     assert [h["step"] for h in history] == list(range(1, 9))
     first, last = history[0]["recon"], history[-1]["recon"]
-    # Measured: L1 recon 0.50 -> ~0.3 in 8 steps; require a clear drop, not noise.
+    # Full batch, so only the posterior noise varies between steps. Measured: L1 recon
+    # 0.566 -> 0.420 in 8 steps (monotone after step 2); require a clear drop, not noise.
     assert last < 0.8 * first, history
     assert all(np.isfinite(h["loss"]) and h["kl"] >= 0 for h in history)
 
