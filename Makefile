@@ -19,7 +19,7 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/difforge run configs/pipelines/demo.yml root=outputs/demo
+	$(VENV)/bin/difforge demo root=outputs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

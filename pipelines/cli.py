@@ -53,6 +53,11 @@ STAGES: dict[str, StageEntry] = {
         "pipelines.runner:run",
         "a whole pipeline: chained stages through artifacts (configs/pipelines/*.yml)",
     ),
+    "demo": StageEntry(
+        "pipelines.demo:DemoConfig",
+        "pipelines.demo:run",
+        "the CPU demo: shapes data -> convert -> train -> evaluate -> generate -> colour check",
+    ),
     "deploy": StageEntry(
         "pipelines.deploy:DeployConfig",
         "pipelines.deploy:run",
@@ -73,7 +78,11 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from jaxcore.storage import StorageError
 
     types: list[type[BaseException]] = [ConfigError, ArtifactError, StorageError]
-    for path in ("jaxcore.weights:WeightsError", "jaxcore.sharding:ShardingError"):
+    for path in (
+        "jaxcore.weights:WeightsError",
+        "jaxcore.sharding:ShardingError",
+        "pipelines.demo:DemoCheckError",
+    ):
         with contextlib.suppress(ImportError, AttributeError):
             types.append(_load(path))
     try:
