@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import mmap
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
@@ -111,6 +112,21 @@ class SafetensorsFile:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.header[key]["shape"])
 
+    def release(self, key: str) -> None:
+        """Drop the tensor's pages from this process's resident memory (after it was placed).
+
+        Mapped file pages count as resident once read; without this, loading a model holds the
+        whole file *and* the placed arrays. The data stay readable (pages re-read on access).
+        """
+        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start, end = self.header[key]["data_offsets"]
+        page = mmap.PAGESIZE
+        lo = (self._offset + start) // page * page
+        hi = self._offset + end
+        if hi > lo:
+            self._mmap._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
     def get(self, key: str) -> np.ndarray:
         info = self.header[key]
         dtype = _DTYPES.get(info["dtype"])
@@ -170,6 +186,10 @@ class SafetensorsReader:
         except KeyError:
             raise WeightsError(f"{self.directory}: no tensor {key!r}") from None
         return f.get(key)
+
+    def release(self, key: str) -> None:
+        if key in self._key_to_file:
+            self._key_to_file[key].release(key)
 
     def as_dict(self) -> dict[str, np.ndarray]:
         return {k: self.get(k) for k in self.keys()}
@@ -274,7 +294,9 @@ def load_params(
         if dtype is not None and jax.numpy.issubdtype(abstract.dtype, jax.numpy.floating):
             target = dtype
         sharding = sharding_flat.get(path, default_sharding)
-        placed[path] = _place(value, sharding, target)
+        placed[path] = jax.block_until_ready(_place(value, sharding, target))
+        if hasattr(reader, "release"):
+            reader.release(src)
     if mismatched:
         raise WeightsError("shape mismatch:\n  " + "\n  ".join(mismatched))
     return _unflatten(placed)
