@@ -13,6 +13,7 @@ Guarantees:
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import hashlib
 import os
@@ -142,10 +143,8 @@ def delete(uri: str) -> None:
     if is_gcs(uri):
         from google.api_core.exceptions import NotFound
 
-        try:
+        with contextlib.suppress(NotFound):
             _blob(uri).delete()
-        except NotFound:
-            pass
         return
     Path(uri).unlink(missing_ok=True)
 

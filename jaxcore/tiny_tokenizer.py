@@ -18,9 +18,64 @@ from pathlib import Path
 
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
 
-COLOURS = ["red", "green", "blue", "yellow", "orange", "purple", "pink", "brown", "black", "white", "gray", "cyan", "magenta", "gold", "silver"]
-SHAPES = ["circle", "square", "triangle", "star", "rectangle", "hexagon", "ring", "cross", "heart", "diamond", "dot"]
-WORDS = ["a", "the", "on", "in", "of", "and", "with", "background", "small", "big", "large", "bright", "dark", "moving", "rotating", "spinning", "bouncing", "sliding", "left", "right", "up", "down", "slowly", "quickly", "over", "under"]
+COLOURS = [
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "orange",
+    "purple",
+    "pink",
+    "brown",
+    "black",
+    "white",
+    "gray",
+    "cyan",
+    "magenta",
+    "gold",
+    "silver",
+]
+SHAPES = [
+    "circle",
+    "square",
+    "triangle",
+    "star",
+    "rectangle",
+    "hexagon",
+    "ring",
+    "cross",
+    "heart",
+    "diamond",
+    "dot",
+]
+WORDS = [
+    "a",
+    "the",
+    "on",
+    "in",
+    "of",
+    "and",
+    "with",
+    "background",
+    "small",
+    "big",
+    "large",
+    "bright",
+    "dark",
+    "moving",
+    "rotating",
+    "spinning",
+    "bouncing",
+    "sliding",
+    "left",
+    "right",
+    "up",
+    "down",
+    "slowly",
+    "quickly",
+    "over",
+    "under",
+]
 DEFAULT_WORDS: tuple[str, ...] = (*COLOURS, *SHAPES, *WORDS)
 
 # Fallback pieces: every ASCII letter and digit, and common punctuation.
