@@ -261,3 +261,20 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
     data = read_yaml(path) if path else {}
     data = apply_overrides(cls, data, overrides)
     return from_dict(cls, data)
+
+
+def config_json_kwargs(
+    cls: type, raw: Mapping[str, Any], error: type[Exception], ignored: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Keyword arguments of dataclass ``cls`` from a diffusers/transformers ``config.json``.
+
+    Keys starting with ``_`` (``_class_name``, ``_diffusers_version``) and ``ignored`` are
+    skipped; any other key the dataclass lacks raises ``error`` naming it, so an unsupported
+    variant is refused instead of silently dropped.
+    """
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in raw.items() if not k.startswith("_") and k not in ignored}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise error(f"unknown {cls.__name__} keys {unknown}; known keys: {sorted(known)}")
+    return kwargs

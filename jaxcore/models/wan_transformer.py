@@ -36,6 +36,7 @@ from flax import linen as nn
 
 from jaxcore import sharding, weights
 from jaxcore.attention import attention as attention_fn
+from jaxcore.config import config_json_kwargs
 
 Dtype = Any
 
@@ -120,13 +121,7 @@ class WanTransformerConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> WanTransformerConfig:
         """Build from a diffusers config.json dict (``_``-prefixed keys ignored)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if not k.startswith("_")}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise WanConfigError(
-                f"unknown WanTransformerConfig keys {unknown}; known keys: {sorted(known)}"
-            )
+        kwargs = config_json_kwargs(cls, d, WanConfigError)
         if kwargs.get("out_channels") is None and "in_channels" in kwargs:
             # diffusers: ``out_channels = out_channels or in_channels``
             kwargs["out_channels"] = kwargs["in_channels"]

@@ -41,6 +41,7 @@ from flax import linen as nn
 
 from jaxcore import sharding, weights
 from jaxcore.attention import attention as attention_fn
+from jaxcore.config import config_json_kwargs
 
 Dtype = Any
 
@@ -158,13 +159,7 @@ class WanVAEConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> WanVAEConfig:
         """Build from a diffusers config.json dict (``_``-prefixed keys ignored)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if not k.startswith("_")}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise WanVAEConfigError(
-                f"unknown WanVAEConfig keys {unknown}; known keys: {sorted(known)}"
-            )
+        kwargs = config_json_kwargs(cls, d, WanVAEConfigError)
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
