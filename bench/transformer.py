@@ -148,6 +148,24 @@ def run_case(ctx: BenchContext, case: ForwardCase) -> list[dict]:
             params=wan.count_params(config),
         ),
     ]
+    # the memory-efficient backend is also the faster one on CPU (fewer passes over scores)
+    flash_forward, flash_params = jax_forward(directory, attention="flash")
+    flash_out = np.asarray(block(flash_forward(flash_params, latents, timestep, text)))
+    flash_times, _ = time_calls(
+        lambda: block(flash_forward(flash_params, latents, timestep, text)),
+        reps=ctx.reps,
+        warmup=ctx.warmup,
+    )
+    records.append(
+        timed_record(
+            BENCH,
+            case.name,
+            "difforge_flash",
+            flash_times,
+            **common,
+            max_abs_diff_vs_diffusers=float(np.max(np.abs(reference - flash_out))),
+        )
+    )
     eager_times, _ = time_calls(eager, reps=ctx.reps, warmup=ctx.warmup)
     records.append(
         timed_record(BENCH, case.name, "diffusers_eager", eager_times, **common, threads=threads)
