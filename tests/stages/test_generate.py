@@ -211,7 +211,6 @@ def test_same_pixels_for_any_batch_size_and_device_count(tiny_dir):
             )
 
 
-@pytest.mark.slow
 def test_kill_and_resume_renders_only_the_rest(tiny_dir, tmp_path):
     prompts = tmp_path / "forty.txt"
     words = ["red", "blue", "green", "gold", "circle", "star", "ring", "square"]

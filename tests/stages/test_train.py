@@ -272,7 +272,6 @@ def _losses(uri):
     return {r["step"]: r["loss"] for r in rows}
 
 
-@pytest.mark.slow
 def test_end_to_end_train_and_evaluate_local(tiny_data, one_layer_model, tmp_path):
     """~100 steps on the tiny dataset: training loss falls, the last checkpoint scores better
     than the first, evaluate names the best checkpoint, export writes diffusers weights."""
@@ -344,7 +343,6 @@ def _train_cmd(data_uri, model_yaml, out, steps):
     ]
 
 
-@pytest.mark.slow
 def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_data, one_layer_model, tmp_path):
     env = {
         **os.environ,
@@ -385,7 +383,6 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_data, one_layer_mod
     assert _summary(killed)["final_loss"] == pytest.approx(_summary(straight)["final_loss"])
 
 
-@pytest.mark.slow
 def test_checkpoints_on_gcs_save_keep_resume_and_reshard(gcs_root, one_layer_model):
     """orbax on the local GCS server: saves every 2 steps keeping 2, a longer run resumes from
     the latest, and a checkpoint restores onto another mesh shape."""
