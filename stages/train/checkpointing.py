@@ -9,10 +9,12 @@ only finished checkpoints are visible: a killed save leaves nothing that restore
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import orbax.checkpoint as ocp
 
+from jaxcore import storage
 from jaxcore.artifacts import ArtifactError
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,12 @@ def manager(
         create=not read_only,
         read_only=read_only,
     )
-    return ocp.CheckpointManager(directory, options=options, item_names=ITEMS)
+    return ocp.CheckpointManager(_absolute(directory), options=options, item_names=ITEMS)
+
+
+def _absolute(directory: str) -> str:
+    """orbax (tensorstore's ocdbt) refuses relative local paths; gs:// URIs pass unchanged."""
+    return directory if storage.is_gcs(directory) else os.path.abspath(directory)
 
 
 def save(

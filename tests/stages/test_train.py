@@ -402,3 +402,17 @@ def test_checkpoints_on_gcs_save_keep_resume_and_reshard(gcs_root, one_layer_mod
     q = params["blocks_0"]["attn1"]["to_q"]["kernel"]
     assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
     assert checkpointing.read_meta(f"{out}/checkpoints", 6)["model_config"]["num_layers"] == 1
+
+
+def test_relative_output_dir_checkpoints_and_resumes(one_layer_model, tmp_path, monkeypatch):
+    """`make demo` passes root=outputs/demo: orbax needs absolute paths, the stage must not."""
+    from stages.train import loop
+
+    monkeypatch.chdir(tmp_path)
+    out = "outputs/train"
+    common = [f"model.model_config={one_layer_model}", "dataset_type=synthetic"]
+    first = loop.train(_config(out, *common, "max_train_steps=2", "checkpoint_every=1"), out)
+    assert first.checkpoints == [1, 2]
+    assert (tmp_path / out / "checkpoints" / "2").is_dir()
+    again = loop.train(_config(out, *common, "max_train_steps=3", "checkpoint_every=1"), out)
+    assert again.checkpoints[-1] == 3
