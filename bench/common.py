@@ -157,3 +157,22 @@ def check_record(record: dict) -> None:
 def block(tree):
     """Wait for every array in a pytree (JAX dispatch is asynchronous)."""
     return jax.block_until_ready(tree)
+
+
+def run_json_script(script: str, *args: str, what: str) -> dict:
+    """Run ``python -c script args`` in a fresh process (from the repo root); the last stdout
+    line is its JSON result. A failure raises with ``what`` and the end of its stderr."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode:
+        raise RuntimeError(f"{what} subprocess failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

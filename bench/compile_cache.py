@@ -8,16 +8,12 @@ interpreter start to the first result and the seconds of the first (compiling) c
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-from bench.common import BenchContext, value_record
+from bench.common import BenchContext, run_json_script, value_record
 
 BENCH = "compile_cache"
-REPO = Path(__file__).resolve().parent.parent
 CASES = {"smoke": "tiny", "quick": "S", "full": "S"}
 
 # Runs in a fresh interpreter: import, init the model, time the first forward.
@@ -53,16 +49,7 @@ SCRIPT = textwrap.dedent(
 
 
 def _run_fresh(cache_dir: Path, case: str) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(cache_dir), case],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode:
-        raise RuntimeError(f"compile-cache subprocess failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json_script(SCRIPT, str(cache_dir), case, what="compile-cache")
 
 
 def run(ctx: BenchContext) -> list[dict]:

@@ -16,15 +16,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from bench.common import BenchContext, value_record
+from bench.common import BenchContext, run_json_script, value_record
 from jaxcore import attention, weights
 from jaxcore.model_configs import load_model_yaml
 from jaxcore.models import wan_transformer as wan
@@ -88,16 +86,7 @@ def write_load_model(ctx: BenchContext) -> tuple[Path, int]:
 
 
 def measure_load(which: str, directory: Path) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", LOAD_SCRIPT, which, str(directory)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode:
-        raise RuntimeError(f"memory-load subprocess ({which}) failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json_script(LOAD_SCRIPT, which, str(directory), what=f"memory-load ({which})")
 
 
 def load_records(ctx: BenchContext) -> list[dict]:
