@@ -3,13 +3,20 @@
 Layout everywhere: q [B, Lq, H, D], k/v [B, Lk, H, D] -> out [B, Lq, H, D].
 ``kv_mask`` (optional) is [B, Lk] booleans, True = attend.
 
-Backends:
+The backends are a static table of import paths (:data:`BACKENDS`), so a config can be checked
+against the names without importing any kernel, and no kernel module imports this one:
+
 - ``dot_product``: plain XLA, the reference every other backend is tested against.
-- ``flash``, ``ulysses``, ``ring``: see ``jaxcore/kernels`` (registered into ``BACKENDS``).
+- ``flash``: memory-efficient exact attention (cuDNN on GPU, splash on TPU, chunked online
+  softmax elsewhere), :mod:`jaxcore.kernels.flash`.
+- ``ulysses``: sequence parallelism over ``context`` by all_to_all, :mod:`jaxcore.kernels.ulysses`.
+- ``ring``: sequence parallelism over ``context`` by rotating k/v, :mod:`jaxcore.kernels.ring`.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable
 
 import jax
@@ -17,18 +24,32 @@ import jax.numpy as jnp
 
 AttentionFn = Callable[..., jax.Array]
 
-BACKENDS: dict[str, AttentionFn] = {}
+# name -> "module:function"; every function takes (q, k, v, *, kv_mask, scale, mesh).
+BACKENDS: dict[str, str] = {
+    "dot_product": "jaxcore.attention:dot_product_attention",
+    "flash": "jaxcore.kernels.flash:flash_attention",
+    "ulysses": "jaxcore.kernels.ulysses:ulysses_attention",
+    "ring": "jaxcore.kernels.ring:ring_attention",
+}
+BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
 
 
-def register(name: str) -> Callable[[AttentionFn], AttentionFn]:
-    def wrap(fn: AttentionFn) -> AttentionFn:
-        BACKENDS[name] = fn
-        return fn
+def check_backend(name: str, key: str = "attention") -> None:
+    """Raise ValueError naming ``key`` when ``name`` is not a backend of the table."""
+    if name not in BACKENDS:
+        raise ValueError(
+            f"{key}: unknown attention backend {name!r}; choose one of {BACKEND_NAMES}"
+        )
 
-    return wrap
+
+@functools.cache
+def get_backend(name: str) -> AttentionFn:
+    """The attention function registered under ``name`` in :data:`BACKENDS`."""
+    check_backend(name)
+    module, _, function = BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
-@register("dot_product")
 def dot_product_attention(
     q: jax.Array,
     k: jax.Array,
@@ -51,15 +72,6 @@ def dot_product_attention(
     return out.astype(q.dtype)
 
 
-def _load_optional_backends() -> None:
-    # Importing the kernels module registers flash/ulysses/ring; absent during bring-up.
-    try:
-        from jaxcore import kernels  # noqa: F401
-    except ModuleNotFoundError as err:
-        if err.name != "jaxcore.kernels":
-            raise
-
-
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -71,12 +83,5 @@ def attention(
     mesh=None,
 ) -> jax.Array:
     """Dispatch to a named backend. Unknown names are an error listing the known ones."""
-    if backend not in BACKENDS:
-        _load_optional_backends()
-    try:
-        fn = BACKENDS[backend]
-    except KeyError:
-        raise ValueError(
-            f"unknown attention backend {backend!r}; choose one of {sorted(BACKENDS)}"
-        ) from None
+    fn = get_backend(backend)
     return fn(q, k, v, kv_mask=kv_mask, scale=scale, mesh=mesh)

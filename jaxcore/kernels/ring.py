@@ -12,10 +12,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
-from jaxcore.attention import register
 from jaxcore.kernels import flash
+from jaxcore.kernels.sharded import (
+    CONTEXT_AXIS,
+    axis_size,
+    check_attention_inputs,
+    resolve_scale,
+    run_sharded,
+)
 
 
 def _fold_shard(states, q_blocks, k, v, kv_mask, *, scale: float, block_kv: int):
@@ -37,7 +43,7 @@ def _ring_per_device(q, k, v, kv_mask, *, context: int, scale: float, block_q: i
     ring = [(i, (i + 1) % context) for i in range(context)]
 
     def rotate(x):
-        return None if x is None else lax.ppermute(x, flash.CONTEXT_AXIS, perm=ring)
+        return None if x is None else lax.ppermute(x, CONTEXT_AXIS, perm=ring)
 
     def fold(states, k_, v_, mask_):
         return _fold_shard(states, q_blocks, k_, v_, mask_, scale=scale, block_kv=block_kv)
@@ -53,7 +59,6 @@ def _ring_per_device(q, k, v, kv_mask, *, context: int, scale: float, block_q: i
     return jnp.moveaxis(out, 0, 1).reshape(b, lq, h, d)
 
 
-@register("ring")
 def ring_attention(
     q: jax.Array,
     k: jax.Array,
@@ -71,38 +76,31 @@ def ring_attention(
     padded so every shard is a whole number of blocks (padded keys masked), and the output is
     sliced back.
     """
-    context = flash.axis_size(mesh, flash.CONTEXT_AXIS)
+    context = axis_size(mesh, CONTEXT_AXIS)
     if context == 1:
         return flash.flash_attention(
             q, k, v, kv_mask=kv_mask, scale=scale, mesh=mesh, block_sizes=block_sizes
         )
-    flash.check_attention_inputs(q, k, v, kv_mask)
-    batch_axes, heads_axes = flash.batch_and_heads_spec(mesh, batch=q.shape[0], heads=q.shape[2])
+    check_attention_inputs(q, k, v, kv_mask)
     block_sizes = block_sizes or flash.DEFAULT_BLOCK_SIZES
     block_q = min(block_sizes.block_q, -(-q.shape[1] // context))
     block_kv = min(block_sizes.block_kv, -(-k.shape[1] // context))
+    scale = resolve_scale(q, scale)
 
-    lq = q.shape[1]
-    q = flash.pad_axis(q, context * block_q)
-    k, v, kv_mask = flash.pad_keys(k, v, kv_mask, context * block_kv)
-    seq_spec = PartitionSpec(batch_axes, flash.CONTEXT_AXIS, heads_axes, None)
-    mask_spec = PartitionSpec(batch_axes, flash.CONTEXT_AXIS)
-
-    def per_device(q_, k_, v_, mask_=None):
+    def per_device(q_, k_, v_, mask_):
         return _ring_per_device(
-            q_,
-            k_,
-            v_,
-            mask_,
-            context=context,
-            scale=flash._resolve_scale(q_, scale),
-            block_q=block_q,
-            block_kv=block_kv,
+            q_, k_, v_, mask_, context=context, scale=scale, block_q=block_q, block_kv=block_kv
         )
 
-    if kv_mask is None:
-        out = flash.shard_map(per_device, mesh, (seq_spec,) * 3, seq_spec)(q, k, v)
-    else:
-        fn = flash.shard_map(per_device, mesh, (seq_spec,) * 3 + (mask_spec,), seq_spec)
-        out = fn(q, k, v, kv_mask)
-    return out[:, :lq]
+    return run_sharded(
+        per_device,
+        q,
+        k,
+        v,
+        kv_mask,
+        mesh=mesh,
+        q_multiple=context * block_q,
+        kv_multiple=context * block_kv,
+        kv_over_context=True,
+        mask_over_context=True,
+    )

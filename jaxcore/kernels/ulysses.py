@@ -15,17 +15,25 @@ import math
 
 import jax
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
-from jaxcore.attention import register
 from jaxcore.kernels import flash
+from jaxcore.kernels.sharded import (
+    CONTEXT_AXIS,
+    axis_size,
+    batch_and_heads_spec,
+    check_attention_inputs,
+    platform_of,
+    resolve_scale,
+    run_sharded,
+)
 from jaxcore.sharding import ShardingError
 
 
 def _check_heads_split(mesh: Mesh, heads: int, heads_axes, context: int) -> None:
     """Ulysses hands each context shard ``heads / (tensor * context)`` whole heads."""
     names = (heads_axes,) if isinstance(heads_axes, str) else tuple(heads_axes or ())
-    tensor = math.prod(flash.axis_size(mesh, a) for a in names)
+    tensor = math.prod(axis_size(mesh, a) for a in names)
     local_heads = heads // tensor
     if local_heads % context:
         raise ShardingError(
@@ -37,15 +45,14 @@ def _check_heads_split(mesh: Mesh, heads: int, heads_axes, context: int) -> None
 
 def _seq_to_heads(x):
     """[b, L/c, h, D] sequence shard -> [b, L, h/c, D] head shard."""
-    return lax.all_to_all(x, flash.CONTEXT_AXIS, split_axis=2, concat_axis=1, tiled=True)
+    return lax.all_to_all(x, CONTEXT_AXIS, split_axis=2, concat_axis=1, tiled=True)
 
 
 def _heads_to_seq(x):
     """[b, L, h/c, D] head shard -> [b, L/c, h, D] sequence shard."""
-    return lax.all_to_all(x, flash.CONTEXT_AXIS, split_axis=1, concat_axis=2, tiled=True)
+    return lax.all_to_all(x, CONTEXT_AXIS, split_axis=1, concat_axis=2, tiled=True)
 
 
-@register("ulysses")
 def ulysses_attention(
     q: jax.Array,
     k: jax.Array,
@@ -62,41 +69,35 @@ def ulysses_attention(
     still shards batch/heads over the mesh). Sequences are padded to a multiple of the
     context size (padded keys masked) and the output is sliced back.
     """
-    context = flash.axis_size(mesh, flash.CONTEXT_AXIS)
+    context = axis_size(mesh, CONTEXT_AXIS)
     if context == 1:
         return flash.flash_attention(
             q, k, v, kv_mask=kv_mask, scale=scale, mesh=mesh, block_sizes=block_sizes
         )
-    flash.check_attention_inputs(q, k, v, kv_mask)
-    batch_axes, heads_axes = flash.batch_and_heads_spec(mesh, batch=q.shape[0], heads=q.shape[2])
+    check_attention_inputs(q, k, v, kv_mask)
+    _, heads_axes = batch_and_heads_spec(mesh, batch=q.shape[0], heads=q.shape[2])
     _check_heads_split(mesh, q.shape[2], heads_axes, context)
     local_attention = functools.partial(
         flash.local_flash_attention,
-        scale=flash._resolve_scale(q, scale),
+        scale=resolve_scale(q, scale),
         block_sizes=block_sizes or flash.DEFAULT_BLOCK_SIZES,
-        platform=flash.platform_of(mesh),
+        platform=platform_of(mesh),
     )
 
-    lq = q.shape[1]
-    q = flash.pad_axis(q, context)
-    k, v, kv_mask = flash.pad_keys(k, v, kv_mask, context)
-    seq_spec = PartitionSpec(batch_axes, flash.CONTEXT_AXIS, heads_axes, None)
-    # After the all_to_all every device holds the whole key sequence: the mask is not split.
-    mask_spec = PartitionSpec(batch_axes, None)
-
     def per_device(q_, k_, v_, mask_):
+        # After the all_to_all every device holds the whole key sequence: the mask is not split.
         out = local_attention(_seq_to_heads(q_), _seq_to_heads(k_), _seq_to_heads(v_), mask_)
         return _heads_to_seq(out)
 
-    if kv_mask is None:
-        fn = flash.shard_map(
-            lambda q_, k_, v_: per_device(q_, k_, v_, None),
-            mesh,
-            (seq_spec, seq_spec, seq_spec),
-            seq_spec,
-        )
-        out = fn(q, k, v)
-    else:
-        fn = flash.shard_map(per_device, mesh, (seq_spec,) * 3 + (mask_spec,), seq_spec)
-        out = fn(q, k, v, kv_mask)
-    return out[:, :lq]
+    return run_sharded(
+        per_device,
+        q,
+        k,
+        v,
+        kv_mask,
+        mesh=mesh,
+        q_multiple=context,
+        kv_multiple=context,
+        kv_over_context=True,
+        mask_over_context=False,
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxcore import kernels
-from jaxcore.attention import BACKENDS, attention, dot_product_attention
+from jaxcore.attention import BACKEND_NAMES, attention, dot_product_attention, get_backend
 from jaxcore.kernels.flash import BlockSizes, chunked_attention, splash_attention
 from jaxcore.sharding import MeshConfig, ShardingError, make_mesh
 
@@ -52,11 +53,31 @@ def max_diff(a, b) -> float:
     return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
 
-def test_backends_are_registered_by_the_lazy_import():
+def test_backend_table_names_every_kernel():
+    assert BACKEND_NAMES == ("dot_product", "flash", "ulysses", "ring")
+    assert get_backend("dot_product") is dot_product_attention
     for name in SHARDED:
-        assert BACKENDS[name] is getattr(kernels, f"{name}_attention")
+        assert get_backend(name) is getattr(kernels, f"{name}_attention")
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         attention(*make_inputs(1, 2, 2, 1, 4)[:3], backend="nope")
+
+
+def test_attention_modules_do_not_import_each_other_in_a_cycle():
+    """jaxcore.attention names its kernels by import path; no kernel imports it back."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, jaxcore.attention;"
+        "assert 'jaxcore.kernels' not in sys.modules, 'attention imported the kernels';"
+        "import jaxcore.kernels.flash, jaxcore.kernels.ring, jaxcore.kernels.ulysses;"
+        "print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+    for path in ("flash", "ring", "ulysses", "sharded"):
+        source = (Path(kernels.__file__).parent / f"{path}.py").read_text()
+        assert "jaxcore.attention" not in source, path
 
 
 # --- flash, unsharded -----------------------------------------------------------------------
