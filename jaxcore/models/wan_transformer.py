@@ -36,7 +36,9 @@ from flax import linen as nn
 
 from jaxcore import sharding, weights
 from jaxcore.attention import attention as attention_fn
+from jaxcore.compute import remat_block
 from jaxcore.config import config_json_kwargs
+from jaxcore.models.layers import MLP2, apply_rope, dense, gelu_tanh, layer_norm
 
 Dtype = Any
 
@@ -203,17 +205,6 @@ def rope_cos_sin(
     return table(np.cos), table(np.sin)
 
 
-def apply_rope(x_blhd: jax.Array, cos_lk: jax.Array, sin_lk: jax.Array) -> jax.Array:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) by the given angles; computed in float32."""
-    *lead, d = x_blhd.shape
-    pairs = x_blhd.astype(jnp.float32).reshape(*lead, d // 2, 2)
-    x_even, x_odd = pairs[..., 0], pairs[..., 1]
-    cos = cos_lk[None, :, None, :]
-    sin = sin_lk[None, :, None, :]
-    rotated = jnp.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], axis=-1)
-    return rotated.reshape(x_blhd.shape).astype(x_blhd.dtype)
-
-
 def patch_grid(video_shape: tuple[int, ...], patch_size: tuple[int, int, int]) -> tuple[int, ...]:
     """(F', H', W') token grid of a [B, C, F, H, W] video; errors if a side does not divide."""
     if len(video_shape) != 5:
@@ -255,33 +246,6 @@ _BATCH_LENGTH_HEADS = ("activation_batch", "activation_length", "activation_head
 _TEXT_HEADS = ("activation_batch", "activation_kv_length", "activation_heads", "activation_kv")
 
 
-def _dense(
-    features: int,
-    axes: tuple[str | None, str | None],
-    name: str,
-    dtype: Dtype,
-    param_dtype: Dtype,
-) -> nn.Dense:
-    """A Dense (= torch Linear with bias) whose kernel/bias carry logical axis names."""
-    return nn.Dense(
-        features,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (axes[1],)),
-        name=name,
-    )
-
-
-def _layer_norm(x: jax.Array, eps: float) -> jax.Array:
-    """LayerNorm without affine, in float32 (diffusers FP32LayerNorm, elementwise_affine=False)."""
-    x = x.astype(jnp.float32)
-    mean = x.mean(-1, keepdims=True)
-    centered = x - mean
-    var = jnp.mean(centered * centered, axis=-1, keepdims=True)
-    return centered * jax.lax.rsqrt(var + eps)
-
-
 def _modulation_table(module: nn.Module, rows: int, dim: int, param_dtype: Dtype) -> jax.Array:
     """The learnt ``scale_shift_table`` [1, rows, D] added to the time projection."""
     init = nn.initializers.normal(stddev=dim**-0.5)
@@ -291,29 +255,6 @@ def _modulation_table(module: nn.Module, rows: int, dim: int, param_dtype: Dtype
         (1, rows, dim),
         param_dtype,
     )
-
-
-class MLP2(nn.Module):
-    """Linear -> activation -> Linear, the shape of diffusers' TimestepEmbedding (SiLU) and
-    PixArtAlphaTextProjection (GELU-tanh); params named ``linear_1`` / ``linear_2``."""
-
-    hidden: int
-    out: int
-    activation: Callable[[jax.Array], jax.Array]
-    axes_1: tuple[str | None, str | None]
-    axes_2: tuple[str | None, str | None]
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = _dense(self.hidden, self.axes_1, "linear_1", self.dtype, self.param_dtype)(x)
-        x = self.activation(x)
-        return _dense(self.out, self.axes_2, "linear_2", self.dtype, self.param_dtype)(x)
-
-
-def _gelu_tanh(x: jax.Array) -> jax.Array:
-    return jax.nn.gelu(x, approximate=True)
 
 
 class ConditionEmbedder(nn.Module):
@@ -343,12 +284,12 @@ class ConditionEmbedder(nn.Module):
             param_dtype=self.param_dtype,
             name="time_embedder",
         )(t_freq)
-        proj = _dense(6 * dim, ("embed", "modulation"), "time_proj", jnp.float32, self.param_dtype)
+        proj = dense(6 * dim, ("embed", "modulation"), "time_proj", jnp.float32, self.param_dtype)
         temb_6d = proj(nn.silu(temb)).reshape(temb.shape[0], 6, dim)
         text = MLP2(
             dim,
             dim,
-            _gelu_tanh,
+            gelu_tanh,
             (None, "embed"),
             ("embed", None),
             dtype=self.dtype,
@@ -388,7 +329,7 @@ class WanAttention(nn.Module):
         kv_axes = _BATCH_LENGTH_HEADS if context_bmd is None else _TEXT_HEADS
 
         def project(name, source):
-            return _dense(dim, ("embed", "heads"), name, self.dtype, self.param_dtype)(source)
+            return dense(dim, ("embed", "heads"), name, self.dtype, self.param_dtype)(source)
 
         q = self._rms_norm("norm_q")(project("to_q", x_bld))
         k = self._rms_norm("norm_k")(project("to_k", kv_source))
@@ -400,7 +341,7 @@ class WanAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = attention_fn(q, k, v, backend=self.attention, mesh=self.mesh)
         out = sharding.constrain(out, _BATCH_LENGTH_HEADS).reshape(*out.shape[:2], dim)
-        out = _dense(dim, ("heads", "embed"), "to_out", self.dtype, self.param_dtype)(out)
+        out = dense(dim, ("heads", "embed"), "to_out", self.dtype, self.param_dtype)(out)
         return sharding.constrain(out, _BATCH_LENGTH_EMBED)
 
 
@@ -414,17 +355,17 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x_bld):
         cfg = self.config
-        h = _dense(cfg.ffn_dim, ("embed", "mlp"), "proj_in", self.dtype, self.param_dtype)(x_bld)
+        h = dense(cfg.ffn_dim, ("embed", "mlp"), "proj_in", self.dtype, self.param_dtype)(x_bld)
         h = sharding.constrain(
-            _gelu_tanh(h), ("activation_batch", "activation_length", "activation_mlp")
+            gelu_tanh(h), ("activation_batch", "activation_length", "activation_mlp")
         )
-        out = _dense(cfg.hidden_dim, ("mlp", "embed"), "proj_out", self.dtype, self.param_dtype)(h)
+        out = dense(cfg.hidden_dim, ("mlp", "embed"), "proj_out", self.dtype, self.param_dtype)(h)
         return sharding.constrain(out, _BATCH_LENGTH_EMBED)
 
 
 def _modulate(x_bld: jax.Array, eps: float, shift_b1d, scale_b1d, dtype: Dtype) -> jax.Array:
     """LayerNorm(x) * (1 + scale) + shift, in float32, cast to the activation dtype."""
-    return (_layer_norm(x_bld, eps) * (1.0 + scale_b1d) + shift_b1d).astype(dtype)
+    return (layer_norm(x_bld, eps) * (1.0 + scale_b1d) + shift_b1d).astype(dtype)
 
 
 class WanBlock(nn.Module):
@@ -477,25 +418,6 @@ class WanBlock(nn.Module):
         h = FeedForward(cfg, self.dtype, self.param_dtype, name="ffn")(h)
         x_bld = (x_bld.astype(jnp.float32) + h.astype(jnp.float32) * gate_ff).astype(self.dtype)
         return sharding.constrain(x_bld, _BATCH_LENGTH_EMBED)
-
-
-REMAT_POLICIES: dict[str, Callable | None] = {
-    "full": None,  # save nothing: recompute the whole block in the backward pass
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-def _block_class(remat_policy: str) -> type[nn.Module]:
-    """WanBlock, wrapped in nn.remat for any policy but "none"."""
-    if remat_policy == "none":
-        return WanBlock
-    if remat_policy not in REMAT_POLICIES:
-        raise ValueError(
-            f"unknown remat_policy {remat_policy!r}; choose one of "
-            f"{['none', *sorted(REMAT_POLICIES)]}"
-        )
-    return nn.remat(WanBlock, policy=REMAT_POLICIES[remat_policy], prevent_cse=True)
 
 
 class PatchEmbedding(nn.Module):
@@ -584,7 +506,7 @@ class WanTransformer(nn.Module):
             cfg, self.dtype, self.param_dtype, name="condition_embedder"
         )(timestep, encoder_hidden_states)
 
-        block_cls = _block_class(self.remat_policy)
+        block_cls = remat_block(WanBlock, self.remat_policy)
         for i in range(cfg.num_layers):
             x = block_cls(
                 cfg, self.dtype, self.param_dtype, self.attention, self.mesh, name=f"blocks_{i}"
@@ -593,7 +515,7 @@ class WanTransformer(nn.Module):
         table = _modulation_table(self, 2, dim, self.param_dtype)
         shift, scale = jnp.split(table.astype(jnp.float32) + temb[:, None, :], 2, axis=1)
         x = _modulate(x, cfg.eps, shift, scale, self.dtype)
-        x = _dense(
+        x = dense(
             cfg.out_channels * cfg.patch_volume,
             ("embed", "conv_out"),
             "proj_out",

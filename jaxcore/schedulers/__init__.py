@@ -13,12 +13,25 @@ step index traced. A sampling loop reads::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from jaxcore.schedulers.flow_euler import FlowEulerState, flow_euler_step, make_flow_euler
+from jaxcore.schedulers.flow_euler import (
+    FlowEulerConfigError,
+    FlowEulerOptions,
+    FlowEulerState,
+    calculate_shift,
+    flow_euler_options,
+    flow_euler_schedule,
+    flow_euler_step,
+    flux_mu,
+    flux_sigmas,
+    make_flow_euler,
+    make_flow_euler_from_options,
+)
 from jaxcore.schedulers.unipc import UniPCState, make_unipc, unipc_step
 
 StepFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
@@ -29,6 +42,28 @@ SCHEDULERS: tuple[str, ...] = ("unipc", "flow_euler")
 def _euler_step(state: FlowEulerState, model_output: jax.Array, sample: jax.Array):
     """Euler step at ``state.step_index`` (the registry's uniform step signature)."""
     return flow_euler_step(state, model_output, sample)
+
+
+def _make_euler(
+    num_inference_steps: int,
+    shift: float,
+    *,
+    euler_options: FlowEulerOptions | None = None,
+    sigmas: Sequence[float] | None = None,
+    mu: float | None = None,
+    **options: Any,
+) -> FlowEulerState:
+    """:func:`make_flow_euler`, or with any of ``euler_options``/``sigmas``/``mu``
+    :func:`make_flow_euler_from_options` where ``shift`` replaces ``euler_options.shift``."""
+    if euler_options is None and sigmas is None and mu is None:
+        return make_flow_euler(num_inference_steps, shift, **options)
+    if euler_options is None:
+        euler_options = FlowEulerOptions(shift=shift, **options)
+    elif options:
+        raise TypeError(f"give either euler_options or {sorted(options)}, not both")
+    else:
+        euler_options = dataclasses.replace(euler_options, shift=shift)
+    return make_flow_euler_from_options(euler_options, num_inference_steps, sigmas=sigmas, mu=mu)
 
 
 def make_scheduler(
@@ -48,13 +83,16 @@ def make_scheduler(
       shift: static timestep shift (``flow_shift``).
       sample_shape: latent shape; UniPC needs it to allocate its history before a
         ``lax.fori_loop`` (ignored by Euler, which keeps no history).
-      **options: extra keyword arguments of :func:`make_unipc` / :func:`make_flow_euler`.
+      **options: extra keyword arguments of :func:`make_unipc` / :func:`make_flow_euler`. For
+        ``"flow_euler"`` also ``euler_options`` (a :class:`FlowEulerOptions`, e.g. Flux's, read
+        by :func:`flow_euler_options`; ``shift`` replaces its ``shift``), ``sigmas`` and ``mu``
+        as :func:`make_flow_euler_from_options` takes them.
     """
     if name == "unipc":
         state = make_unipc(num_inference_steps, shift, sample_shape=sample_shape, **options)
         return state, unipc_step
     if name == "flow_euler":
-        return make_flow_euler(num_inference_steps, shift, **options), _euler_step
+        return _make_euler(num_inference_steps, shift, **options), _euler_step
     raise ValueError(f"unknown scheduler {name!r}; expected one of {SCHEDULERS}")
 
 
@@ -70,11 +108,19 @@ def num_steps(state: FlowEulerState | UniPCState) -> int:
 
 __all__ = [
     "SCHEDULERS",
+    "FlowEulerConfigError",
+    "FlowEulerOptions",
     "FlowEulerState",
     "StepFn",
     "UniPCState",
+    "calculate_shift",
+    "flow_euler_options",
+    "flow_euler_schedule",
     "flow_euler_step",
+    "flux_mu",
+    "flux_sigmas",
     "make_flow_euler",
+    "make_flow_euler_from_options",
     "make_scheduler",
     "make_unipc",
     "num_steps",

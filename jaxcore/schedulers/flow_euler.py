@@ -1,17 +1,42 @@
 """Flow-matching Euler sampler: a pure, jittable twin of diffusers' Euler flow scheduler.
 
 Reference: diffusers ``FlowMatchEulerDiscreteScheduler`` (scheduling_flow_match_euler_discrete.py)
-with its defaults (static ``shift``, no dynamic shifting, no Karras/exponential/beta sigmas, no
-stochastic sampling). The ODE is the rectified-flow one (Liu et al., arXiv 2209.03003;
+as SD3, Wan and Flux use it. The ODE is the rectified-flow one (Liu et al., arXiv 2209.03003;
 Esser et al., arXiv 2403.03206): ``x_sigma = (1 - sigma) x0 + sigma noise`` and the model
 predicts the velocity ``v = noise - x0``, so one Euler step is
 ``x_{i+1} = x_i + (sigma_{i+1} - sigma_i) v``.
 
 The schedule is computed once on the host in numpy with the same float32/float64 roundings as
 diffusers, so timesteps and sigmas match it bit for bit; stepping is pure JAX.
+
+Two ways to build a schedule:
+
+* :func:`make_flow_euler` ``(steps, shift)``: the scheduler's defaults with a static shift.
+* :func:`make_flow_euler_from_options` ``(options, steps, sigmas=, mu=)``: any configuration read
+  from a ``scheduler_config.json`` by :func:`flow_euler_options`, i.e. what ``set_timesteps``
+  does with custom ``sigmas`` and a resolution-dependent ``mu``. Flux (FluxPipeline) reads::
+
+      options = flow_euler_options(json.load(f), "scheduler/scheduler_config.json")
+      state = make_flow_euler_from_options(
+          options, steps, sigmas=flux_sigmas(steps), mu=flux_mu(options, image_seq_len)
+      )
+
+  and feeds the transformer ``timesteps(state)[i] / 1000``.
+
+Supported beyond the defaults: dynamic shifting (``time_shift_type`` exponential, the Flux/SD3
+``exp(mu) / (exp(mu) + 1/t - 1)``, or linear ``mu / (mu + 1/t - 1)``), ``shift_terminal``
+(LTX-Video's stretch), Karras (Karras et al., arXiv 2206.00364), exponential and beta (Lee et al.,
+arXiv 2407.12173) sigmas, and ``invert_sigmas`` (Mochi). Refused: ``stochastic_sampling`` (it
+draws fresh torch noise inside every step), custom ``timesteps``, per-token timesteps.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,42 +73,350 @@ def shift_sigmas(sigmas, shift: float):
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
+# ---------------------------------------------------------------- configuration
+
+FLOW_EULER_CLASS_NAME = "FlowMatchEulerDiscreteScheduler"
+TIME_SHIFT_TYPES = ("exponential", "linear")
+_SIGMA_SCHEDULES = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
+
+
+class FlowEulerConfigError(ValueError):
+    """A scheduler configuration we refuse: malformed, unknown, or not reproduced exactly."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowEulerOptions:
+    """``FlowMatchEulerDiscreteScheduler``'s configuration (diffusers names and defaults).
+
+    Read one from a ``scheduler_config.json`` with :func:`flow_euler_options`. Fields:
+      num_train_timesteps: ``T``; model timesteps are ``sigma * T``.
+      shift: static shift, used when ``use_dynamic_shifting`` is false.
+      use_dynamic_shifting: shift by ``mu`` given per call (Flux: from the image size) instead.
+      base_shift, max_shift, base_image_seq_len, max_image_seq_len: the line
+        ``mu(image_seq_len)`` of :func:`flux_mu` (read by the pipeline, not by the scheduler).
+      invert_sigmas: use ``1 - sigma`` (Mochi); the schedule then ends at 1.
+      shift_terminal: stretch the shifted schedule so its last sigma is this (LTX-Video).
+      use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas: respace between the first and
+        last shifted sigma (at most one).
+      time_shift_type: dynamic shift ``"exponential"`` (Flux, SD3) or ``"linear"``.
+      stochastic_sampling: must stay false (refused, see the module docstring).
+    """
+
+    num_train_timesteps: int = 1000
+    shift: float = 1.0
+    use_dynamic_shifting: bool = False
+    base_shift: float | None = 0.5
+    max_shift: float | None = 1.15
+    base_image_seq_len: int = 256
+    max_image_seq_len: int = 4096
+    invert_sigmas: bool = False
+    shift_terminal: float | None = None
+    use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+    time_shift_type: str = "exponential"
+    stochastic_sampling: bool = False
+
+    def __post_init__(self):
+        # field.type is the annotation string (``from __future__ import annotations``).
+        for field in dataclasses.fields(self):
+            value = _checked_type(field.name, field.type, getattr(self, field.name))
+            object.__setattr__(self, field.name, value)
+        if self.num_train_timesteps < 1:
+            raise FlowEulerConfigError(
+                f"num_train_timesteps must be >= 1, got {self.num_train_timesteps}"
+            )
+        if self.shift <= 0:
+            raise FlowEulerConfigError(f"shift must be > 0, got {self.shift}")
+        if self.time_shift_type not in TIME_SHIFT_TYPES:
+            raise FlowEulerConfigError(
+                f"time_shift_type={self.time_shift_type!r}: expected one of {TIME_SHIFT_TYPES}"
+            )
+        if self.shift_terminal and not 0 < self.shift_terminal < 1:
+            # diffusers divides by (1 - shift_terminal) and flips the schedule beyond 1.
+            raise FlowEulerConfigError(
+                f"shift_terminal={self.shift_terminal!r}: must be in (0, 1) (or null for none)"
+            )
+        chosen = [name for name in _SIGMA_SCHEDULES if getattr(self, name)]
+        if len(chosen) > 1:
+            raise FlowEulerConfigError(f"{' and '.join(chosen)} are all true; at most one may be")
+        if self.stochastic_sampling:
+            raise FlowEulerConfigError(
+                "stochastic_sampling=True is not supported: diffusers then re-noises every step "
+                "with fresh torch noise ((1 - sigma_next) x0 + sigma_next noise), which this "
+                "deterministic sampler does not reproduce"
+            )
+
+
+def _checked_type(name: str, annotation: str, value: Any) -> Any:
+    """``value`` of field ``name`` checked against its annotation (JSON types), normalised."""
+    optional = annotation.endswith(" | None")
+    kind = annotation.removesuffix(" | None")
+    if value is None and optional:
+        return None
+    if kind == "bool" and isinstance(value, bool | np.bool_):
+        return bool(value)
+    if not isinstance(value, bool | np.bool_):
+        if kind == "int" and isinstance(value, numbers.Integral):
+            return int(value)
+        if kind == "float" and isinstance(value, numbers.Real):
+            return float(value)
+        if kind == "str" and isinstance(value, str):
+            return value
+    expected = f"{kind} or null" if optional else kind
+    raise FlowEulerConfigError(f"{name}={value!r}: expected {expected}")
+
+
+def flow_euler_options(config: Mapping[str, Any], where: str) -> FlowEulerOptions:
+    """Reads a ``FlowMatchEulerDiscreteScheduler`` ``scheduler_config.json`` dict.
+
+    Keys starting with ``_`` are bookkeeping and ignored, except that ``_class_name``, when
+    present, must name this scheduler. Any other key we do not know, a wrong type, or a value we
+    do not reproduce raises :class:`FlowEulerConfigError` naming the key and ``where`` (the file).
+    """
+    class_name = config.get("_class_name", FLOW_EULER_CLASS_NAME)
+    if class_name != FLOW_EULER_CLASS_NAME:
+        raise FlowEulerConfigError(
+            f"{where}: _class_name={class_name!r} is not {FLOW_EULER_CLASS_NAME!r}"
+        )
+    known = {field.name for field in dataclasses.fields(FlowEulerOptions)}
+    kwargs = {key: value for key, value in config.items() if not key.startswith("_")}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise FlowEulerConfigError(
+            f"{where}: unknown {FLOW_EULER_CLASS_NAME} keys {unknown}; known keys: {sorted(known)}"
+        )
+    try:
+        return FlowEulerOptions(**kwargs)
+    except FlowEulerConfigError as error:
+        raise FlowEulerConfigError(f"{where}: {error}") from None
+
+
+# ---------------------------------------------------------------- Flux's sigmas and mu
+
+
+def calculate_shift(
+    image_seq_len: float,
+    base_seq_len: int = 256,
+    max_seq_len: int = 4096,
+    base_shift: float = 0.5,
+    max_shift: float = 1.15,
+) -> float:
+    """FluxPipeline's ``mu``: linear in the packed image sequence length (``(H/16) * (W/16)``),
+    ``base_shift`` at ``base_seq_len`` and ``max_shift`` at ``max_seq_len`` (extrapolated
+    beyond). Same float64 operations in the same order, so the same value bit for bit."""
+    if max_seq_len == base_seq_len:
+        raise ValueError(f"max_seq_len and base_seq_len are both {base_seq_len}; no line")
+    slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    intercept = base_shift - slope * base_seq_len
+    return image_seq_len * slope + intercept
+
+
+def flux_mu(options: FlowEulerOptions, image_seq_len: int) -> float:
+    """:func:`calculate_shift` with the scheduler config's line, as FluxPipeline calls it."""
+    for name in ("base_shift", "max_shift"):
+        if getattr(options, name) is None:
+            raise ValueError(f"{name} is null in the scheduler config; mu cannot be computed")
+    return calculate_shift(
+        image_seq_len,
+        options.base_image_seq_len,
+        options.max_image_seq_len,
+        options.base_shift,
+        options.max_shift,
+    )
+
+
+def flux_sigmas(num_inference_steps: int) -> np.ndarray:
+    """The unshifted sigmas FluxPipeline passes: ``linspace(1, 1/N, N)`` in float64."""
+    _check_num_steps(num_inference_steps)
+    return np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
+
+
+# ---------------------------------------------------------------- host-side schedule
+
+
+def time_shift(sigmas: np.ndarray, mu: float, time_shift_type: str = "exponential"):
+    """Resolution-dependent shift of diffusers' ``time_shift(mu, 1.0, t)``.
+
+    ``exponential``: ``e^mu / (e^mu + 1/t - 1)`` (SD3 eq. 23 with ``s = e^mu``; Flux);
+    ``linear``: ``mu / (mu + 1/t - 1)``. Computed in the dtype of ``sigmas`` (the python-float
+    ``e^mu`` is rounded to it), as diffusers does.
+    """
+    scale = math.exp(mu) if time_shift_type == "exponential" else mu
+    return scale / (scale + (1 / sigmas - 1))
+
+
+def stretch_to_terminal(sigmas: np.ndarray, shift_terminal: float) -> np.ndarray:
+    """Scale ``1 - sigma`` so the last sigma becomes ``shift_terminal`` (LTX-Video's rf.py).
+
+    A schedule whose last sigma is 1 (e.g. one step from sigma 1) cannot be stretched: diffusers
+    divides 0 by 0 there and returns NaN sigmas; we raise instead.
+    """
+    one_minus = 1 - sigmas
+    if one_minus[-1] == 0:
+        raise ValueError(
+            "shift_terminal cannot stretch a schedule whose last sigma is 1, e.g. a single step "
+            "from sigma 1 (diffusers returns NaN sigmas)"
+        )
+    scale = one_minus[-1] / (1 - shift_terminal)
+    return 1 - one_minus / scale
+
+
+def karras_sigmas(sigmas: np.ndarray, num_inference_steps: int, rho: float = 7.0) -> np.ndarray:
+    """``num_inference_steps`` sigmas between ``sigmas[0]`` and ``sigmas[-1]``, linear in
+    ``sigma^(1/rho)`` (Karras et al. 2022, eq. 5); float64."""
+    first, last = sigmas[0].item(), sigmas[-1].item()
+    first_root, last_root = first ** (1 / rho), last ** (1 / rho)
+    ramp = np.linspace(0, 1, num_inference_steps)
+    return (first_root + ramp * (last_root - first_root)) ** rho
+
+
+def exponential_sigmas(sigmas: np.ndarray, num_inference_steps: int) -> np.ndarray:
+    """``num_inference_steps`` sigmas between ``sigmas[0]`` and ``sigmas[-1]``, linear in
+    ``log sigma``; float64."""
+    first, last = sigmas[0].item(), sigmas[-1].item()
+    return np.exp(np.linspace(math.log(first), math.log(last), num_inference_steps))
+
+
+def beta_sigmas(
+    sigmas: np.ndarray, num_inference_steps: int, alpha: float = 0.6, beta: float = 0.6
+) -> np.ndarray:
+    """``num_inference_steps`` sigmas between ``sigmas[0]`` and ``sigmas[-1]`` at the quantiles
+    of a Beta(alpha, beta) distribution (Lee et al. 2024); float64. Needs scipy (a jax
+    dependency)."""
+    import scipy.stats  # imported here: only this option needs it
+
+    first, last = sigmas[0].item(), sigmas[-1].item()
+    quantiles = scipy.stats.beta.ppf(1 - np.linspace(0, 1, num_inference_steps), alpha, beta)
+    return last + quantiles * (first - last)
+
+
+def _check_num_steps(num_inference_steps: int) -> None:
+    if num_inference_steps < 1:
+        raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+
+
+def _train_sigma_range(options: FlowEulerOptions) -> tuple[float, float]:
+    """``(sigma_max, sigma_min)``: the ends of the scheduler's float32 training grid
+    ``linspace(1, T, T) / T``, shifted by ``shift`` unless dynamic shifting is on."""
+    train_steps = options.num_train_timesteps
+    grid = np.linspace(1, train_steps, train_steps, dtype=np.float32)[::-1]
+    grid = grid / np.float32(train_steps)
+    if not options.use_dynamic_shifting:
+        grid = shift_sigmas(grid, options.shift)
+    return float(grid[0]), float(grid[-1])
+
+
+def flow_euler_schedule(
+    options: FlowEulerOptions,
+    num_inference_steps: int | None = None,
+    *,
+    sigmas: Sequence[float] | np.ndarray | None = None,
+    mu: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Host-side ``(sigmas[N + 1] float32, timesteps[N] float32)`` of diffusers'
+    ``FlowMatchEulerDiscreteScheduler(**options).set_timesteps(N, sigmas=sigmas, mu=mu)``.
+
+    Bit-identical to it (the tests compare with ``array_equal``): the base sigmas are either
+    ``linspace`` between the training grid's ends in float64, or the given ``sigmas`` rounded to
+    float32 (and then shifted *in float32*, as diffusers does); then the static or dynamic
+    shift, ``shift_terminal``, Karras/exponential/beta respacing, one rounding to float32,
+    ``timesteps = sigma * T``, and the final sigma 0 (1 with ``invert_sigmas``).
+
+    Args:
+      options: from :func:`flow_euler_options`.
+      num_inference_steps: number of model evaluations; may be omitted when ``sigmas`` is given.
+      sigmas: custom unshifted sigmas (Flux: :func:`flux_sigmas`), ``N`` of them.
+      mu: dynamic shift; required when ``options.use_dynamic_shifting`` (Flux: :func:`flux_mu`)
+        and ignored otherwise, as in diffusers (FluxPipeline always passes one).
+    """
+    if options.use_dynamic_shifting and mu is None:
+        raise ValueError(
+            "mu must be passed when use_dynamic_shifting is true (FluxPipeline: "
+            "mu = flux_mu(options, image_seq_len))"
+        )
+    if sigmas is None:
+        if num_inference_steps is None:
+            raise ValueError("give num_inference_steps or sigmas")
+        _check_num_steps(num_inference_steps)
+        sigma_max, sigma_min = _train_sigma_range(options)
+        train_steps = options.num_train_timesteps
+        base = np.linspace(sigma_max * train_steps, sigma_min * train_steps, num_inference_steps)
+        base = base / train_steps
+    else:
+        base = np.asarray(sigmas).astype(np.float32)
+        if base.ndim != 1 or base.size == 0:
+            raise ValueError(f"sigmas must be a non-empty 1-D sequence, got shape {base.shape}")
+        if num_inference_steps is not None and num_inference_steps != base.size:
+            raise ValueError(
+                f"{base.size} sigmas given for num_inference_steps={num_inference_steps}"
+            )
+        num_inference_steps = base.size
+
+    if options.use_dynamic_shifting:
+        shifted = time_shift(base, float(mu), options.time_shift_type)
+    else:
+        shifted = shift_sigmas(base, options.shift)
+    if options.shift_terminal:
+        shifted = stretch_to_terminal(shifted, options.shift_terminal)
+    if options.use_karras_sigmas:
+        shifted = karras_sigmas(shifted, num_inference_steps)
+    elif options.use_exponential_sigmas:
+        shifted = exponential_sigmas(shifted, num_inference_steps)
+    elif options.use_beta_sigmas:
+        shifted = beta_sigmas(shifted, num_inference_steps)
+
+    sigmas32 = np.asarray(shifted).astype(np.float32)
+    final = 0.0
+    if options.invert_sigmas:
+        sigmas32 = 1.0 - sigmas32
+        final = 1.0
+    timesteps = sigmas32 * np.float32(options.num_train_timesteps)
+    return np.concatenate([sigmas32, np.full(1, final, np.float32)]), timesteps
+
+
 def flow_euler_sigmas(
     num_inference_steps: int, shift: float = 1.0, num_train_timesteps: int = 1000
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Host-side schedule ``(sigmas[N + 1], timesteps[N])`` exactly as diffusers computes it.
+    """Host-side schedule ``(sigmas[N + 1], timesteps[N])`` of the defaults with a static shift.
 
     diffusers first builds a shifted *training* grid in float32 (``sigma_max``, ``sigma_min`` are
     its ends), spaces the inference timesteps linearly between those ends in float64, and then
     applies the shift a second time. The double shift is what the reference does, so it is what
     we reproduce; ``sigma_max`` is always 1.
     """
-    if num_inference_steps < 1:
-        raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
-    if shift <= 0:
-        raise ValueError(f"shift must be > 0, got {shift}")
-    train_timesteps = np.linspace(1, num_train_timesteps, num_train_timesteps, dtype=np.float32)
-    train_sigmas = shift_sigmas(train_timesteps[::-1] / np.float32(num_train_timesteps), shift)
-    sigma_max, sigma_min = float(train_sigmas[0]), float(train_sigmas[-1])
+    options = FlowEulerOptions(num_train_timesteps=num_train_timesteps, shift=shift)
+    return flow_euler_schedule(options, num_inference_steps)
 
-    timesteps64 = np.linspace(
-        sigma_max * num_train_timesteps, sigma_min * num_train_timesteps, num_inference_steps
+
+# ---------------------------------------------------------------- sampler state
+
+
+def _state(sigmas: np.ndarray, timesteps_: np.ndarray) -> FlowEulerState:
+    return FlowEulerState(
+        sigmas=jnp.asarray(sigmas),
+        timesteps=jnp.asarray(timesteps_),
+        step_index=jnp.zeros((), jnp.int32),
     )
-    sigmas = shift_sigmas(timesteps64 / num_train_timesteps, shift).astype(np.float32)
-    timesteps = sigmas * np.float32(num_train_timesteps)
-    return np.concatenate([sigmas, np.zeros(1, np.float32)]), timesteps
 
 
 def make_flow_euler(
     num_inference_steps: int, shift: float = 1.0, num_train_timesteps: int = 1000
 ) -> FlowEulerState:
     """Builds the Euler sampler state for ``num_inference_steps`` steps with a static ``shift``."""
-    sigmas, timesteps = flow_euler_sigmas(num_inference_steps, shift, num_train_timesteps)
-    return FlowEulerState(
-        sigmas=jnp.asarray(sigmas),
-        timesteps=jnp.asarray(timesteps),
-        step_index=jnp.zeros((), jnp.int32),
-    )
+    return _state(*flow_euler_sigmas(num_inference_steps, shift, num_train_timesteps))
+
+
+def make_flow_euler_from_options(
+    options: FlowEulerOptions,
+    num_inference_steps: int | None = None,
+    *,
+    sigmas: Sequence[float] | np.ndarray | None = None,
+    mu: float | None = None,
+) -> FlowEulerState:
+    """Builds the Euler sampler state for any supported configuration (see
+    :func:`flow_euler_schedule` for the arguments); step it with :func:`flow_euler_step`."""
+    return _state(*flow_euler_schedule(options, num_inference_steps, sigmas=sigmas, mu=mu))
 
 
 def timesteps(state: FlowEulerState) -> jax.Array:

@@ -26,7 +26,8 @@ zero residual); we return the exact limit, the data prediction. bh2 (Wan) has no
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +145,34 @@ def make_unipc(
     if sample_shape is not None:
         state = _with_history(state, tuple(sample_shape))
     return state
+
+
+# scheduler_config.json values this implementation requires (anything else is refused).
+_REQUIRED_CONFIG = {
+    "prediction_type": "flow_prediction",
+    "use_flow_sigmas": True,
+    "predict_x0": True,
+    "final_sigmas_type": "zero",
+    "thresholding": False,
+}
+
+
+def unipc_options(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """:func:`make_unipc` keyword options from a diffusers ``scheduler_config.json`` dict.
+
+    Only the flow-matching UniPC above is implemented: a config that asks for anything else
+    (epsilon prediction, no flow sigmas, thresholding, ...) is an error naming the key.
+    """
+    for key, want in _REQUIRED_CONFIG.items():
+        if key in config and config[key] != want:
+            raise ValueError(f"{where}: {key}={config[key]!r} is not supported (only {want!r})")
+    return {
+        "solver_order": int(config.get("solver_order", 2)),
+        "solver_type": str(config.get("solver_type", "bh2")),
+        "lower_order_final": bool(config.get("lower_order_final", True)),
+        "disable_corrector": tuple(config.get("disable_corrector") or ()),
+        "num_train_timesteps": int(config.get("num_train_timesteps", 1000)),
+    }
 
 
 def timesteps(state: UniPCState) -> jax.Array:

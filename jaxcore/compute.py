@@ -1,0 +1,81 @@
+"""How models compute: one ``compute`` config section for every model of a family.
+
+train, evaluate, generate and convert all take a :class:`ComputeConfig` and hand it to every
+component they build (denoiser, VAE, text encoders), so dtypes, the attention backend and the
+rematerialisation policy are set in one place and checked when the config is read, before any
+weights load. :data:`DTYPES` is the one name -> dtype table; :data:`REMAT_POLICIES` the one
+table of rematerialisation policies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from jaxcore.attention import check_backend
+
+DtypeName = Literal["float32", "bfloat16", "float16"]
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# remat_policy name -> jax checkpoint policy ("none" = no remat; "full" = save nothing).
+REMAT_POLICIES = {
+    "none": None,
+    "full": None,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def check_remat_policy(name: str, key: str = "remat_policy") -> None:
+    if name not in REMAT_POLICIES:
+        raise ValueError(
+            f"{key}: unknown remat_policy {name!r}; choose one of {list(REMAT_POLICIES)}"
+        )
+
+
+def remat_block(block_cls: type[nn.Module], policy: str) -> type[nn.Module]:
+    """``block_cls`` wrapped in ``nn.remat`` for any policy but ``"none"``."""
+    check_remat_policy(policy)
+    if policy == "none":
+        return block_cls
+    return nn.remat(block_cls, policy=REMAT_POLICIES[policy], prevent_cse=True)
+
+
+def dtype_of(name: str):
+    """The jnp dtype named ``name`` (a key of :data:`DTYPES`)."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {list(DTYPES)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeConfig:
+    """Weights and activation dtypes, attention backend and remat policy of every model.
+
+    ``attention`` is a name of ``jaxcore.attention.BACKENDS``; ``remat_policy`` one of
+    :data:`REMAT_POLICIES` (it applies to the denoiser's blocks when training).
+    """
+
+    weights_dtype: DtypeName = "float32"
+    activations_dtype: DtypeName = "float32"
+    attention: str = "dot_product"
+    remat_policy: str = "none"
+
+    def __post_init__(self):
+        check_backend(self.attention)
+        check_remat_policy(self.remat_policy)
+
+    @property
+    def dtype(self):
+        """Activation dtype (jnp)."""
+        return DTYPES[self.activations_dtype]
+
+    @property
+    def param_dtype(self):
+        """Weights dtype (jnp)."""
+        return DTYPES[self.weights_dtype]

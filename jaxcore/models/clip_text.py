@@ -1,0 +1,678 @@
+"""CLIP text encoder (Flux's CLIP-L, SD 2.x / SDXL OpenCLIP encoders) in Flax linen.
+
+Reference: transformers ``CLIPTextModel`` and ``CLIPTextModelWithProjection``
+(``transformers/models/clip/modeling_clip.py``). What this file reproduces:
+
+- token + learned absolute position embeddings (positions 0..L-1, L <= max_position_embeddings);
+- pre-LayerNorm blocks: x + attn(ln1(x)), x + mlp(ln2(x)); attention with biases, scores scaled
+  by 1/sqrt(head_dim), a causal mask combined with the optional padding mask (key j is visible
+  to query i iff j <= i and attention_mask[j]); MLP fc1 -> ``hidden_act`` -> fc2;
+- a query that sees no key (only under left padding) gets a zero attention output, as torch's
+  SDPA (transformers' default attention) gives; these are padding positions and no other
+  position attends to them;
+- a final LayerNorm; ``hidden_states`` are the embeddings and each block's output *before* the
+  final norm (transformers' ``output_hidden_states=True``; SD 2.x / SDXL take ``[-2]``);
+- the pooled output is the final-normed state at the EOS position: with the legacy
+  ``eos_token_id == 2`` the position of the largest token id (the original CLIP end token is
+  the largest id), otherwise the first position equal to ``eos_token_id`` (0 if none);
+- ``text_embeds``: the bias-free ``text_projection`` of the pooled output (with projection).
+
+Parameters use the logical axis names of :mod:`jaxcore.sharding`; :func:`weight_map` maps them
+from the transformers state-dict keys (``text_model.*``, or the same keys without the prefix
+as transformers 5 saves a ``CLIPTextModel``, and ``text_projection.weight``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from collections.abc import Mapping
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from jaxcore import sharding, weights
+
+log = logging.getLogger(__name__)
+
+# --- config ------------------------------------------------------------------------------------
+
+# config.json keys that describe training, generation or bookkeeping (older transformers
+# versions dump every generic PretrainedConfig attribute); the forward pass does not depend on
+# them. Anything else not a CLIPTextConfig field is an error.
+_IGNORED_WORDS = (
+    # bookkeeping and training
+    "architectures torch_dtype dtype transformers_version attention_dropout dropout "
+    "initializer_range initializer_factor gradient_checkpointing tokenizer_class "
+    "use_bfloat16 torchscript return_dict output_attentions output_hidden_states "
+    "pruned_heads tie_word_embeddings tie_encoder_decoder is_encoder_decoder is_decoder "
+    "add_cross_attention cross_attention_hidden_size chunk_size_feed_forward id2label "
+    "label2id finetuning_task problem_type task_specific_params prefix tf_legacy_loss "
+    # generation defaults
+    "sep_token_id decoder_start_token_id forced_bos_token_id forced_eos_token_id "
+    "max_length min_length do_sample early_stopping num_beams num_beam_groups "
+    "diversity_penalty temperature top_k top_p typical_p repetition_penalty "
+    "length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size bad_words_ids "
+    "num_return_sequences output_scores return_dict_in_generate remove_invalid_values "
+    "exponential_decay_length_penalty suppress_tokens begin_suppress_tokens"
+)
+IGNORED_CONFIG_KEYS = frozenset(_IGNORED_WORDS.split())
+MODEL_TYPE = "clip_text_model"
+# ``eos_token_id`` of configs written before transformers PR #24773; such models pool at the
+# largest token id instead of at the first eos_token_id.
+LEGACY_EOS_TOKEN_ID = 2
+
+# hidden_act (transformers ACT2FN name) -> jax function.
+ACTIVATIONS = {
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+}
+
+
+class CLIPTextConfigError(ValueError):
+    """A config.json that CLIPTextConfig cannot represent; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CLIPTextConfig:
+    """CLIP text-tower architecture; field names follow transformers' ``config.json``.
+
+    Defaults are transformers' ``CLIPTextConfig`` defaults (clip-vit-base-patch32). Flux's
+    CLIP-L: hidden 768, intermediate 3072, 12 layers, 12 heads, quick_gelu, eos_token_id 2.
+    ``projection_dim`` matters only with a projection (see ``CLIPTextEncoder.with_projection``).
+    ``bos_token_id`` and ``pad_token_id`` are the tokenizer's; only ``eos_token_id`` enters
+    the forward pass (it picks the pooled position).
+    """
+
+    vocab_size: int = 49408
+    hidden_size: int = 512
+    intermediate_size: int = 2048
+    projection_dim: int | None = 512
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 8
+    max_position_embeddings: int = 77
+    hidden_act: str = "quick_gelu"
+    layer_norm_eps: float = 1e-5
+    pad_token_id: int | None = 1
+    bos_token_id: int | None = 49406
+    eos_token_id: int = 49407
+
+    def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise CLIPTextConfigError(
+                    f"CLIPTextConfig.{name} must be a positive int, got {value!r}"
+                )
+        if self.hidden_size % self.num_attention_heads:
+            raise CLIPTextConfigError(
+                f"CLIPTextConfig.hidden_size {self.hidden_size} is not a multiple of "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+        if self.projection_dim is not None and (
+            not isinstance(self.projection_dim, int) or self.projection_dim < 1
+        ):
+            raise CLIPTextConfigError(
+                f"CLIPTextConfig.projection_dim must be a positive int or None, "
+                f"got {self.projection_dim!r}"
+            )
+        if not isinstance(self.eos_token_id, int) or isinstance(self.eos_token_id, bool):
+            raise CLIPTextConfigError(
+                f"CLIPTextConfig.eos_token_id must be one int (it picks the pooled position), "
+                f"got {self.eos_token_id!r}"
+            )
+        if self.hidden_act not in ACTIVATIONS:
+            raise CLIPTextConfigError(
+                f"CLIPTextConfig.hidden_act {self.hidden_act!r} is not supported; choose one of "
+                f"{sorted(ACTIVATIONS)}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def legacy_pooling(self) -> bool:
+        """True: pool at argmax(input_ids) (configs with the pre-#24773 eos_token_id 2)."""
+        return self.eos_token_id == LEGACY_EOS_TOKEN_ID
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, object]) -> CLIPTextConfig:
+        """Build from a transformers ``config.json`` dict (a ``CLIPTextModel[WithProjection]``).
+
+        ``model_type`` must be ``clip_text_model`` when present (a full ``CLIPModel`` config is
+        an error: pass its ``text_config``). Keys starting with ``_`` and those in
+        ``IGNORED_CONFIG_KEYS`` are skipped; any other unknown key is an error naming it.
+        """
+        model_type = raw.get("model_type", MODEL_TYPE)
+        if model_type != MODEL_TYPE:
+            hint = (
+                " (a full CLIPModel config: use its 'text_config')" if model_type == "clip" else ""
+            )
+            raise CLIPTextConfigError(
+                f"config key 'model_type' is {model_type!r}, expected {MODEL_TYPE!r}{hint}"
+            )
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, value in raw.items():
+            if key in fields:
+                kwargs[key] = value
+            elif key == "model_type" or key.startswith("_") or key in IGNORED_CONFIG_KEYS:
+                continue
+            else:
+                raise CLIPTextConfigError(
+                    f"unknown CLIPTextConfig key {key!r}; known: {sorted(fields)} "
+                    f"(ignored: model_type and {len(IGNORED_CONFIG_KEYS)} bookkeeping keys)"
+                )
+        if raw.get("is_decoder"):
+            raise CLIPTextConfigError("config key 'is_decoder' is true; CLIP text is an encoder")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, object]:
+        """The transformers ``config.json`` fields of this config (with its model_type)."""
+        return {"model_type": MODEL_TYPE, **dataclasses.asdict(self)}
+
+
+# architectures entry -> whether that class has a text_projection.
+ARCHITECTURES = {"CLIPTextModel": False, "CLIPTextModelWithProjection": True}
+
+
+# --- output ------------------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class CLIPTextOutput:
+    """``last_hidden_state`` [B, L, E] (final-normed); ``pooler_output`` [B, E] (at EOS);
+    ``hidden_states``: tuple of num_hidden_layers + 1 arrays [B, L, E] (embeddings, then each
+    block, before the final norm); ``text_embeds`` [B, projection_dim] or None."""
+
+    last_hidden_state: jax.Array
+    pooler_output: jax.Array
+    hidden_states: tuple[jax.Array, ...]
+    text_embeds: jax.Array | None = None
+
+
+# --- layers --------------------------------------------------------------------------------------
+
+
+def _normal(stddev: float):
+    return nn.initializers.normal(stddev=stddev)
+
+
+class HeadsDense(nn.Module):
+    """A biased projection into or out of the head axes, ``einsum(spec, x, kernel) + bias``.
+
+    The kernel keeps its 3-D shape from creation on, so a 3-name logical partitioning
+    describes it under an active mesh (DenseGeneral creates a flattened 2-D kernel).
+    """
+
+    kernel_shape: tuple[int, int, int]
+    kernel_axes: tuple[str, str, str]
+    bias_axes: tuple[str, ...]
+    spec: str
+    stddev: float
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(_normal(self.stddev), self.kernel_axes),
+            self.kernel_shape,
+            self.param_dtype,
+        )
+        bias_shape = self.kernel_shape[-len(self.bias_axes) :]
+        bias = self.param(
+            "bias",
+            nn.with_logical_partitioning(nn.initializers.zeros_init(), self.bias_axes),
+            bias_shape,
+            self.param_dtype,
+        )
+        out = jnp.einsum(self.spec, x.astype(self.dtype), kernel.astype(self.dtype))
+        return out + bias.astype(self.dtype)
+
+
+def _layer_norm(eps: float, dtype, param_dtype, name: str) -> nn.LayerNorm:
+    """torch LayerNorm: statistics in float32, two-pass variance (not E[x^2] - E[x]^2)."""
+    return nn.LayerNorm(
+        epsilon=eps,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        use_fast_variance=False,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("norm",)),
+        name=name,
+    )
+
+
+def _dense(features: int, stddev: float, axes: tuple[str, str], dtype, param_dtype, name: str):
+    return nn.Dense(
+        features,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=nn.with_logical_partitioning(_normal(stddev), axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (axes[1],)),
+        name=name,
+    )
+
+
+def visibility_mask(attention_mask: jax.Array | None, batch: int, length: int) -> jax.Array:
+    """[B, Lq, Lk] bool: key j visible to query i iff j <= i and attention_mask[b, j].
+
+    transformers' ``create_causal_mask`` (causal AND padding on the keys).
+    """
+    causal_qk = jnp.tril(jnp.ones((length, length), bool))
+    if attention_mask is None:
+        return jnp.broadcast_to(causal_qk, (batch, length, length))
+    return causal_qk[None] & (attention_mask > 0)[:, None, :]
+
+
+class CLIPAttention(nn.Module):
+    """Multi-head self-attention with biases; softmax(q k^T / sqrt(d)) in float32."""
+
+    config: CLIPTextConfig
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    def _projection(self, name: str) -> HeadsDense:
+        c = self.config
+        return HeadsDense(
+            (c.hidden_size, c.num_attention_heads, c.head_dim),
+            ("embed", "heads", "kv"),
+            ("heads", "kv"),
+            "ble,ehd->blhd",
+            c.hidden_size**-0.5,
+            self.dtype,
+            self.param_dtype,
+            name=name,
+        )
+
+    @nn.compact
+    def __call__(self, x_ble: jax.Array, visible_bqk: jax.Array) -> jax.Array:
+        c = self.config
+        heads = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+        q_blhd, k_blhd, v_blhd = (
+            sharding.constrain(self._projection(name)(x_ble), heads) for name in ("q", "k", "v")
+        )
+        scores_bhqk = jnp.einsum(
+            "bqhd,bkhd->bhqk", q_blhd, k_blhd, preferred_element_type=jnp.float32
+        ) * jnp.float32(c.head_dim**-0.5)
+        scores_bhqk = jnp.where(visible_bqk[:, None], scores_bhqk, jnp.finfo(jnp.float32).min)
+        probs_bhqk = jax.nn.softmax(scores_bhqk, axis=-1)
+        # A query with no visible key: zero output (torch SDPA), not a uniform average.
+        any_visible_bq = visible_bqk.any(axis=-1)
+        probs_bhqk = jnp.where(any_visible_bq[:, None, :, None], probs_bhqk, 0.0)
+        out_blhd = jnp.einsum(
+            "bhqk,bkhd->bqhd",
+            probs_bhqk.astype(self.dtype),
+            v_blhd,
+            preferred_element_type=jnp.float32,
+        ).astype(self.dtype)
+        return HeadsDense(
+            (c.num_attention_heads, c.head_dim, c.hidden_size),
+            ("heads", "kv", "embed"),
+            ("embed",),
+            "blhd,hde->ble",
+            c.hidden_size**-0.5,
+            self.dtype,
+            self.param_dtype,
+            name="o",
+        )(out_blhd)
+
+
+class CLIPMLP(nn.Module):
+    """fc2(act(fc1 x)), both with biases."""
+
+    config: CLIPTextConfig
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_ble: jax.Array) -> jax.Array:
+        c = self.config
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        hidden_blf = _dense(
+            c.intermediate_size, c.hidden_size**-0.5, ("embed", "mlp"), **kw, name="fc1"
+        )(x_ble)
+        hidden_blf = ACTIVATIONS[c.hidden_act](hidden_blf)
+        hidden_blf = sharding.constrain(
+            hidden_blf, ("activation_batch", "activation_length", "activation_mlp")
+        )
+        return _dense(c.hidden_size, c.intermediate_size**-0.5, ("mlp", "embed"), **kw, name="fc2")(
+            hidden_blf
+        )
+
+
+class CLIPBlock(nn.Module):
+    """Pre-LayerNorm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    config: CLIPTextConfig
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_ble: jax.Array, visible_bqk: jax.Array) -> jax.Array:
+        c = self.config
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        normed = _layer_norm(c.layer_norm_eps, **kw, name="attention_norm")(x_ble)
+        x_ble = x_ble + CLIPAttention(c, **kw, name="attention")(normed, visible_bqk)
+        normed = _layer_norm(c.layer_norm_eps, **kw, name="mlp_norm")(x_ble)
+        x_ble = x_ble + CLIPMLP(c, **kw, name="mlp")(normed)
+        return sharding.constrain(
+            x_ble, ("activation_batch", "activation_length", "activation_embed")
+        )
+
+
+def pooled_positions(input_ids: jax.Array, eos_token_id: int) -> jax.Array:
+    """[B] index of the pooled (EOS) token, as transformers picks it.
+
+    Legacy ``eos_token_id == 2``: the first position of the largest id. Otherwise: the first
+    position equal to ``eos_token_id`` (0 when the sequence has none).
+    """
+    if eos_token_id == LEGACY_EOS_TOKEN_ID:
+        return jnp.argmax(input_ids, axis=-1)
+    return jnp.argmax((input_ids == eos_token_id).astype(jnp.int32), axis=-1)
+
+
+class CLIPTextEncoder(nn.Module):
+    """CLIP text tower; ``__call__(input_ids, attention_mask) -> CLIPTextOutput``.
+
+    ``with_projection``: ``CLIPTextModelWithProjection`` (adds ``text_projection`` and
+    ``text_embeds``) instead of ``CLIPTextModel``. ``attention``: only ``"dot_product"``; the
+    backends of :mod:`jaxcore.attention` take a key mask, not the causal [Lq, Lk] one.
+    """
+
+    config: CLIPTextConfig
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+    with_projection: bool = False
+    attention: str = "dot_product"
+    mesh: jax.sharding.Mesh | None = None
+
+    @nn.compact
+    def __call__(
+        self, input_ids: jax.Array, attention_mask: jax.Array | None = None
+    ) -> CLIPTextOutput:
+        """input_ids [B, L] int, attention_mask [B, L] (1/True = real token) or None."""
+        c = self.config
+        if self.attention != "dot_product":
+            raise ValueError(
+                f"CLIPTextEncoder.attention={self.attention!r} is not supported: CLIP needs a "
+                "causal mask, only 'dot_product' implements it here"
+            )
+        if self.with_projection and c.projection_dim is None:
+            raise CLIPTextConfigError("with_projection needs CLIPTextConfig.projection_dim")
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {input_ids.shape}")
+        batch, length = input_ids.shape
+        if length > c.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {length} exceeds max_position_embeddings "
+                f"{c.max_position_embeddings}"
+            )
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {attention_mask.shape} != input_ids shape {input_ids.shape}"
+            )
+
+        token_table = self.param(
+            "token_embedding",
+            nn.with_logical_partitioning(_normal(0.02), ("vocab", "embed")),
+            (c.vocab_size, c.hidden_size),
+            self.param_dtype,
+        )
+        position_table = self.param(
+            "position_embedding",
+            nn.with_logical_partitioning(_normal(0.01), (None, "embed")),
+            (c.max_position_embeddings, c.hidden_size),
+            self.param_dtype,
+        )
+        x_ble = jnp.take(token_table, input_ids, axis=0) + position_table[None, :length]
+        x_ble = sharding.constrain(
+            x_ble.astype(self.dtype), ("activation_batch", "activation_length", "activation_embed")
+        )
+        visible_bqk = visibility_mask(attention_mask, batch, length)
+
+        hidden_states = [x_ble]
+        for i in range(c.num_hidden_layers):
+            x_ble = CLIPBlock(c, self.dtype, self.param_dtype, name=f"block_{i}")(
+                x_ble, visible_bqk
+            )
+            hidden_states.append(x_ble)
+        last_ble = _layer_norm(c.layer_norm_eps, self.dtype, self.param_dtype, "final_norm")(x_ble)
+
+        pooled_be = last_ble[jnp.arange(batch), pooled_positions(input_ids, c.eos_token_id)]
+        text_embeds = None
+        if self.with_projection:
+            text_embeds = nn.Dense(
+                c.projection_dim,
+                use_bias=False,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                kernel_init=nn.with_logical_partitioning(
+                    _normal(c.hidden_size**-0.5), ("embed", None)
+                ),
+                name="text_projection",
+            )(pooled_be)
+        return CLIPTextOutput(
+            last_hidden_state=last_ble,
+            pooler_output=pooled_be,
+            hidden_states=tuple(hidden_states),
+            text_embeds=text_embeds,
+        )
+
+
+# --- weights ---------------------------------------------------------------------------------
+
+# transformers' key prefixes: hub checkpoints (and transformers 4, and
+# CLIPTextModelWithProjection) store the text model under "text_model."; transformers 5 saves a
+# bare CLIPTextModel without it (and strips it on load).
+PREFIXES = ("text_model.", "")
+PROJECTION_KEY = "text_projection.weight"
+# Checkpoints written before transformers 4.31 also hold the position_ids buffer.
+POSITION_IDS_KEY = "embeddings.position_ids"
+
+
+def _heads_in(num_heads: int, head_dim: int):
+    """torch Linear weight [H*D, E] -> kernel [E, H, D]; bias [H*D] -> [H, D]."""
+    kernel = weights.Invertible(
+        lambda w: w.T.reshape(w.shape[1], num_heads, head_dim),
+        lambda k: k.reshape(k.shape[0], -1).T,
+    )
+    bias = weights.Invertible(lambda b: b.reshape(num_heads, head_dim), lambda b: b.reshape(-1))
+    return kernel, bias
+
+
+def _heads_out(num_heads: int, head_dim: int):
+    """torch Linear weight [E, H*D] -> kernel [H, D, E]."""
+    return weights.Invertible(
+        lambda w: w.T.reshape(num_heads, head_dim, w.shape[0]),
+        lambda k: k.reshape(-1, k.shape[-1]).T,
+    )
+
+
+def _norm_map(dst: tuple[str, ...], src: str) -> dict:
+    return {
+        (*dst, "scale"): (f"{src}.weight", weights.identity),
+        (*dst, "bias"): (f"{src}.bias", weights.identity),
+    }
+
+
+def weight_map(
+    config: CLIPTextConfig, with_projection: bool = False, prefix: str = "text_model."
+) -> dict:
+    """Flax param path -> (transformers key, transform) for ``weights.load_params``.
+
+    ``prefix``: ``"text_model."`` (hub layout) or ``""`` (a CLIPTextModel saved by
+    transformers 5); ``text_projection.weight`` never has one.
+    """
+    if prefix not in PREFIXES:
+        raise ValueError(f"prefix must be one of {PREFIXES}, got {prefix!r}")
+    heads_kernel, heads_bias = _heads_in(config.num_attention_heads, config.head_dim)
+    out_kernel = _heads_out(config.num_attention_heads, config.head_dim)
+    mapping = {
+        ("token_embedding",): (f"{prefix}embeddings.token_embedding.weight", weights.identity),
+        ("position_embedding",): (
+            f"{prefix}embeddings.position_embedding.weight",
+            weights.identity,
+        ),
+        **_norm_map(("final_norm",), f"{prefix}final_layer_norm"),
+    }
+    for i in range(config.num_hidden_layers):
+        src = f"{prefix}encoder.layers.{i}"
+        dst = f"block_{i}"
+        for name in ("q", "k", "v"):
+            proj = f"{src}.self_attn.{name}_proj"
+            mapping[(dst, "attention", name, "kernel")] = (f"{proj}.weight", heads_kernel)
+            mapping[(dst, "attention", name, "bias")] = (f"{proj}.bias", heads_bias)
+        mapping[(dst, "attention", "o", "kernel")] = (
+            f"{src}.self_attn.out_proj.weight",
+            out_kernel,
+        )
+        mapping[(dst, "attention", "o", "bias")] = (
+            f"{src}.self_attn.out_proj.bias",
+            weights.identity,
+        )
+        mapping.update(_norm_map((dst, "attention_norm"), f"{src}.layer_norm1"))
+        mapping.update(_norm_map((dst, "mlp_norm"), f"{src}.layer_norm2"))
+        for name in ("fc1", "fc2"):
+            mapping[(dst, "mlp", name, "kernel")] = (f"{src}.mlp.{name}.weight", weights.linear)
+            mapping[(dst, "mlp", name, "bias")] = (f"{src}.mlp.{name}.bias", weights.identity)
+    if with_projection:
+        mapping[("text_projection", "kernel")] = (PROJECTION_KEY, weights.linear)
+    return mapping
+
+
+def _abstract_variables(module: CLIPTextEncoder):
+    ids = jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(module.init, jax.random.key(0), ids, jnp.ones((1, 1), jnp.int32))
+
+
+def count_params(config: CLIPTextConfig, with_projection: bool = False) -> int:
+    """Number of parameters, from shapes only (nothing is allocated)."""
+    module = CLIPTextEncoder(config, with_projection=with_projection)
+    abstract = nn.meta.unbox(_abstract_variables(module))["params"]
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract))
+
+
+def init_clip_text(
+    config: CLIPTextConfig,
+    rng: jax.Array,
+    with_projection: bool = False,
+    *,
+    dtype=jnp.float32,
+    param_dtype=None,
+    mesh: jax.sharding.Mesh | None = None,
+) -> tuple[CLIPTextEncoder, dict]:
+    """Random-init encoder -> (module, params); params is the unboxed ``params`` collection."""
+    module = CLIPTextEncoder(
+        config,
+        dtype=dtype,
+        param_dtype=param_dtype or dtype,
+        with_projection=with_projection,
+        mesh=mesh,
+    )
+    ids = jnp.zeros((1, 1), jnp.int32)
+    variables = jax.jit(module.init)(rng, ids, jnp.ones((1, 1), jnp.int32))
+    return module, nn.meta.unbox(variables)["params"]
+
+
+def _resolve_projection(
+    raw: Mapping[str, object], reader: weights.SafetensorsReader, with_projection: bool | None
+) -> bool:
+    """The checkpoint's keys decide unless the caller does; ``architectures`` only warns."""
+    has_key = PROJECTION_KEY in reader
+    if with_projection is None:
+        with_projection = has_key
+    elif with_projection and not has_key:
+        raise weights.WeightsError(
+            f"{reader.directory}: with_projection=True but the checkpoint has no "
+            f"{PROJECTION_KEY!r} (a CLIPTextModel, not CLIPTextModelWithProjection)"
+        )
+    declared = {ARCHITECTURES[a] for a in raw.get("architectures") or () if a in ARCHITECTURES}
+    if len(declared) == 1 and declared != {has_key}:
+        log.warning(
+            "%s: config.json architectures %s disagree with the weights (%s %s)",
+            reader.directory,
+            raw.get("architectures"),
+            PROJECTION_KEY,
+            "present" if has_key else "absent",
+        )
+    return with_projection
+
+
+def _checkpoint_prefix(reader: weights.SafetensorsReader) -> str:
+    """``"text_model."`` or ``""``, whichever names the final layer norm in the checkpoint."""
+    for prefix in PREFIXES:
+        if f"{prefix}final_layer_norm.weight" in reader:
+            return prefix
+    raise weights.WeightsError(
+        f"{reader.directory}: not a CLIP text checkpoint; expected one of "
+        f"{[p + 'final_layer_norm.weight' for p in PREFIXES]}"
+    )
+
+
+def load_clip_text(
+    directory: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    param_dtype=None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules=None,
+    with_projection: bool | None = None,
+) -> tuple[CLIPTextEncoder, dict]:
+    """Load a transformers CLIP text directory (config.json + safetensors).
+
+    Keys may carry the ``text_model.`` prefix (hub checkpoints) or not (a ``CLIPTextModel``
+    saved by transformers 5).
+
+    Returns ``(module, params)``; call ``module.apply({"params": params}, ids, mask)``.
+    ``with_projection``: None = as the checkpoint has it (``text_projection.weight`` present);
+    False loads only the text model of a checkpoint with projection; True requires it.
+    ``dtype`` is the activation dtype and, unless ``param_dtype`` is given, the weight dtype.
+    With a ``mesh`` every parameter is placed on its logical sharding (``rules``: logical axis
+    rules, default :data:`jaxcore.sharding.LOGICAL_AXIS_RULES`).
+    """
+    raw = weights.read_config(directory)
+    config = CLIPTextConfig.from_dict(raw)
+    reader = weights.SafetensorsReader(directory)
+    with_projection = _resolve_projection(raw, reader, with_projection)
+    module = CLIPTextEncoder(
+        config,
+        dtype=dtype,
+        param_dtype=param_dtype or dtype,
+        with_projection=with_projection,
+        mesh=mesh,
+    )
+    abstract = _abstract_variables(module)
+    shardings = None
+    if mesh is not None:
+        shardings = sharding.param_shardings(mesh, abstract, rules)["params"]
+    prefix = _checkpoint_prefix(reader)
+    unused = (f"{prefix}{POSITION_IDS_KEY}",) + (() if with_projection else (PROJECTION_KEY,))
+    params = weights.load_params(
+        reader,
+        weight_map(config, with_projection, prefix),
+        nn.meta.unbox(abstract)["params"],
+        shardings=shardings,
+        dtype=param_dtype or dtype,
+        ignore_unused=unused,
+    )
+    return module, params

@@ -1,0 +1,984 @@
+"""Flux.1 text-to-image transformer (MMDiT) in Flax linen.
+
+Reference: diffusers ``FluxTransformer2DModel`` (diffusers/models/transformers/transformer_flux.py,
+diffusers 0.42) and the latent layout of ``FluxPipeline`` (pipelines/flux/pipeline_flux.py).
+Same function, same parameters (loaded from a diffusers checkpoint through :func:`weight_map`),
+written as JAX code:
+
+- tokens: the pipeline packs each 2x2 patch of the VAE latent into one token of 4*C channels
+  (:func:`pack_latents`); every token carries position ids (:func:`latent_image_ids`: channel 1 =
+  row, 2 = column; text tokens get their own ids, zeros in FluxPipeline),
+- conditioning: sinusoidal timestep embedding (x1000, cos first) -> MLP, plus a guidance
+  embedding (guidance-distilled "dev" models), plus an MLP of the pooled CLIP text embedding,
+- RoPE over the concatenated [text; image] ids, the head dim split over ``axes_dims_rope``
+  (``FluxPosEmbed``; the tables are float64 on the host rounded to float32, as diffusers),
+- double-stream blocks: text and image keep separate weights (AdaLN-Zero modulation, q/k/v
+  projections, per-head RMS q/k norms, output projections, GELU-tanh FFNs) and attend jointly
+  over the concatenated sequence,
+- single-stream blocks on the joint sequence: one modulated LayerNorm feeds both attention and a
+  GELU-tanh MLP, whose outputs are concatenated and projected together (``proj_out``),
+- output: LayerNorm modulated by the conditioning (``AdaLayerNormContinuous``: scale first,
+  then shift), ``proj_out``.
+
+Tokens are ``[B, L, D]``; the joint sequence is text first, then image, as diffusers orders it.
+The time / guidance / pooled-text path and every modulation run in float32; residual adds happen
+in float32 and are cast to the activation dtype.
+
+Single-stream MLP layout. diffusers' ``proj_mlp`` [4D, D] and ``proj_out`` [D, 5D] act on an MLP
+hidden of 4D channels and on ``cat([attention, mlp])``. Here the hidden is kept as 4 chunks of D
+(``proj_mlp`` kernel [D, 4, D], ``proj_out`` kernel [5, D, D] whose chunk 0 takes the attention
+output), so the tensor axis splits every chunk the same way it splits the attention heads: both
+projections are plain column / row parallel with no reshuffle of the concatenation (diffusers
+needs a "packed rowwise" plan for the same reason). :func:`weight_map` reshapes on load/export.
+
+Only ``patch_size=1`` is implemented (every released Flux.1 checkpoint): diffusers' module with
+``patch_size=p>1`` still embeds ``in_channels`` per token but emits ``p*p*out_channels`` with no
+unpatchify, which FluxPipeline cannot use. IP-adapter and ControlNet residual inputs are not
+implemented.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from jaxcore import sharding, weights
+from jaxcore.attention import attention as attention_fn
+from jaxcore.compute import remat_block
+from jaxcore.config import config_json_kwargs
+from jaxcore.models.layers import MLP2, apply_rope, dense, gelu_tanh, layer_norm
+
+Dtype = Any
+
+TIMESTEP_CHANNELS = 256  # diffusers Timesteps(num_channels=256) in the conditioning embedder
+TIME_SCALE = 1000.0  # FluxPipeline passes sigma in [0, 1]; the model embeds sigma * 1000
+ROPE_THETA = 10000.0
+MLP_RATIO = 4  # FluxSingleTransformerBlock / FeedForward hidden = 4 * D
+NORM_EPS = 1e-6  # every LayerNorm and the q/k RMS norms of Flux use 1e-6
+
+# ----------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------
+
+
+class FluxConfigError(ValueError):
+    """A config.json / YAML section FluxTransformerConfig cannot represent; names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FluxTransformerConfig:
+    """Architecture of a Flux.1 transformer; field names follow diffusers' config.json.
+
+    ``out_channels=None`` means ``in_channels`` (diffusers: ``out_channels or in_channels``); it is
+    resolved at construction, so ``to_dict`` writes the number.
+    """
+
+    patch_size: int = 1
+    in_channels: int = 64
+    out_channels: int | None = None
+    num_layers: int = 19
+    num_single_layers: int = 38
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 4096
+    pooled_projection_dim: int = 768
+    guidance_embeds: bool = False
+    axes_dims_rope: tuple[int, ...] = (16, 56, 56)
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes_dims_rope", tuple(int(d) for d in self.axes_dims_rope))
+        if not self.out_channels:
+            object.__setattr__(self, "out_channels", self.in_channels)
+        if self.patch_size != 1:
+            raise FluxConfigError(
+                f"patch_size={self.patch_size!r} is not supported, only 1. diffusers' "
+                "FluxTransformer2DModel does not patchify for patch_size>1 (x_embedder still takes "
+                "in_channels per token; proj_out just widens to patch_size**2 * out_channels); "
+                "Flux packs 2x2 latent patches in the pipeline instead (pack_latents)."
+            )
+        for key in (
+            "in_channels",
+            "out_channels",
+            "attention_head_dim",
+            "num_attention_heads",
+            "joint_attention_dim",
+            "pooled_projection_dim",
+        ):
+            if int(getattr(self, key)) < 1:
+                raise FluxConfigError(f"{key} must be >= 1, got {getattr(self, key)!r}")
+        for key in ("num_layers", "num_single_layers"):
+            if int(getattr(self, key)) < 0:
+                raise FluxConfigError(f"{key} must be >= 0, got {getattr(self, key)!r}")
+        axes = self.axes_dims_rope
+        if not axes or any(d < 2 or d % 2 for d in axes):
+            raise FluxConfigError(
+                f"axes_dims_rope={list(axes)}: each axis needs a positive even number of dims "
+                "(rotary pairs)"
+            )
+        if sum(axes) != self.attention_head_dim:
+            raise FluxConfigError(
+                f"axes_dims_rope={list(axes)} sums to {sum(axes)} but attention_head_dim="
+                f"{self.attention_head_dim}; RoPE must cover the whole head dim"
+            )
+
+    @property
+    def hidden_dim(self) -> int:
+        """Model width D = heads x head dim (diffusers' ``inner_dim``)."""
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def mlp_dim(self) -> int:
+        return MLP_RATIO * self.hidden_dim
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> FluxTransformerConfig:
+        """Build from a diffusers config.json dict (``_``-prefixed keys ignored)."""
+        return cls(**config_json_kwargs(cls, d, FluxConfigError))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["axes_dims_rope"] = list(self.axes_dims_rope)
+        return d
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure helpers: latent packing, position ids, rotary tables, time embedding
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_even_latent(height: int, width: int) -> None:
+    if height % 2 or width % 2:
+        raise ValueError(
+            f"latent height and width must be even (2x2 packing), got {height} x {width}"
+        )
+
+
+def pack_latents(latents_bchw: jax.Array) -> jax.Array:
+    """[B, C, H, W] -> [B, (H/2)*(W/2), 4C]: each 2x2 patch becomes one token, channel-major
+    within the token (c, dy, dx), tokens in row-major order (FluxPipeline._pack_latents)."""
+    if latents_bchw.ndim != 4:
+        raise ValueError(f"latents must be [B, C, H, W], got shape {latents_bchw.shape}")
+    b, c, h, w = latents_bchw.shape
+    _check_even_latent(h, w)
+    x = latents_bchw.reshape(b, c, h // 2, 2, w // 2, 2).transpose(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), 4 * c)
+
+
+def unpack_latents(tokens_blc: jax.Array, latent_height: int, latent_width: int) -> jax.Array:
+    """Inverse of :func:`pack_latents`: [B, (H/2)*(W/2), 4C] -> [B, C, H, W].
+
+    FluxPipeline._unpack_latents takes the *pixel* size and the VAE scale factor; this takes the
+    latent size ``H = 2 * (pixel_height // (2 * vae_scale_factor))`` directly.
+    """
+    _check_even_latent(latent_height, latent_width)
+    if tokens_blc.ndim != 3:
+        raise ValueError(f"tokens must be [B, L, 4C], got shape {tokens_blc.shape}")
+    b, length, channels = tokens_blc.shape
+    hp, wp = latent_height // 2, latent_width // 2
+    if length != hp * wp or channels % 4:
+        raise ValueError(
+            f"tokens {tokens_blc.shape} do not unpack to a {latent_height} x {latent_width} latent "
+            f"(need L = {hp * wp} and channels divisible by 4)"
+        )
+    x = tokens_blc.reshape(b, hp, wp, channels // 4, 2, 2).transpose(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, channels // 4, latent_height, latent_width)
+
+
+def latent_image_ids(latent_height: int, latent_width: int) -> np.ndarray:
+    """Position ids [(H/2)*(W/2), 3] float32 of the packed image tokens: channel 0 = 0,
+    1 = token row, 2 = token column (FluxPipeline._prepare_latent_image_ids at H/2, W/2).
+
+    A numpy array on purpose: concrete ids give bit-exact RoPE tables (see :func:`rope_cos_sin`).
+    """
+    _check_even_latent(latent_height, latent_width)
+    hp, wp = latent_height // 2, latent_width // 2
+    ids = np.zeros((hp, wp, 3), np.float32)
+    ids[..., 1] = np.arange(hp, dtype=np.float32)[:, None]
+    ids[..., 2] = np.arange(wp, dtype=np.float32)[None, :]
+    return ids.reshape(hp * wp, 3)
+
+
+def timestep_frequencies(dim: int, max_period: float = 10000.0) -> np.ndarray:
+    """The float32 frequencies [dim // 2] of diffusers' ``get_timestep_embedding``.
+
+    torch rounds the exponent ``-ln(max_period) * i / half`` to float32 before ``exp``; doing
+    the same, then a correctly rounded exp (float64, rounded), gives torch's table up to its
+    float32 exp, which is not correctly rounded: 3 of Flux's 128 entries differ by 1 ulp on a
+    CPU (rounding the float64 exponent instead would differ in 87). An ulp matters here: Flux
+    embeds sigma * 1000, so it moves the argument of sin/cos by ~3e-5.
+    """
+    half = dim // 2
+    exponent = np.float32(-math.log(max_period)) * np.arange(half, dtype=np.float32)
+    exponent = exponent / np.float32(half)
+    return np.exp(exponent.astype(np.float64)).astype(np.float32)
+
+
+def timestep_embedding(timestep: jax.Array, dim: int, max_period: float = 10000.0) -> jax.Array:
+    """Sinusoidal embedding [B] -> [B, dim] float32, cos half first (diffusers
+    ``get_timestep_embedding(t, dim, flip_sin_to_cos=True, downscale_freq_shift=0)``)."""
+    freqs = jnp.asarray(timestep_frequencies(dim, max_period))
+    args = timestep.astype(jnp.float32)[:, None] * freqs[None, :]
+    emb = jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+    if dim % 2:
+        emb = jnp.pad(emb, ((0, 0), (0, 1)))
+    return emb
+
+
+def rope_inv_freq(dim: int, theta: float = ROPE_THETA) -> np.ndarray:
+    """theta^(-2i/dim) for i < dim/2, float64 (diffusers get_1d_rotary_pos_embed, Flux dtype)."""
+    return 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+
+
+def _rope_host(ids: np.ndarray, axes_dims: Sequence[int], theta: float):
+    """Exact tables for concrete ids: float64 angles of the float32 ids, rounded to float32.
+
+    Each axis has few distinct positions (rows, columns, zeros for text), so only a small
+    [distinct, dim/2] table per axis and an int32 index per token become graph constants.
+    """
+    pos = ids.astype(np.float32).astype(np.float64)  # diffusers: ids.float(), then float64 math
+    cos_parts, sin_parts = [], []
+    for axis, dim in enumerate(axes_dims):
+        values, index = np.unique(pos[:, axis], return_inverse=True)
+        angles = np.outer(values, rope_inv_freq(dim, theta))
+        index = jnp.asarray(index.reshape(-1).astype(np.int32))
+        cos_parts.append(jnp.take(jnp.asarray(np.cos(angles).astype(np.float32)), index, axis=0))
+        sin_parts.append(jnp.take(jnp.asarray(np.sin(angles).astype(np.float32)), index, axis=0))
+    return jnp.concatenate(cos_parts, axis=-1), jnp.concatenate(sin_parts, axis=-1)
+
+
+_HI_MASK = 0xFFFFF000  # keep sign, exponent and the top 11 of 23 mantissa bits
+
+
+def _split_hi(x: jax.Array) -> jax.Array:
+    """x truncated to 12 significant bits: a product of two such values is exact in float32."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jax.lax.bitcast_convert_type(bits & jnp.uint32(_HI_MASK), jnp.float32)
+
+
+def _split_hi_host(x: np.ndarray) -> np.ndarray:
+    """:func:`_split_hi` for host constants."""
+    return (x.astype(np.float32).view(np.uint32) & np.uint32(_HI_MASK)).view(np.float32)
+
+
+def _rope_traced(ids: jax.Array, axes_dims: Sequence[int], theta: float):
+    """In-graph tables for traced ids, without float64.
+
+    A float32 ``pos * freq`` is off by half an ulp of an angle that reaches ~100 rad (5e-6 in
+    cos). Instead both factors are split into a 12-bit head and a tail: ``a_hi = pos_hi *
+    freq_hi`` is exact, the small rest ``a_lo`` is accurate, and ``cos(a_hi + a_lo)`` comes from
+    the angle-addition formula: ~1 float32 ulp from diffusers' tables for any ids.
+    """
+    pos = ids.astype(jnp.float32)
+    pos_hi = _split_hi(pos)
+    pos_lo = pos - pos_hi  # exact: the bits that _split_hi dropped
+    cos_parts, sin_parts = [], []
+    for axis, dim in enumerate(axes_dims):
+        freq64 = rope_inv_freq(dim, theta)
+        freq = freq64.astype(np.float32)
+        freq_hi = _split_hi_host(freq)
+        freq_lo = (freq64 - freq_hi.astype(np.float64)).astype(np.float32)
+        p_hi, p_lo = pos_hi[:, axis, None], pos_lo[:, axis, None]
+        a_hi = p_hi * freq_hi
+        a_lo = p_hi * freq_lo + p_lo * freq
+        cos_hi, sin_hi, cos_lo, sin_lo = jnp.cos(a_hi), jnp.sin(a_hi), jnp.cos(a_lo), jnp.sin(a_lo)
+        cos_parts.append(cos_hi * cos_lo - sin_hi * sin_lo)
+        sin_parts.append(sin_hi * cos_lo + cos_hi * sin_lo)
+    return jnp.concatenate(cos_parts, axis=-1), jnp.concatenate(sin_parts, axis=-1)
+
+
+def rope_cos_sin(
+    ids: jax.Array | np.ndarray, axes_dims: Sequence[int], theta: float = ROPE_THETA
+) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [L, sum(axes_dims)/2] float32 for position ids [L, len(axes_dims)].
+
+    Pair (2i, 2i+1) of the head dim rotates by one angle; the first ``axes_dims[0]/2`` pairs
+    follow id channel 0, the next ``axes_dims[1]/2`` channel 1, ... (diffusers FluxPosEmbed,
+    which repeats each value for both members of a pair). Concrete ids (numpy, or jax arrays
+    outside a trace: pass them closed over / as constants) give tables bit-identical to
+    diffusers'; traced ids are computed in the graph to ~1 float32 ulp.
+    """
+    if isinstance(ids, jax.core.Tracer):
+        return _rope_traced(ids, axes_dims, theta)
+    return _rope_host(np.asarray(ids), axes_dims, theta)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+# ----------------------------------------------------------------------------------------------
+
+_IMAGE_EMBED = ("activation_batch", "activation_length", "activation_embed")
+_TEXT_EMBED = ("activation_batch", "activation_kv_length", "activation_embed")
+_IMAGE_HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+_TEXT_HEADS = ("activation_batch", "activation_kv_length", "activation_heads", "activation_kv")
+_MLP_CHUNKS = ("activation_batch", "activation_length", None, "activation_mlp")
+
+
+def _modulate(x_bld: jax.Array, shift_bd: jax.Array, scale_bd: jax.Array, dtype: Dtype):
+    """LayerNorm(x) * (1 + scale) + shift with per-sample [B, D] modulation, float32 inside."""
+    out = layer_norm(x_bld, NORM_EPS) * (1.0 + scale_bd[:, None, :]) + shift_bd[:, None, :]
+    return out.astype(dtype)
+
+
+def _gated_residual(x_bld: jax.Array, h_bld: jax.Array, gate_bd: jax.Array, axes) -> jax.Array:
+    """x + gate * h, added in float32 and cast back to x's dtype."""
+    out = x_bld.astype(jnp.float32) + gate_bd[:, None, :] * h_bld.astype(jnp.float32)
+    return sharding.constrain(out.astype(x_bld.dtype), axes)
+
+
+class Modulation(nn.Module):
+    """SiLU -> Linear(D, n*D) of the conditioning, split into n [B, D] rows, float32.
+
+    The projection half of diffusers' AdaLayerNormZero (n=6), AdaLayerNormZeroSingle (n=3) and
+    AdaLayerNormContinuous (n=2); the param is ``<norm>/linear`` as there.
+    """
+
+    rows: int
+    dim: int
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, temb_bd: jax.Array) -> list[jax.Array]:
+        proj = dense(
+            self.rows * self.dim, ("embed", "modulation"), "linear", jnp.float32, self.param_dtype
+        )
+        out = proj(nn.silu(temb_bd.astype(jnp.float32)))
+        return jnp.split(out, self.rows, axis=-1)  # torch .chunk(rows, dim=1)
+
+
+class ConditionEmbedder(nn.Module):
+    """(timestep, guidance, pooled text) -> conditioning [B, D] in float32.
+
+    diffusers CombinedTimestep(Guidance)TextProjEmbeddings: SiLU MLPs of the 256-channel
+    sinusoidal embeddings of ``timestep * 1000`` (and ``guidance * 1000``) plus a SiLU MLP of the
+    pooled projection, summed in that order.
+    """
+
+    config: FluxTransformerConfig
+    param_dtype: Dtype = jnp.float32
+
+    def _mlp(self, name: str) -> MLP2:
+        dim = self.config.hidden_dim
+        return MLP2(
+            dim,
+            dim,
+            nn.silu,
+            (None, "embed"),
+            ("embed", None),
+            dtype=jnp.float32,
+            param_dtype=self.param_dtype,
+            name=name,
+        )
+
+    @nn.compact
+    def __call__(self, timestep_b, guidance_b, pooled_bp):
+        def embed(t):
+            return timestep_embedding(t.astype(jnp.float32) * TIME_SCALE, TIMESTEP_CHANNELS)
+
+        temb = self._mlp("timestep_embedder")(embed(timestep_b))
+        if self.config.guidance_embeds:
+            temb = temb + self._mlp("guidance_embedder")(embed(guidance_b))
+        return temb + self._mlp("text_embedder")(pooled_bp.astype(jnp.float32))
+
+
+class FluxAttention(nn.Module):
+    """Multi-head attention with per-head RMS q/k norms and RoPE (diffusers FluxAttention).
+
+    ``__call__(x, rope)`` is the single-stream form: self-attention over x, returning the heads
+    flattened to [B, L, D] without an output projection (diffusers ``pre_only``). ``__call__(x,
+    rope, context)`` is the double-stream form: the text ``context`` gets its own projections
+    (``add_*_proj``, ``norm_added_*``), attention runs over [context; x] and each stream gets its
+    own output projection; returns (x_out, context_out).
+    """
+
+    config: FluxTransformerConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    attention: str = "dot_product"
+    mesh: Any = None
+
+    def _qkv(self, x_bld, names: tuple[str, str, str, str, str], axes):
+        cfg = self.config
+        heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
+        q_name, k_name, v_name, qn_name, kn_name = names
+
+        def project(name):
+            layer = dense(cfg.hidden_dim, ("embed", "heads"), name, self.dtype, self.param_dtype)
+            out = layer(x_bld)
+            return sharding.constrain(out.reshape(*out.shape[:2], heads, head_dim), axes)
+
+        q, k, v = project(q_name), project(k_name), project(v_name)
+        return self._rms_norm(qn_name)(q), self._rms_norm(kn_name)(k), v
+
+    def _rms_norm(self, name: str) -> nn.RMSNorm:
+        return nn.RMSNorm(
+            epsilon=NORM_EPS,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",)),
+            name=name,
+        )
+
+    def _out(self, name: str, x_blhd, heads_axes, embed_axes):
+        dim = self.config.hidden_dim
+        x = sharding.constrain(x_blhd, heads_axes).reshape(*x_blhd.shape[:2], dim)
+        out = dense(dim, ("heads", "embed"), name, self.dtype, self.param_dtype)(x)
+        return sharding.constrain(out, embed_axes)
+
+    @nn.compact
+    def __call__(self, x_bld, rope, context_btd=None):
+        q, k, v = self._qkv(x_bld, ("to_q", "to_k", "to_v", "norm_q", "norm_k"), _IMAGE_HEADS)
+        if context_btd is not None:
+            names = ("add_q_proj", "add_k_proj", "add_v_proj", "norm_added_q", "norm_added_k")
+            cq, ck, cv = self._qkv(context_btd, names, _TEXT_HEADS)
+            q, k, v = (
+                sharding.constrain(jnp.concatenate([c, i], axis=1), _IMAGE_HEADS)
+                for c, i in ((cq, q), (ck, k), (cv, v))
+            )
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = attention_fn(q, k, v, backend=self.attention, mesh=self.mesh)
+        out = sharding.constrain(out, _IMAGE_HEADS)
+        if context_btd is None:
+            return out.reshape(*out.shape[:2], self.config.hidden_dim)
+        text_len = context_btd.shape[1]
+        image_out = self._out("to_out", out[:, text_len:], _IMAGE_HEADS, _IMAGE_EMBED)
+        text_out = self._out("to_add_out", out[:, :text_len], _TEXT_HEADS, _TEXT_EMBED)
+        return image_out, text_out
+
+
+class FeedForward(nn.Module):
+    """Linear(D, 4D) -> GELU(tanh) -> Linear(4D, D) (diffusers FeedForward "gelu-approximate")."""
+
+    config: FluxTransformerConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    length_axis: str = "activation_length"
+
+    @nn.compact
+    def __call__(self, x_bld):
+        cfg = self.config
+        up = dense(cfg.mlp_dim, ("embed", "mlp"), "proj_in", self.dtype, self.param_dtype)
+        h = sharding.constrain(
+            gelu_tanh(up(x_bld)), ("activation_batch", self.length_axis, "activation_mlp")
+        )
+        out = dense(cfg.hidden_dim, ("mlp", "embed"), "proj_out", self.dtype, self.param_dtype)(h)
+        return sharding.constrain(out, ("activation_batch", self.length_axis, "activation_embed"))
+
+
+class DoubleStreamBlock(nn.Module):
+    """diffusers FluxTransformerBlock: separate text / image weights, joint attention."""
+
+    config: FluxTransformerConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    attention: str = "dot_product"
+    mesh: Any = None
+
+    @nn.compact
+    def __call__(self, x_bld, context_btd, temb_bd, rope_cos, rope_sin):
+        cfg, dim = self.config, self.config.hidden_dim
+        shift, scale, gate, shift_ff, scale_ff, gate_ff = Modulation(
+            6, dim, self.param_dtype, name="norm1"
+        )(temb_bd)
+        c_shift, c_scale, c_gate, c_shift_ff, c_scale_ff, c_gate_ff = Modulation(
+            6, dim, self.param_dtype, name="norm1_context"
+        )(temb_bd)
+
+        attn = FluxAttention(
+            cfg, self.dtype, self.param_dtype, self.attention, self.mesh, name="attn"
+        )
+        x_attn, c_attn = attn(
+            _modulate(x_bld, shift, scale, self.dtype),
+            (rope_cos, rope_sin),
+            _modulate(context_btd, c_shift, c_scale, self.dtype),
+        )
+
+        x_bld = _gated_residual(x_bld, x_attn, gate, _IMAGE_EMBED)
+        ff = FeedForward(cfg, self.dtype, self.param_dtype, name="ff")
+        x_bld = _gated_residual(
+            x_bld, ff(_modulate(x_bld, shift_ff, scale_ff, self.dtype)), gate_ff, _IMAGE_EMBED
+        )
+
+        context_btd = _gated_residual(context_btd, c_attn, c_gate, _TEXT_EMBED)
+        ff_context = FeedForward(
+            cfg, self.dtype, self.param_dtype, "activation_kv_length", name="ff_context"
+        )
+        h = ff_context(_modulate(context_btd, c_shift_ff, c_scale_ff, self.dtype))
+        context_btd = _gated_residual(context_btd, h, c_gate_ff, _TEXT_EMBED)
+        return x_bld, context_btd
+
+
+class ChunkedMLPIn(nn.Module):
+    """Single-stream ``proj_mlp``: [B, L, D] -> [B, L, 4, D] (diffusers' 4D hidden in 4 chunks).
+
+    Kernel [D, 4, D] with the chunk width split like the attention heads (``mlp``).
+    """
+
+    dim: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_bld):
+        init = nn.initializers.xavier_uniform(in_axis=0, out_axis=(1, 2))
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(init, ("embed", None, "mlp")),
+            (self.dim, MLP_RATIO, self.dim),
+            self.param_dtype,
+        )
+        bias = self.param(
+            "bias",
+            nn.with_logical_partitioning(nn.initializers.zeros_init(), (None, "mlp")),
+            (MLP_RATIO, self.dim),
+            self.param_dtype,
+        )
+        x = x_bld.astype(self.dtype)
+        return jnp.einsum("bld,dkm->blkm", x, kernel.astype(self.dtype)) + bias.astype(self.dtype)
+
+
+class PackedProjOut(nn.Module):
+    """Single-stream ``proj_out``: [B, L, 5, D] (attention, then 4 MLP chunks) -> [B, L, D].
+
+    Kernel [5, D, D]: row-parallel over each chunk's width, like an attention output projection.
+    """
+
+    dim: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_blkm):
+        init = nn.initializers.xavier_uniform(in_axis=(0, 1), out_axis=2)
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(init, (None, "mlp", "embed")),
+            (1 + MLP_RATIO, self.dim, self.dim),
+            self.param_dtype,
+        )
+        bias = self.param(
+            "bias",
+            nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+            (self.dim,),
+            self.param_dtype,
+        )
+        x = x_blkm.astype(self.dtype)
+        out = jnp.einsum("blkm,kmd->bld", x, kernel.astype(self.dtype)) + bias.astype(self.dtype)
+        return sharding.constrain(out, _IMAGE_EMBED)
+
+
+class SingleStreamBlock(nn.Module):
+    """diffusers FluxSingleTransformerBlock on the joint [text; image] sequence.
+
+    ``x + gate * proj_out(cat([attn(n), gelu(proj_mlp(n))]))`` with ``n`` the modulated
+    LayerNorm of x. The MLP hidden is kept as [B, L, 4, D]; the attention output joins it as
+    chunk 0 of [B, L, 5, D] (see the module docstring).
+    """
+
+    config: FluxTransformerConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    attention: str = "dot_product"
+    mesh: Any = None
+
+    @nn.compact
+    def __call__(self, x_bnd, temb_bd, rope_cos, rope_sin):
+        cfg, dim = self.config, self.config.hidden_dim
+        shift, scale, gate = Modulation(3, dim, self.param_dtype, name="norm")(temb_bd)
+        h = _modulate(x_bnd, shift, scale, self.dtype)
+        mlp = ChunkedMLPIn(dim, self.dtype, self.param_dtype, name="proj_mlp")(h)
+        mlp = sharding.constrain(gelu_tanh(mlp), _MLP_CHUNKS)
+        attn = FluxAttention(
+            cfg, self.dtype, self.param_dtype, self.attention, self.mesh, name="attn"
+        )(h, (rope_cos, rope_sin))
+        joined = sharding.constrain(
+            jnp.concatenate([attn[:, :, None, :], mlp], axis=2), _MLP_CHUNKS
+        )
+        out = PackedProjOut(dim, self.dtype, self.param_dtype, name="proj_out")(joined)
+        return _gated_residual(x_bnd, out, gate, _IMAGE_EMBED)
+
+
+class FluxTransformer(nn.Module):
+    """Flux.1 transformer (= diffusers FluxTransformer2DModel.forward).
+
+    ``(hidden_states [B, L_img, in_channels], encoder_hidden_states [B, L_txt,
+    joint_attention_dim], pooled_projections [B, pooled_projection_dim], timestep [B],
+    img_ids [L_img, 3], txt_ids [L_txt, 3], guidance [B] | None) -> [B, L_img, out_channels]``.
+
+    ``timestep`` is what FluxPipeline passes (sigma in [0, 1]) and ``guidance`` the guidance
+    scale (e.g. 3.5); both are multiplied by 1000 inside, as diffusers does. ``guidance`` is
+    required iff ``config.guidance_embeds``. Ids given as numpy arrays (e.g. from
+    :func:`latent_image_ids`) give bit-exact RoPE tables; traced ids work too (:func:`rope_cos_sin`).
+    """
+
+    config: FluxTransformerConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    attention: str = "dot_product"
+    mesh: Any = None
+    remat_policy: str = "none"
+
+    def _check_inputs(self, hidden, text, pooled, timestep, img_ids, txt_ids, guidance):
+        cfg = self.config
+        if hidden.ndim != 3 or hidden.shape[2] != cfg.in_channels:
+            raise ValueError(
+                f"hidden_states must be [B, L_img, in_channels={cfg.in_channels}], "
+                f"got {hidden.shape}"
+            )
+        batch, image_len = hidden.shape[:2]
+        if text.ndim != 3 or (text.shape[0], text.shape[2]) != (batch, cfg.joint_attention_dim):
+            raise ValueError(
+                f"encoder_hidden_states must be [{batch}, L_txt, joint_attention_dim="
+                f"{cfg.joint_attention_dim}], got {text.shape}"
+            )
+        if pooled.shape != (batch, cfg.pooled_projection_dim):
+            raise ValueError(
+                f"pooled_projections must be [{batch}, pooled_projection_dim="
+                f"{cfg.pooled_projection_dim}], got {pooled.shape}"
+            )
+        if timestep.shape != (batch,):
+            raise ValueError(f"timestep must be [B]=[{batch}], got shape {timestep.shape}")
+        n_axes = len(cfg.axes_dims_rope)
+        for name, ids, length in (
+            ("img_ids", img_ids, image_len),
+            ("txt_ids", txt_ids, text.shape[1]),
+        ):
+            if tuple(ids.shape) != (length, n_axes):
+                raise ValueError(
+                    f"{name} must be [{length}, {n_axes}] (one id row per token, no batch dim), "
+                    f"got shape {tuple(ids.shape)}"
+                )
+        if cfg.guidance_embeds and guidance is None:
+            raise ValueError(
+                "guidance is required: this model has guidance_embeds=True (a guidance-distilled "
+                "FLUX.1-dev-like model); pass the guidance scale per sample, e.g. [3.5] * B"
+            )
+        if not cfg.guidance_embeds and guidance is not None:
+            raise ValueError(
+                "guidance was given but this model has guidance_embeds=False (FLUX.1-schnell-like) "
+                "and has no guidance embedder; pass guidance=None"
+            )
+        if guidance is not None and guidance.shape != (batch,):
+            raise ValueError(f"guidance must be [B]=[{batch}], got shape {guidance.shape}")
+
+    def _rope(self, img_ids, txt_ids):
+        """Tables for the joint [text; image] sequence; concrete ids stay on the host."""
+        concrete = not any(isinstance(i, jax.core.Tracer) for i in (img_ids, txt_ids))
+        cat = np.concatenate if concrete else jnp.concatenate
+        to_array = np.asarray if concrete else jnp.asarray
+        ids = cat([to_array(txt_ids, np.float32), to_array(img_ids, np.float32)], axis=0)
+        return tuple(
+            sharding.constrain(t, ("activation_length", "activation_kv"))
+            for t in rope_cos_sin(ids, self.config.axes_dims_rope)
+        )
+
+    @nn.compact
+    def __call__(
+        self,
+        hidden_states,
+        encoder_hidden_states,
+        pooled_projections,
+        timestep,
+        img_ids,
+        txt_ids,
+        guidance=None,
+    ):
+        cfg = self.config
+        timestep = jnp.asarray(timestep)
+        guidance = None if guidance is None else jnp.asarray(guidance)
+        self._check_inputs(
+            hidden_states,
+            encoder_hidden_states,
+            pooled_projections,
+            timestep,
+            img_ids,
+            txt_ids,
+            guidance,
+        )
+        batch, text_len = hidden_states.shape[0], encoder_hidden_states.shape[1]
+        if self.mesh is not None:
+            sharding.check_divisible(self.mesh, batch=batch, heads=cfg.num_attention_heads)
+        dim = cfg.hidden_dim
+
+        x = dense(dim, ("conv_in", "embed"), "x_embedder", self.dtype, self.param_dtype)(
+            hidden_states.astype(self.dtype)
+        )
+        x = sharding.constrain(x, _IMAGE_EMBED)
+        temb = ConditionEmbedder(cfg, self.param_dtype, name="time_text_embed")(
+            timestep, guidance, pooled_projections
+        )
+        context = dense(dim, (None, "embed"), "context_embedder", self.dtype, self.param_dtype)(
+            encoder_hidden_states.astype(self.dtype)
+        )
+        context = sharding.constrain(context, _TEXT_EMBED)
+        rope = self._rope(img_ids, txt_ids)
+
+        block_kw = dict(
+            config=cfg,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            attention=self.attention,
+            mesh=self.mesh,
+        )
+        double_cls = remat_block(DoubleStreamBlock, self.remat_policy)
+        for i in range(cfg.num_layers):
+            x, context = double_cls(**block_kw, name=f"transformer_blocks_{i}")(
+                x, context, temb, *rope
+            )
+
+        # diffusers concatenates and splits in every single block; once around them is the same
+        joint = sharding.constrain(jnp.concatenate([context, x], axis=1), _IMAGE_EMBED)
+        single_cls = remat_block(SingleStreamBlock, self.remat_policy)
+        for i in range(cfg.num_single_layers):
+            joint = single_cls(**block_kw, name=f"single_transformer_blocks_{i}")(
+                joint, temb, *rope
+            )
+        x = sharding.constrain(joint[:, text_len:], _IMAGE_EMBED)
+
+        scale, shift = Modulation(2, dim, self.param_dtype, name="norm_out")(temb)
+        x = _modulate(x, shift, scale, self.dtype)
+        out = dense(
+            cfg.out_channels, ("embed", "conv_out"), "proj_out", self.dtype, self.param_dtype
+        )(x)
+        return sharding.constrain(out, _IMAGE_EMBED)
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights: diffusers checkpoint <-> flax params
+# ----------------------------------------------------------------------------------------------
+
+
+def _split_last(parts: int) -> Callable[[np.ndarray], np.ndarray]:
+    """[..., parts*n] -> [..., parts, n]; an indivisible tensor is passed through unchanged so
+    the loader's shape check names the parameter."""
+
+    def split(w: np.ndarray) -> np.ndarray:
+        if w.ndim == 0 or w.shape[-1] % parts:
+            return w
+        return w.reshape(*w.shape[:-1], parts, w.shape[-1] // parts)
+
+    return split
+
+
+def _merge_last(w: np.ndarray) -> np.ndarray:
+    return w.reshape(*w.shape[:-2], w.shape[-2] * w.shape[-1])
+
+
+# proj_mlp.weight [4D, D] -> kernel [D, 4, D]; proj_mlp.bias [4D] -> [4, D]
+_MLP_IN_KERNEL = weights.Invertible(
+    lambda w: _split_last(MLP_RATIO)(w.T), lambda k: _merge_last(k).T
+)
+_MLP_IN_BIAS = weights.Invertible(_split_last(MLP_RATIO), _merge_last)
+
+
+def _rows_to_chunks(w: np.ndarray) -> np.ndarray:
+    """proj_out.weight [D, 5D] -> kernel [5, D, D] (input chunk, chunk row, output)."""
+    k = w.T
+    if k.ndim != 2 or k.shape[0] % (1 + MLP_RATIO):
+        return k
+    return k.reshape(1 + MLP_RATIO, k.shape[0] // (1 + MLP_RATIO), k.shape[1])
+
+
+_PACKED_OUT_KERNEL = weights.Invertible(_rows_to_chunks, lambda k: k.reshape(-1, k.shape[-1]).T)
+
+
+def _dense_entries(flax_prefix: tuple[str, ...], torch_prefix: str) -> dict:
+    return {
+        (*flax_prefix, "kernel"): (f"{torch_prefix}.weight", weights.linear),
+        (*flax_prefix, "bias"): (f"{torch_prefix}.bias", weights.identity),
+    }
+
+
+def _norm_entries(flax_prefix: tuple[str, ...], torch_prefix: str, names) -> dict:
+    return {
+        (*flax_prefix, n, "scale"): (f"{torch_prefix}.{n}.weight", weights.identity) for n in names
+    }
+
+
+def _double_block_entries(i: int) -> dict:
+    flax, torch = (f"transformer_blocks_{i}",), f"transformer_blocks.{i}"
+    entries: dict = {}
+    for norm in ("norm1", "norm1_context"):
+        entries |= _dense_entries((*flax, norm, "linear"), f"{torch}.{norm}.linear")
+    attn, tattn = (*flax, "attn"), f"{torch}.attn"
+    for proj in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"):
+        entries |= _dense_entries((*attn, proj), f"{tattn}.{proj}")
+    entries |= _dense_entries((*attn, "to_out"), f"{tattn}.to_out.0")
+    entries |= _norm_entries(attn, tattn, ("norm_q", "norm_k", "norm_added_q", "norm_added_k"))
+    for ff in ("ff", "ff_context"):
+        entries |= _dense_entries((*flax, ff, "proj_in"), f"{torch}.{ff}.net.0.proj")
+        entries |= _dense_entries((*flax, ff, "proj_out"), f"{torch}.{ff}.net.2")
+    return entries
+
+
+def _single_block_entries(i: int) -> dict:
+    flax, torch = (f"single_transformer_blocks_{i}",), f"single_transformer_blocks.{i}"
+    entries = _dense_entries((*flax, "norm", "linear"), f"{torch}.norm.linear")
+    for proj in ("to_q", "to_k", "to_v"):
+        entries |= _dense_entries((*flax, "attn", proj), f"{torch}.attn.{proj}")
+    entries |= _norm_entries((*flax, "attn"), f"{torch}.attn", ("norm_q", "norm_k"))
+    entries[(*flax, "proj_mlp", "kernel")] = (f"{torch}.proj_mlp.weight", _MLP_IN_KERNEL)
+    entries[(*flax, "proj_mlp", "bias")] = (f"{torch}.proj_mlp.bias", _MLP_IN_BIAS)
+    entries[(*flax, "proj_out", "kernel")] = (f"{torch}.proj_out.weight", _PACKED_OUT_KERNEL)
+    entries[(*flax, "proj_out", "bias")] = (f"{torch}.proj_out.bias", weights.identity)
+    return entries
+
+
+def weight_map(config: FluxTransformerConfig) -> dict:
+    """{flax param path: (diffusers key, transform)} for every parameter of the model."""
+    entries = _dense_entries(("x_embedder",), "x_embedder")
+    entries |= _dense_entries(("context_embedder",), "context_embedder")
+    embedders = ["timestep_embedder", "text_embedder"]
+    if config.guidance_embeds:
+        embedders.append("guidance_embedder")
+    for sub in embedders:
+        for lin in ("linear_1", "linear_2"):
+            entries |= _dense_entries(("time_text_embed", sub, lin), f"time_text_embed.{sub}.{lin}")
+    for i in range(config.num_layers):
+        entries |= _double_block_entries(i)
+    for i in range(config.num_single_layers):
+        entries |= _single_block_entries(i)
+    entries |= _dense_entries(("norm_out", "linear"), "norm_out.linear")
+    entries |= _dense_entries(("proj_out",), "proj_out")
+    return entries
+
+
+def _dummy_inputs(config: FluxTransformerConfig, batch: int = 1) -> tuple:
+    """Smallest valid inputs (one image token, one text token) for init / eval_shape."""
+    n_axes = len(config.axes_dims_rope)
+    f32 = jnp.float32
+    return (
+        jax.ShapeDtypeStruct((batch, 1, config.in_channels), f32),
+        jax.ShapeDtypeStruct((batch, 1, config.joint_attention_dim), f32),
+        jax.ShapeDtypeStruct((batch, config.pooled_projection_dim), f32),
+        jax.ShapeDtypeStruct((batch,), f32),
+        jax.ShapeDtypeStruct((1, n_axes), f32),
+        jax.ShapeDtypeStruct((1, n_axes), f32),
+        jax.ShapeDtypeStruct((batch,), f32) if config.guidance_embeds else None,
+    )
+
+
+def _zeros(spec: jax.ShapeDtypeStruct | None) -> jax.Array | None:
+    return None if spec is None else jnp.zeros(spec.shape, spec.dtype)
+
+
+def abstract_params(module: FluxTransformer) -> dict:
+    """The ``params`` collection as boxed ShapeDtypeStructs (nn.Partitioned kept), no allocation."""
+    inputs = _dummy_inputs(module.config)
+    shapes_only = module.clone(mesh=None)  # parameters do not depend on the mesh
+
+    def init(rng):
+        return shapes_only.init(rng, *(_zeros(s) for s in inputs))
+
+    return jax.eval_shape(init, jax.random.key(0))["params"]
+
+
+def _unbox(tree):
+    return nn.meta.unbox(tree)
+
+
+def load_flux_transformer(
+    directory: str | os.PathLike,
+    *,
+    dtype: Dtype = jnp.float32,
+    param_dtype: Dtype = jnp.float32,
+    attention: str = "dot_product",
+    mesh: jax.sharding.Mesh | None = None,
+    rules=None,
+    remat_policy: str = "none",
+) -> tuple[FluxTransformer, dict]:
+    """Load a diffusers ``FluxTransformer2DModel`` directory (config.json + safetensors).
+
+    Returns ``(module, params)``; params are the unboxed ``params`` collection, cast to
+    ``param_dtype`` and placed on ``mesh`` by the logical axis ``rules`` when a mesh is given
+    (else on the first device). Raises WeightsError naming missing/unexpected keys or the
+    parameter whose shape does not match, FluxConfigError for a config we cannot represent.
+    """
+    config = FluxTransformerConfig.from_dict(weights.read_config(directory))
+    module = FluxTransformer(
+        config,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        attention=attention,
+        mesh=mesh,
+        remat_policy=remat_policy,
+    )
+    reader = weights.SafetensorsReader(directory)
+    boxed = abstract_params(module)
+    shardings = sharding.param_shardings(mesh, boxed, rules) if mesh is not None else None
+    params = weights.load_params(
+        reader, weight_map(config), _unbox(boxed), shardings=shardings, dtype=param_dtype
+    )
+    return module, params
+
+
+def init_flux_transformer(
+    config: FluxTransformerConfig,
+    rng: jax.Array,
+    *,
+    dtype: Dtype = jnp.float32,
+    param_dtype: Dtype = jnp.float32,
+    attention: str = "dot_product",
+    mesh: jax.sharding.Mesh | None = None,
+    rules=None,
+    remat_policy: str = "none",
+) -> tuple[FluxTransformer, dict]:
+    """Random-init (training from scratch). With a mesh, params are created already sharded."""
+    module = FluxTransformer(
+        config,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        attention=attention,
+        mesh=mesh,
+        remat_policy=remat_policy,
+    )
+    inputs = _dummy_inputs(config)
+    unmeshed = module.clone(mesh=None)  # a dummy batch of 1 need not divide the mesh
+
+    def init(key):
+        return _unbox(unmeshed.init(key, *(_zeros(s) for s in inputs))["params"])
+
+    if mesh is None:
+        return module, jax.jit(init)(rng)
+    shardings = _unbox(sharding.param_shardings(mesh, abstract_params(module), rules))
+    return module, jax.jit(init, out_shardings=shardings)(rng)
+
+
+def count_params(config: FluxTransformerConfig) -> int:
+    """Number of parameters, from eval_shape (nothing is allocated)."""
+    boxed = abstract_params(FluxTransformer(config))
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(_unbox(boxed)))
+
+
+def flops_per_forward(
+    config: FluxTransformerConfig, batch: int, image_tokens: int, text_tokens: int
+) -> int:
+    """Matmul FLOPs (2 per multiply-add) of one forward pass, for MFU. Training = 3x this.
+
+    With D = hidden dim, s image tokens, t text tokens, n = s + t:
+
+    - each double-stream block: q/k/v 3*2*n*D^2 (both streams), scores + values 2*2*n^2*D,
+      output projections 2*n*D^2, FFNs 2*2*n*D*4D, i.e. 24*n*D^2 + 4*n^2*D;
+    - each single-stream block: q/k/v 3*2*n*D^2, proj_mlp 2*n*D*4D, scores + values
+      2*2*n^2*D, proj_out 2*n*5D*D: the same 24*n*D^2 + 4*n^2*D;
+    - per token outside the blocks: x_embedder 2*s*C_in*D, context_embedder 2*t*J*D,
+      proj_out 2*s*D*C_out;
+    - per sample: timestep (and guidance) MLPs 2*(256*D + D^2) each, pooled MLP 2*(P*D + D^2),
+      modulations 2*D*6D*2 per double block, 2*D*3D per single block, 2*D*2D at the output.
+    """
+    d, s, t = config.hidden_dim, image_tokens, text_tokens
+    n = s + t
+    blocks = (config.num_layers + config.num_single_layers) * (24 * n * d * d + 4 * n * n * d)
+    tokens = 2 * d * (s * config.in_channels + t * config.joint_attention_dim)
+    tokens += 2 * s * d * config.out_channels
+    embedders = 2 * (TIMESTEP_CHANNELS * d + d * d) * (2 if config.guidance_embeds else 1)
+    embedders += 2 * (config.pooled_projection_dim * d + d * d)
+    modulation = d * d * (24 * config.num_layers + 6 * config.num_single_layers + 4)
+    return batch * (blocks + tokens + embedders + modulation)
