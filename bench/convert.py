@@ -21,10 +21,12 @@ NUM_ITEMS = {"smoke": 8, "quick": 32, "full": 64}
 
 
 def _config(output_dir: Path, items: int):
+    """The shipped convert config on the embedded tiny pipeline and synthetic shapes."""
     from jaxcore.config import load_config
+    from pipelines.demo.embedded import resolve
     from stages.convert.config import ConvertConfig
 
-    return load_config(
+    config = load_config(
         ConvertConfig,
         REPO / "configs/stages/convert.yml",
         [
@@ -32,12 +34,13 @@ def _config(output_dir: Path, items: int):
             f"source=synthetic:shapes?num_items={items}&seed=0&height=64&width=64",
         ],
     )
+    return resolve(config)
 
 
 def encoder_throughput(config, reps: int) -> dict:
-    from stages.convert.encode import WanEncoders, encode_batch_throughput
+    from stages.convert.encode import encode_batch_throughput, load_encoders
 
-    encoders = WanEncoders(config.encoder)
+    encoders = load_encoders(config.encoder, config.compute)
     m, b = config.media, config.encoder.batch_size
     videos = np.random.default_rng(0).uniform(-1, 1, (b, 3, m.num_frames, m.height, m.width))
     captions = [f"a shape number {i}" for i in range(b)]

@@ -39,33 +39,34 @@ def _config(pipeline_dir: Path, prompt_file: Path, output_dir: Path):
 
 def device_seconds(config, prompts: list[str]) -> float:
     """Seconds of denoising + decoding the prompts' batches, embeddings encoded beforehand."""
+    from jaxcore.sampling import initial_latents
     from jaxcore.sharding import make_mesh
-    from jaxcore.wan_pipeline import initial_latents
     from stages.generate import model, render
 
     s = config.sampling
-    pipe, _, _ = model.load(config, make_mesh(config.mesh))
+    pipe = model.load(model.describe(config), config.compute, make_mesh(config.mesh))
     batch = render.global_batch_size(config.per_device_batch_size, pipe.batch_ways)
     shape = pipe.latent_shape(s.height, s.width, s.num_frames)
     batches = []
     for start in range(0, len(prompts), batch):
         chunk = prompts[start : start + batch]
         chunk += [chunk[-1]] * (math.ceil(batch / pipe.batch_ways) * pipe.batch_ways - len(chunk))
-        emb, neg = pipe.encode_prompts(
-            chunk, [s.negative_prompt] * len(chunk), s.max_sequence_length
+        guidance = [pipe.guidance(s.guidance_scale, s.true_cfg_scale)] * len(chunk)
+        cond, uncond, scales = pipe.conditioning(
+            chunk, [s.negative_prompt] * len(chunk), guidance, s.max_sequence_length
         )
         latents = np.stack([initial_latents(i, shape) for i in range(len(chunk))])
-        batches.append((latents, emb, neg))
+        batches.append((latents, cond, uncond, scales))
 
     def render_all():
-        for latents, emb, neg in batches:
+        for latents, cond, uncond, scales in batches:
             z = pipe.sample(
                 latents,
-                emb,
-                neg,
+                cond,
+                uncond,
                 num_inference_steps=s.num_inference_steps,
-                guidance_scale=s.guidance_scale,
-                flow_shift=s.flow_shift,
+                cfg_scale=scales,
+                shift=s.flow_shift,
                 scheduler=s.scheduler,
             )
             block(pipe.decode(z))
@@ -77,7 +78,7 @@ def device_seconds(config, prompts: list[str]) -> float:
 
 
 def run(ctx: BenchContext) -> list[dict]:
-    from jaxcore.tiny_pipeline import build_tiny_wan_pipeline
+    from pipelines.demo.tiny import build_tiny_wan_pipeline
     from stages.generate.run import run as run_stage
 
     work = ctx.scratch("generate")

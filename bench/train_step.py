@@ -16,11 +16,15 @@ import numpy as np
 
 from bench.common import BenchContext, block, time_calls, timed_record
 from bench.transformer import BENCH_M, BENCH_S, TINY, WAN_1_3B_480P, ForwardCase, video_tokens
-from jaxcore import sharding
+from jaxcore import families, sharding
+from jaxcore.compute import ComputeConfig
+from jaxcore.families import TensorSpec
 from jaxcore.models import wan_transformer as wan
-from stages import records
+from stages.common import records
+from stages.common.data import replicated
+from stages.common.objective import ObjectiveSection
 from stages.train import trainer
-from stages.train.config import ObjectiveSection, OptimizerSection
+from stages.train.config import OptimizerSection
 
 log = logging.getLogger(__name__)
 
@@ -33,32 +37,43 @@ def cases_for(ctx: BenchContext) -> tuple[ForwardCase, ...]:
     return (ACCELERATOR_CASES if ctx.on_accelerator else CASES)[ctx.profile]
 
 
-def build_step(config: wan.WanTransformerConfig, remat_policy: str = "none"):
+def build_step(config: wan.WanTransformerConfig, features, remat_policy: str = "none"):
     """(step, params, opt_state) of the train stage on a mesh of the first device."""
+    family = families.get("wan")
     mesh = sharding.make_mesh(sharding.MeshConfig(), devices=jax.devices()[:1])
-    with trainer.mesh_context(mesh):
-        module, params = wan.init_wan_transformer(
-            config, jax.random.key(0), mesh=mesh, remat_policy=remat_policy
-        )
-    param_shardings = jax.tree.map(lambda _: trainer.replicated(mesh), params)
+    compute = ComputeConfig(remat_policy=remat_policy)
+    with sharding.mesh_context(mesh):
+        module, params = family.init_denoiser(config, jax.random.key(0), compute, mesh)
+    param_shardings = jax.tree.map(lambda _: replicated(mesh), params)
     tx, schedule = trainer.make_optimizer(OptimizerSection(), total_steps=1000)
     opt_shardings = trainer.opt_state_shardings(tx, params, param_shardings, mesh)
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     step = trainer.make_train_step(
-        module, tx, schedule, ObjectiveSection(), mesh, param_shardings, opt_shardings, seed=0
+        family,
+        module,
+        tx,
+        schedule,
+        ObjectiveSection(),
+        mesh,
+        param_shardings,
+        opt_shardings,
+        features,
+        seed=0,
     )
     return step, params, opt_state
 
 
 def run_case(ctx: BenchContext, case: ForwardCase) -> dict:
     config = case.config()
-    step, params, opt_state = build_step(config)
+    features = (
+        TensorSpec(records.LATENTS, tuple(case.latent_shape[1:])),
+        TensorSpec("encoder_hidden_states", (case.text_tokens, config.text_dim)),
+    )
+    step, params, opt_state = build_step(config, features)
     rng = np.random.default_rng(0)
     batch = {
-        records.LATENTS: rng.standard_normal(case.latent_shape, dtype=np.float32),
-        records.TEXT: rng.standard_normal(
-            (case.latent_shape[0], case.text_tokens, config.text_dim), dtype=np.float32
-        ),
+        f.name: rng.standard_normal((case.latent_shape[0], *f.shape), dtype=np.float32)
+        for f in features
     }
     state = {"params": params, "opt_state": opt_state, "step": 0, "loss": None}
 

@@ -1,5 +1,12 @@
-"""Model YAMLs (``configs/models/*.yml``): one section per component, each validated by the
-component's own config class (diffusers/transformers ``config.json`` field names)."""
+"""Model YAMLs (``configs/models/*.yml``): a ``family`` and one section per component.
+
+::
+
+    family: wan                 # a name of jaxcore.families.FAMILIES
+    transformer: {...}          # each section in the component's config.json field names,
+    vae: {...}                  # validated by the family's config class for that component
+    text_encoder: {...}
+"""
 
 from __future__ import annotations
 
@@ -9,26 +16,36 @@ from typing import Any
 from jaxcore.config import ConfigError, read_yaml
 
 
-def _section_classes() -> dict[str, Any]:
-    from jaxcore.models.umt5 import UMT5Config
-    from jaxcore.models.wan_transformer import WanTransformerConfig
-    from jaxcore.models.wan_vae import WanVAEConfig
+def read_model_yaml(path: str | Path, sections: tuple[str, ...] | None = None):
+    """(family, {section: validated config}) for the sections present (or those asked for)."""
+    from jaxcore import families
 
-    return {"transformer": WanTransformerConfig, "vae": WanVAEConfig, "text_encoder": UMT5Config}
+    data = dict(read_yaml(path))
+    name = data.pop("family", None)
+    if name is None:
+        raise ConfigError(
+            f"{path}: no 'family' key (one of {sorted(families.FAMILIES)}) naming the model family"
+        )
+    try:
+        family = families.get(name)
+    except families.FamilyError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    classes = family.component_config_classes()
+    out = {}
+    for section, values in data.items():
+        if section not in classes:
+            raise ConfigError(
+                f"{path}: unknown section {section!r} for the {name} family; known: {sorted(classes)}"
+            )
+        if sections is not None and section not in sections:
+            continue
+        try:
+            out[section] = classes[section].from_dict(values or {})
+        except (ValueError, TypeError, KeyError) as err:
+            raise ConfigError(f"{path}: section {section}: {err}") from None
+    return family, out
 
 
 def load_model_yaml(path: str | Path, sections: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """{section: validated config} for the sections present (or only those asked for)."""
-    data = read_yaml(path)
-    classes = _section_classes()
-    out = {}
-    for name, values in data.items():
-        if name not in classes:
-            raise ConfigError(f"{path}: unknown section {name!r}; known: {sorted(classes)}")
-        if sections is not None and name not in sections:
-            continue
-        try:
-            out[name] = classes[name].from_dict(values or {})
-        except (ValueError, TypeError, KeyError) as err:
-            raise ConfigError(f"{path}: section {name}: {err}") from None
-    return out
+    """{section: validated config} of a model YAML (see :func:`read_model_yaml`)."""
+    return read_model_yaml(path, sections)[1]

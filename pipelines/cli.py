@@ -36,7 +36,7 @@ STAGES: dict[str, StageEntry] = {
     "train": StageEntry(
         "stages.train.config:TrainConfig",
         "stages.train.run:run",
-        "flow-matching training of Wan on converted TFRecords (sharded, checkpointed)",
+        "flow-matching training of a model family on converted TFRecords (sharded, checkpointed)",
     ),
     "evaluate": StageEntry(
         "stages.evaluate.config:EvaluateConfig",
@@ -54,8 +54,8 @@ STAGES: dict[str, StageEntry] = {
         "a whole pipeline: chained stages through artifacts (configs/pipelines/*.yml)",
     ),
     "demo": StageEntry(
-        "pipelines.demo:DemoConfig",
-        "pipelines.demo:run",
+        "pipelines.demo.run:DemoConfig",
+        "pipelines.demo.run:run",
         "the CPU demo: shapes data -> convert -> train -> evaluate -> generate -> colour check",
     ),
     "deploy": StageEntry(
@@ -64,6 +64,9 @@ STAGES: dict[str, StageEntry] = {
         "write xpk/JobSet, Dataflow and Argo CronWorkflow launch files for a pipeline",
     ),
 }
+
+
+STAGE_NAMES = ("convert", "train", "evaluate", "generate")  # the stages proper
 
 
 def _load(path: str):
@@ -81,12 +84,12 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     for path in (
         "jaxcore.weights:WeightsError",
         "jaxcore.sharding:ShardingError",
-        "pipelines.demo:DemoCheckError",
+        "pipelines.demo.run:DemoCheckError",
     ):
         with contextlib.suppress(ImportError, AttributeError):
             types.append(_load(path))
     try:
-        from stages.errors import StageInputError
+        from stages.common.errors import StageInputError
 
         types.append(StageInputError)
     except ImportError:
@@ -144,6 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.dry_run:
             sys.stdout.write(to_yaml(config))
             return 0
+        if args.stage in STAGE_NAMES:
+            from pipelines.demo.embedded import resolve
+
+            config = resolve(config)  # "tiny" models, "synthetic:" datasets -> local paths
         run = _load(entry.run)
         kwargs = {"force": args.force}
         if args.stage == "run":

@@ -6,6 +6,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("NO_GCE_CHECK", "true")
+# etils reads this when orbax is first imported (possibly at collection): never tf.io.gfile for
+# gs://, which cannot reach the local GCS server.
+os.environ.setdefault("EPATH_USE_TF", "false")
 
 import jax  # noqa: E402
 

@@ -7,13 +7,13 @@ images show the colour each prompt asks for. Two things make that possible in mi
 - a small, well-separated palette (:data:`DEMO_COLOURS` shapes on :data:`DEMO_BACKGROUNDS`,
   :data:`DEMO_SHAPES`), 32x32 images, and a dataset in which every prompt's combination occurs;
 - a VAE fitted on the shapes (``configs/models/demo_vae``, made by ``fit-vae`` below with
-  :mod:`jaxcore.vae_fitting`): 2x spatial compression, ``z_dim`` 4, so 32x32 images become
+  :mod:`pipelines.demo.vae_fitting`): 2x spatial compression, ``z_dim`` 4, so 32x32 images become
   16x16x4 latents, 64 transformer tokens with patch (1, 2, 2).
 
 Command line::
 
-    python -m pipelines.demo_assets fit-vae --out configs/models/demo_vae [--steps N]
-    python -m pipelines.demo_assets build ROOT [--num-items N]
+    python -m pipelines.demo.assets fit-vae --out configs/models/demo_vae [--steps N]
+    python -m pipelines.demo.assets build ROOT [--num-items N]
 
 Public API: :func:`build_demo_assets`, :func:`check_colours`, :func:`demo_prompts`,
 :func:`make_demo_items`, :func:`write_demo_dataset`, :func:`fit_demo_vae`, :func:`parse_prompt`.
@@ -39,11 +39,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stages import synthetic
+from pipelines.demo import shapes as synthetic
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEMO_VAE_DIR = REPO / "configs/models/demo_vae"
 DEMO_MODEL_YAML = REPO / "configs/models/wan_demo.yml"
 
@@ -78,11 +78,11 @@ def demo_combinations() -> list[tuple[str, str, str]]:
 
 
 def make_demo_items(num_items: int, image_size: int, seed: int) -> list[dict]:
-    """Shape items of the demo palette, like :func:`stages.synthetic.make_items` makes them.
+    """Shape items of the demo palette, like :func:`pipelines.demo.shapes.make_items` makes them.
 
     Combinations are dealt from a seeded shuffle of :func:`demo_combinations`, reshuffled each
     round, so with ``num_items >= 24`` every prompt's combination is in the dataset and the
-    classes stay balanced. Position and size come from :func:`stages.synthetic.draw_shape`.
+    classes stay balanced. Position and size come from :func:`pipelines.demo.shapes.draw_shape`.
     """
     if num_items < 1:
         raise ValueError(f"num_items must be >= 1, got {num_items}")
@@ -119,7 +119,7 @@ def decode_items(items: Sequence[dict]) -> np.ndarray:
 
 
 def write_demo_dataset(directory: str | os.PathLike, num_items: int, image_size: int, seed: int):
-    """The demo dataset in the ``imagefolder`` layout of :mod:`stages.synthetic` (PNGs plus
+    """The demo dataset in the ``imagefolder`` layout of :mod:`pipelines.demo.shapes` (PNGs plus
     ``metadata.jsonl`` with ``file_name``, ``id``, ``text``, ``colour``, ``shape``,
     ``background``), readable with ``datasets.load_dataset(directory)``."""
     directory = Path(directory)
@@ -246,7 +246,7 @@ def check_image(
     """Does ``image`` (uint8 HxWx3) show a shape of the colour ``prompt`` asks for?
 
     Background = per-channel median of the border pixels; shape = pixels far from it; the
-    shape's colour = the palette colour (:data:`stages.synthetic.COLOURS`) with most votes
+    shape's colour = the palette colour (:data:`pipelines.demo.shapes.COLOURS`) with most votes
     among shape pixels close to some palette colour. Blank images have no shape; noise has
     no shape colour with a majority; both fail.
     """
@@ -325,12 +325,12 @@ def fit_demo_vae(
 ) -> dict:
     """Fit the demo VAE on synthetic shapes, save it to ``out``, return held-out metrics.
 
-    Training images: :func:`stages.synthetic.make_items` (all 8 colours, 5 shapes) plus as
+    Training images: :func:`pipelines.demo.shapes.make_items` (all 8 colours, 5 shapes) plus as
     many demo-palette items, so the VAE covers the demo and more. Held-out images use other
     seeds. ``latents_mean/std`` are measured on the training images.
     """
-    from jaxcore import vae_fitting
     from jaxcore.models.wan_vae import WanVAE
+    from pipelines.demo import vae_fitting
 
     half = num_images // 2
     train = np.concatenate(
@@ -367,7 +367,7 @@ def fit_demo_vae(
 def evaluate_vae(module, params, image_size: int = DEMO_IMAGE_SIZE, *, seed: int = 1) -> dict:
     """Held-out PSNR (all-palette and demo-palette shapes) and the colour check on the
     reconstructions of the 24 demo combinations."""
-    from jaxcore import vae_fitting
+    from pipelines.demo import vae_fitting
 
     general = decode_items(synthetic.make_items(128, image_size, image_size, seed))
     demo_items = make_demo_items(48, image_size, seed)
@@ -435,7 +435,7 @@ def _check_vae_dir(vae_dir: Path) -> None:
     for name in ("config.json", "diffusion_pytorch_model.safetensors"):
         if not (vae_dir / name).is_file():
             raise FileNotFoundError(
-                f"demo VAE {vae_dir} lacks {name}; run `python -m pipelines.demo_assets fit-vae "
+                f"demo VAE {vae_dir} lacks {name}; run `python -m pipelines.demo.assets fit-vae "
                 f"--out {vae_dir}`"
             )
 
@@ -452,12 +452,12 @@ def build_demo_assets(
     """Write ``root/assets/{shapes, tiny_wan, prompts.jsonl}``; skip each one already complete.
 
     ``shapes``: :func:`write_demo_dataset`; ``tiny_wan``: a random-init diffusers WanPipeline
-    from ``model_yaml`` (:func:`jaxcore.tiny_pipeline.build_tiny_wan_pipeline`) whose ``vae/``
+    from ``model_yaml`` (:func:`pipelines.demo.tiny.build_tiny_wan_pipeline`) whose ``vae/``
     is the fitted ``vae_dir``; ``prompts.jsonl``: :func:`demo_prompts`. Each folder is built
     aside and moved into place when finished; a stamp of its parameters marks it complete,
     so a rerun with other parameters rebuilds it.
     """
-    from jaxcore.tiny_pipeline import build_tiny_wan_pipeline
+    from pipelines.demo.tiny import build_tiny_wan_pipeline
 
     vae_dir = Path(vae_dir)
     _check_vae_dir(vae_dir)
@@ -493,7 +493,7 @@ def build_demo_assets(
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.demo_assets", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pipelines.demo.assets", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     fit = commands.add_parser("fit-vae", help="fit the demo VAE and write it in diffusers format")
     fit.add_argument("--out", default=str(DEMO_VAE_DIR))

@@ -1,13 +1,13 @@
 """``difforge demo`` (what ``make demo`` runs): the whole chain on a laptop-sized problem.
 
-1. Assets under ``<root>/assets`` (:mod:`pipelines.demo_assets`): a coloured-shapes dataset
+1. Assets under ``<root>/assets`` (:mod:`pipelines.demo.assets`): a coloured-shapes dataset
    written as a Hugging Face imagefolder, a tiny Wan pipeline whose VAE is the fitted
    ``configs/models/demo_vae`` (the DiT and UMT5 are random-init; the DiT is trained here),
    and one prompt per colour/shape/background combination.
 2. The pipeline ``configs/pipelines/demo.yml``: convert -> train from scratch -> evaluate ->
    generate (with the checkpoint evaluation named best).
 3. The check: the dominant colour of each generated shape must be the prompt's colour
-   (:func:`pipelines.demo_assets.check_colours`); the report goes to
+   (:func:`pipelines.demo.assets.check_colours`); the report goes to
    ``<root>/demo_check.json`` and the run fails below ``min_pass_fraction``.
 """
 
@@ -59,7 +59,7 @@ def run(config: DemoConfig, *, force: bool = False):
     """Assets, the chain, the colour check. Returns the generate artifact's manifest."""
     from pipelines import runner
     from pipelines.config import PipelineConfig
-    from pipelines.demo_assets import build_demo_assets, check_colours
+    from pipelines.demo.assets import build_demo_assets, check_colours
 
     assets = build_demo_assets(config.root, num_items=config.num_items, seed=config.seed)
     log.info("demo assets: %s", assets)

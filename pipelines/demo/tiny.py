@@ -1,4 +1,4 @@
-"""A tiny, random-init Wan 2.1 pipeline written in diffusers' on-disk format, without torch.
+"""Tiny, random-init pipelines (Wan 2.1, Flux.1) written in diffusers' on-disk format, no torch.
 
 Used by tests, benchmarks and the demo wherever a real checkpoint would be (none can be
 downloaded here). The directory is what ``WanPipeline.save_pretrained`` writes::
@@ -27,7 +27,7 @@ import jax
 
 from jaxcore import weights
 
-DEFAULT_MODEL_CONFIG = Path(__file__).resolve().parent.parent / "configs/models/wan_tiny.yml"
+DEFAULT_MODEL_CONFIG = Path(__file__).resolve().parents[2] / "configs/models/wan_tiny.yml"
 DIFFUSERS_VERSION = "0.42.1"
 TRANSFORMERS_VERSION = "5.24.0"
 
@@ -64,20 +64,16 @@ UNIPC_SCHEDULER_CONFIG: dict[str, Any] = {
 
 def _model_sections(model_config: str | os.PathLike | Mapping) -> dict[str, Any]:
     """{"transformer", "vae", "text_encoder": validated config} from a model YAML or a dict."""
-    from jaxcore.model_configs import load_model_yaml
-    from jaxcore.models.umt5 import UMT5Config
-    from jaxcore.models.wan_transformer import WanTransformerConfig
-    from jaxcore.models.wan_vae import WanVAEConfig
+    from jaxcore.families import get
+    from jaxcore.model_configs import read_model_yaml
 
     if isinstance(model_config, Mapping):
-        classes = {
-            "transformer": WanTransformerConfig,
-            "vae": WanVAEConfig,
-            "text_encoder": UMT5Config,
-        }
+        classes = get("wan").component_config_classes()
         sections = {name: classes[name].from_dict(model_config[name]) for name in classes}
     else:
-        sections = load_model_yaml(model_config)
+        family, sections = read_model_yaml(model_config)
+        if family.name != "wan":
+            raise ValueError(f"model_config {model_config}: a {family.name} model, not wan")
     missing = {"transformer", "vae", "text_encoder"} - set(sections)
     if missing:
         raise ValueError(f"model_config {model_config!r} lacks section(s) {sorted(missing)}")
@@ -189,7 +185,7 @@ def build_tiny_wan_pipeline(
     the sampler visibly matter.
     """
     from jaxcore.models import umt5, wan_transformer, wan_vae
-    from jaxcore.tiny_tokenizer import build_tiny_tokenizer
+    from pipelines.demo.tokenizers import build_tiny_tokenizer
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
@@ -237,11 +233,132 @@ def build_tiny_wan_pipeline(
     return root
 
 
-TINY = "tiny"  # the name stages accept for pretrained_model_name_or_path
+# --- Flux -----------------------------------------------------------------------------------------
+
+FLUX_MODEL_CONFIG = Path(__file__).resolve().parents[2] / "configs/models/flux_tiny.yml"
+# FLUX.1-dev's scheduler (dynamic shifting by image size).
+FLUX_SCHEDULER_CONFIG: dict[str, Any] = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "_diffusers_version": DIFFUSERS_VERSION,
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+}
 
 
-def cached_tiny_pipeline(model_config: str | os.PathLike = DEFAULT_MODEL_CONFIG) -> Path:
-    """The tiny pipeline of ``model_config``, built once into the difforge cache.
+def _transformers_config(architecture: str, config) -> dict:
+    return {
+        "architectures": [architecture],
+        "transformers_version": TRANSFORMERS_VERSION,
+        "dtype": "float32",
+        **config.to_dict(),
+    }
+
+
+def _save(folder: Path, name: str, tensors: Mapping) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    weights.save_safetensors(tensors, folder / name, {"format": "pt"})
+
+
+def build_tiny_flux_pipeline(
+    directory: str | os.PathLike,
+    *,
+    seed: int = 0,
+    model_config: str | os.PathLike = FLUX_MODEL_CONFIG,
+) -> Path:
+    """Write a complete random-init diffusers ``FluxPipeline`` into ``directory``; returns it.
+
+    ``model_config``: a Flux model YAML. The CLIP vocabulary and special ids come from the tiny
+    CLIP tokenizer written beside it; the T5 tokenizer's vocabulary is ``text_encoder_2``'s.
+    """
+    from jaxcore.model_configs import read_model_yaml
+    from jaxcore.models import autoencoder_kl, clip_text, flux_transformer, t5
+    from pipelines.demo.tokenizers import build_tiny_clip_tokenizer, build_tiny_tokenizer
+
+    root = Path(directory)
+    family, sections = read_model_yaml(model_config)
+    if family.name != "flux":
+        raise ValueError(f"model_config {model_config}: a {family.name} model, not flux")
+    clip_tokenizer = build_tiny_clip_tokenizer(
+        root / "tokenizer", model_max_length=sections["text_encoder"].max_position_embeddings
+    )
+    t5_cfg = sections["text_encoder_2"]
+    t5_tokenizer = build_tiny_tokenizer(root / "tokenizer_2", vocab_size=t5_cfg.vocab_size)
+    clip_cfg = dataclasses.replace(
+        sections["text_encoder"],
+        vocab_size=len(clip_tokenizer),
+        bos_token_id=clip_tokenizer.bos_token_id,
+        eos_token_id=clip_tokenizer.eos_token_id,
+        pad_token_id=clip_tokenizer.pad_token_id,
+    )
+    keys = jax.random.split(jax.random.key(seed), 4)
+
+    t_cfg = sections["transformer"]
+    _, t_params = flux_transformer.init_flux_transformer(t_cfg, keys[0])
+    _write_json(
+        root / "transformer/config.json", _diffusers_config("FluxTransformer2DModel", t_cfg)
+    )
+    _save(
+        root / "transformer",
+        "diffusion_pytorch_model.safetensors",
+        weights.export_state_dict(t_params, flux_transformer.weight_map(t_cfg)),
+    )
+    v_cfg = sections["vae"]
+    _, v_params = autoencoder_kl.init_autoencoder_kl(v_cfg, keys[1])
+    _write_json(root / "vae/config.json", _diffusers_config("AutoencoderKL", v_cfg))
+    _save(
+        root / "vae",
+        "diffusion_pytorch_model.safetensors",
+        weights.export_state_dict(v_params, autoencoder_kl.weight_map(v_cfg)),
+    )
+    _, c_params = clip_text.init_clip_text(clip_cfg, keys[2])
+    _write_json(root / "text_encoder/config.json", _transformers_config("CLIPTextModel", clip_cfg))
+    _save(
+        root / "text_encoder",
+        "model.safetensors",
+        weights.export_state_dict(c_params, clip_text.weight_map(clip_cfg)),
+    )
+    _, e_params = t5.init_t5_encoder(t5_cfg, keys[3])
+    _write_json(root / "text_encoder_2/config.json", _transformers_config("T5EncoderModel", t5_cfg))
+    _save(
+        root / "text_encoder_2",
+        "model.safetensors",
+        weights.export_state_dict(e_params, t5.weight_map(t5_cfg, "shared.weight")),
+    )
+    _write_json(root / "scheduler/scheduler_config.json", FLUX_SCHEDULER_CONFIG)
+    _write_json(
+        root / "model_index.json",
+        {
+            "_class_name": "FluxPipeline",
+            "_diffusers_version": DIFFUSERS_VERSION,
+            "feature_extractor": [None, None],
+            "image_encoder": [None, None],
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+            "text_encoder": ["transformers", "CLIPTextModel"],
+            "text_encoder_2": ["transformers", "T5EncoderModel"],
+            "tokenizer": ["transformers", type(clip_tokenizer).__name__],
+            "tokenizer_2": ["transformers", type(t5_tokenizer).__name__],
+            "transformer": ["diffusers", "FluxTransformer2DModel"],
+            "vae": ["diffusers", "AutoencoderKL"],
+        },
+    )
+    return root
+
+
+# --- the cache ------------------------------------------------------------------------------------
+
+BUILDERS = {"wan": (build_tiny_wan_pipeline, DEFAULT_MODEL_CONFIG)}
+BUILDERS["flux"] = (build_tiny_flux_pipeline, FLUX_MODEL_CONFIG)
+
+
+def cached_tiny_pipeline(
+    family: str = "wan", model_config: str | os.PathLike | None = None
+) -> Path:
+    """The tiny ``family`` pipeline of ``model_config``, built once into the difforge cache.
 
     Keyed by the model YAML's bytes, so an edited config builds a fresh pipeline; built in a
     temporary folder and renamed into place, so a killed build never looks complete.
@@ -252,14 +369,18 @@ def cached_tiny_pipeline(model_config: str | os.PathLike = DEFAULT_MODEL_CONFIG)
 
     from jaxcore import storage
 
+    if family not in BUILDERS:
+        raise ValueError(f"no tiny {family!r} pipeline; known: {sorted(BUILDERS)}")
+    build, default_config = BUILDERS[family]
+    model_config = model_config or default_config
     digest = hashlib.sha256(Path(model_config).read_bytes()).hexdigest()[:12]
-    directory = storage.cache_dir() / f"tiny_wan_pipeline-{digest}"
+    directory = storage.cache_dir() / f"tiny_{family}_pipeline-{digest}"
     if (directory / "model_index.json").exists():
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=directory.parent))
     try:
-        build_tiny_wan_pipeline(staging, model_config=model_config)
+        build(staging, model_config=model_config)
         try:
             os.rename(staging, directory)
         except OSError:  # another process finished first
@@ -273,6 +394,7 @@ def cached_tiny_pipeline(model_config: str | os.PathLike = DEFAULT_MODEL_CONFIG)
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m jaxcore.tiny_pipeline OUTPUT_DIRECTORY")
-    print(build_tiny_wan_pipeline(sys.argv[1]))
+    if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and sys.argv[2] not in BUILDERS):
+        sys.exit(f"usage: python -m pipelines.demo.tiny OUTPUT_DIRECTORY [{'|'.join(BUILDERS)}]")
+    build, _ = BUILDERS[sys.argv[2] if len(sys.argv) == 3 else "wan"]
+    print(build(sys.argv[1]))

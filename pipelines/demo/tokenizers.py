@@ -1,4 +1,4 @@
-"""A tiny T5-style tokenizer built offline, for tests and the CPU demo.
+"""Tiny tokenizers built offline (T5-style and CLIP-style), for tests and the CPU demo.
 
 Real Wan checkpoints ship the umt5-xxl SentencePiece tokenizer (256k pieces), which cannot be
 downloaded here. This builds the same *kind* of tokenizer, small: a transformers
@@ -129,6 +129,57 @@ def build_tiny_tokenizer(
         additional_special_tokens=[],
         model_max_length=model_max_length,
     )
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+CLIP_BOS, CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
+_CLIP_CHARACTERS = tuple(string.ascii_lowercase + string.digits + ",.!?'-")
+
+
+def _clip_vocabulary(words: tuple[str, ...]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-pair vocabulary: every character alone and word-final (``</w>``), then the merges
+    that build each word left to right, then CLIP's two special tokens last."""
+    vocab: dict[str, int] = {}
+
+    def add(token: str) -> None:
+        vocab.setdefault(token, len(vocab))
+
+    for char in _CLIP_CHARACTERS:
+        add(char)
+    for char in _CLIP_CHARACTERS:
+        add(char + "</w>")
+    merges: list[tuple[str, str]] = []
+    for word in words:
+        parts = [*word[:-1], word[-1] + "</w>"]
+        while len(parts) > 1:
+            pair = (parts[0], parts[1])
+            if pair not in merges:
+                merges.append(pair)
+            parts = [parts[0] + parts[1], *parts[2:]]
+            add(parts[0])
+    add(CLIP_BOS)
+    add(CLIP_EOS)
+    return vocab, merges
+
+
+def build_tiny_clip_tokenizer(
+    directory: str | os.PathLike,
+    words: tuple[str, ...] = DEFAULT_WORDS,
+    model_max_length: int = 77,
+):
+    """A tiny CLIP (byte-pair) tokenizer, ``save_pretrained`` to ``directory``; returns it.
+
+    Lower-cased like CLIP's; whole words of ``words`` are one token each, anything else is
+    spelled out from single characters (characters outside the alphabet become
+    ``<|endoftext|>``, CLIP's unknown token). ``<|startoftext|>`` / ``<|endoftext|>`` are the
+    last two ids, so ``len(tokenizer)`` is the vocabulary a tiny CLIP text model needs.
+    """
+    from transformers import CLIPTokenizer
+
+    vocab, merges = _clip_vocabulary(tuple(words))
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
     Path(directory).mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(directory)
     return tokenizer

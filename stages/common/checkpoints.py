@@ -1,5 +1,10 @@
-"""orbax checkpoints of a training run: ``params``, ``opt_state`` and ``meta`` (step, model
-config) items per step, restored onto *target* shardings so a checkpoint loads on any mesh.
+"""Checkpoints: orbax save/restore of a training run, and checkpoints named through artifacts.
+
+A train run keeps ``params``, ``opt_state`` and ``meta`` (step, family, model config) items per
+step, restored onto *target* shardings so a checkpoint loads on any mesh. Consumers (train's
+``init_from``, evaluate, generate) name a checkpoint through a train or evaluate artifact
+(:func:`resolve_checkpoint_source`) and rebuild its denoiser from the artifact alone
+(:func:`restore_denoiser`): the family and model config travel in the train manifest.
 
 Follows MaxDiffusion's layout idea (model state + the model config in the checkpoint, so a
 checkpoint rebuilds its model alone), with orbax's CheckpointManager (async save, keep N,
@@ -8,14 +13,18 @@ only finished checkpoints are visible: a killed save leaves nothing that restore
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
 import jax
 import orbax.checkpoint as ocp
+from flax import linen as nn
 
-from jaxcore import storage
-from jaxcore.artifacts import ArtifactError
+from jaxcore import families, sharding, storage
+from jaxcore.artifacts import ArtifactError, Manifest, open_artifact, read_manifest
+from jaxcore.compute import ComputeConfig
+from stages.common.errors import StageInputError
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +81,29 @@ def restore_state(mngr: ocp.CheckpointManager, step: int, params, opt_state):
     return restored["params"], restored["opt_state"], restored["meta"]
 
 
-def restore_params(directory: str, step: int, module, mesh):
-    """The params of checkpoint ``step`` in ``directory``, placed for ``module`` on ``mesh``."""
-    from stages.train.model import abstract_params_with_shardings
+def param_shardings(family, module, mesh, rules=None):
+    """Unboxed NamedShardings of the denoiser's ``params`` under the logical-axis rules."""
+    return nn.meta.unbox(sharding.param_shardings(mesh, family.abstract_params(module), rules))
 
+
+def abstract_params_with_shardings(family, module, mesh):
+    """ShapeDtypeStructs (with target shardings) of the params, for orbax restore."""
+    shapes = nn.meta.unbox(family.abstract_params(module))
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, module.param_dtype, sharding=sh),
+        shapes,
+        param_shardings(family, module, mesh),
+    )
+
+
+def restore_params(directory: str, step: int, family, module, mesh):
+    """The params of checkpoint ``step`` in ``directory``, placed for ``module`` on ``mesh``."""
     mngr = manager(directory, read_only=True)
     if step not in mngr.all_steps():
         raise ArtifactError(
             f"{directory}: no checkpoint at step {step} (have {sorted(mngr.all_steps())})"
         )
-    target = abstract_params_with_shardings(module, mesh)
+    target = abstract_params_with_shardings(family, module, mesh)
     restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
     mngr.close()
     return restored["params"]
@@ -92,3 +114,98 @@ def read_meta(directory: str, step: int) -> dict:
     meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     mngr.close()
     return dict(meta)
+
+
+# --- checkpoints named through artifacts ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSource:
+    """A checkpoint named through artifacts: the train artifact and the step to restore.
+
+    ``inputs`` are the artifacts it came through (for the consumer's manifest)."""
+
+    train: Manifest
+    step: int
+    inputs: dict
+
+    @property
+    def family(self):
+        return family_of(self.train)
+
+    @property
+    def directory(self) -> str:
+        return checkpoint_dir(self.train)
+
+
+def checkpoint_dir(train_manifest: Manifest) -> str:
+    """Where a train artifact keeps its orbax checkpoints."""
+    return storage.join(train_manifest.uri, train_manifest.summary["checkpoint_dir"])
+
+
+def resolve_checkpoint_source(uri: str, which: str) -> CheckpointSource:
+    """A train artifact (``which``: "final", "best" or a step) or an evaluate artifact (its
+    best checkpoint, as evaluation named it; "final"/a step then refer to its train artifact).
+    """
+    manifest = read_manifest(uri)
+    if manifest is None:
+        open_artifact(uri, "train")  # raises, naming the missing manifest
+    if manifest.stage == "evaluate":
+        train = open_artifact(manifest.summary["train_artifact"], "train")
+        if which == "best":
+            step = int(manifest.summary["best_checkpoint_step"])
+            resolve_init_step(train, str(step))  # the checkpoint must still exist
+        else:
+            step = resolve_init_step(train, which)
+        return CheckpointSource(train, step, {"evaluation": manifest, "model": train})
+    if manifest.stage != "train":
+        raise StageInputError(
+            f"{uri} is a {manifest.stage!r} artifact; expected a train or evaluate artifact"
+        )
+    return CheckpointSource(manifest, resolve_init_step(manifest, which), {"model": manifest})
+
+
+def resolve_init_step(train_manifest: Manifest, which: str) -> int:
+    """'final', 'best' (from the train summary) or an explicit step listed in the artifact."""
+    summary = train_manifest.summary
+    steps = [int(s) for s in summary.get("checkpoints", [])]
+    if which == "final":
+        step = summary.get("final_step")
+    elif which == "best":
+        step = summary.get("best_checkpoint_step")
+        if step is None:
+            raise StageInputError(
+                f"checkpoint=best: {train_manifest.uri} has no best_checkpoint_step "
+                "(it ran without eval_every); use 'final' or a step"
+            )
+    else:
+        step = int(which)
+    if step is None or int(step) not in steps:
+        raise StageInputError(
+            f"checkpoint={which}: {train_manifest.uri} keeps checkpoints {steps}, not step {step}"
+        )
+    return int(step)
+
+
+def family_of(train_manifest: Manifest):
+    """The model family a train artifact's checkpoints belong to."""
+    name = train_manifest.summary.get("family")
+    if not isinstance(name, str):
+        raise StageInputError(f"{train_manifest.uri}: the train manifest names no model 'family'")
+    return families.get(name)
+
+
+def denoiser_of(train_manifest: Manifest, compute: ComputeConfig, mesh):
+    """(family, module) of a train artifact's checkpoints, built from its manifest alone."""
+    family = family_of(train_manifest)
+    config = family.denoiser_config(
+        train_manifest.summary["model_config"], f"{train_manifest.uri} model_config"
+    )
+    return family, family.make_denoiser(config, compute, mesh)
+
+
+def restore_denoiser(source: CheckpointSource, compute: ComputeConfig, mesh):
+    """(family, module, params) of the named checkpoint, placed on ``mesh``."""
+    family, module = denoiser_of(source.train, compute, mesh)
+    params = restore_params(source.directory, source.step, family, module, mesh)
+    return family, module, params

@@ -19,8 +19,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxcore import sharding, storage
 from jaxcore.artifacts import ArtifactError, Manifest
-from stages import records
-from stages.errors import StageInputError
+from jaxcore.families import TensorSpec
+from stages.common import records
+from stages.common.errors import StageInputError
 
 log = logging.getLogger(__name__)
 
@@ -29,32 +30,54 @@ Batch = dict[str, np.ndarray]
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
-    """Shapes and shard files of one split of a convert artifact."""
+    """The family, per-record tensors and shard files of one split of a convert artifact."""
 
     artifact_uri: str
     split: str
     shards: tuple[str, ...]  # absolute URIs
     records: int
-    latent_shape: tuple[int, ...]
-    text_shape: tuple[int, ...]
+    family: str
+    features: tuple[TensorSpec, ...]  # latents first, then the conditioning
     timesteps_list: tuple[int, ...] = ()
 
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """{tensor name: per-record shape}."""
+        return {f.name: f.shape for f in self.features}
 
-def _shape(summary: dict, key: str, rank: int, uri: str) -> tuple[int, ...]:
-    value = summary.get(key)
-    if not isinstance(value, list) or len(value) != rank:
+    @property
+    def by_name(self) -> dict[str, TensorSpec]:
+        return {f.name: f for f in self.features}
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.features)
+
+
+def _features(summary: dict, uri: str) -> tuple[TensorSpec, ...]:
+    """The manifest's ``features`` table ({name: {shape, dtype}}), latents first."""
+    table = summary.get("features")
+    if not isinstance(table, dict) or records.LATENTS not in table:
         raise StageInputError(
-            f"{uri}: manifest summary {key!r} must be a list of {rank} ints, got {value!r}"
+            f"{uri}: the manifest summary has no 'features' table with 'latents' "
+            "(written by difforge convert)"
         )
-    return tuple(int(v) for v in value)
+    try:
+        specs = [TensorSpec.from_dict(name, value) for name, value in table.items()]
+    except (KeyError, TypeError, ValueError) as err:
+        raise StageInputError(f"{uri}: malformed manifest 'features' table: {err}") from None
+    return tuple(sorted(specs, key=lambda f: f.name != records.LATENTS))
 
 
 def split_spec(manifest: Manifest, split: str) -> DataSpec:
-    """Read a split's shard list and shapes from a convert manifest; missing files are errors."""
+    """Read a split's shard list and tensors from a convert manifest; missing files are errors."""
     summary = manifest.summary
     info = (summary.get("splits") or {}).get(split)
     if not info or not info.get("shards"):
         raise StageInputError(f"{manifest.uri}: the manifest has no {split!r} split with shards")
+    family = summary.get("family")
+    if not isinstance(family, str):
+        raise StageInputError(f"{manifest.uri}: the manifest summary names no model 'family'")
     shards = []
     present = {f.path for f in storage.list_files(manifest.uri)}
     for rel in info["shards"]:
@@ -70,24 +93,10 @@ def split_spec(manifest: Manifest, split: str) -> DataSpec:
         split=split,
         shards=tuple(shards),
         records=int(info.get("records", 0)),
-        latent_shape=_shape(summary, "latent_shape", 4, manifest.uri),
-        text_shape=_shape(summary, "text_shape", 2, manifest.uri),
+        family=family,
+        features=_features(summary, manifest.uri),
         timesteps_list=tuple(int(t) for t in summary.get("timesteps_list") or ()),
     )
-
-
-def check_model_shapes(spec_latent, spec_text, in_channels: int, text_dim: int, where: str):
-    """The data must fit the model: latent channels = in_channels, text width = text_dim."""
-    if spec_latent[0] != in_channels:
-        raise StageInputError(
-            f"{where}: latent_shape {list(spec_latent)} has {spec_latent[0]} channels but the "
-            f"model's in_channels is {in_channels}"
-        )
-    if spec_text[1] != text_dim:
-        raise StageInputError(
-            f"{where}: text_shape {list(spec_text)} has width {spec_text[1]} but the model's "
-            f"text_dim is {text_dim}"
-        )
 
 
 def host_shards(shards: tuple[str, ...]) -> list[str]:
@@ -121,7 +130,7 @@ def tf_dataset(
         ds = ds.skip(start_step * local_batch)
 
     def parse(x):
-        return records.parse_example(x, spec.latent_shape, spec.text_shape, with_timesteps)
+        return records.parse_example(x, spec.shapes, with_timesteps)
 
     ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     ds = ds.batch(local_batch, drop_remainder=repeat)
@@ -135,7 +144,7 @@ def _explain_tf_error(spec: DataSpec, err: Exception) -> StageInputError:
     for shard in host_shards(spec.shards):
         try:
             ds = tf.data.TFRecordDataset([shard]).map(
-                lambda x: records.parse_example(x, spec.latent_shape, spec.text_shape)
+                lambda x: records.parse_example(x, spec.shapes)
             )
             for _ in ds:
                 pass
@@ -162,17 +171,18 @@ def iterate_numpy(spec: DataSpec, dataset) -> Iterator[Batch]:
 
 
 def synthetic_batches(
-    latent_shape, text_shape, local_batch: int, *, seed: int, start_step: int
+    features: tuple[TensorSpec, ...], local_batch: int, *, seed: int, start_step: int
 ) -> Iterator[Batch]:
-    """Random tensors indexed by step (so resume sees the same ones), for benchmarking."""
+    """Random tensors of the given shapes, indexed by step (so resume sees the same ones)."""
     step = start_step
     while True:
         rng = np.random.default_rng([seed, step, jax.process_index()])
-        yield {
-            records.LATENTS: rng.standard_normal((local_batch, *latent_shape), np.float32),
-            records.TEXT: rng.standard_normal((local_batch, *text_shape), np.float32),
-        }
+        yield {f.name: rng.standard_normal((local_batch, *f.shape), np.float32) for f in features}
         step += 1
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
 
 
 def batch_sharding(mesh: Mesh, rank: int) -> NamedSharding:
@@ -191,7 +201,7 @@ def local_batch_size(global_batch: int) -> int:
     return global_batch // count
 
 
-def to_global(batch: Batch, mesh: Mesh, global_batch: int, keys=(records.LATENTS, records.TEXT)):
+def to_global(batch: Batch, mesh: Mesh, global_batch: int, keys):
     """Assemble each host's slice into one global jax.Array per key, sharded on the mesh."""
     out = {}
     for key in keys:

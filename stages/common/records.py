@@ -1,42 +1,45 @@
-"""The record format shared by convert (writer) and train/evaluate (readers).
+"""The record format shared by convert (writer) and train/evaluate (readers), for any family.
 
-One ``tf.train.Example`` per item, as MaxDiffusion writes Wan TFRecords, plus shapes and ids:
+One ``tf.train.Example`` per item, as MaxDiffusion writes its TFRecords, with the tensors the
+model family names (:meth:`jaxcore.families.Family.record_features`) plus shapes and ids:
 
 | feature | type | content |
 |---|---|---|
-| ``latents`` | bytes | ``tf.io.serialize_tensor`` of float32 [C, F, H, W], *normalised* latents ((z - mean) / std) |
-| ``encoder_hidden_states`` | bytes | ``tf.io.serialize_tensor`` of float32 [L, D], zero-padded after the prompt |
-| ``latents_shape`` | int64 x4 | [C, F, H, W] |
-| ``encoder_hidden_states_shape`` | int64 x2 | [L, D] |
+| ``latents`` | bytes | ``tf.io.serialize_tensor`` of float32 latents, normalised as the family does |
+| ``<name>`` | bytes | each conditioning tensor of the family (Wan: ``encoder_hidden_states`` [L, D]) |
+| ``<name>_shape`` | int64 list | the shape of each tensor above |
 | ``caption`` | bytes | UTF-8 caption |
 | ``source_id`` | bytes | stable id of the source row |
 | ``timesteps`` | int64 | eval split only: the fixed timestep (0..1000) this record is scored at |
 
 Shards: ``<split>/<split>-NNNNN-of-MMMMM.tfrecord`` inside the convert artifact. The convert
-manifest's summary describes them for readers::
+manifest's summary describes them for readers (family-neutral)::
 
+    family: wan
+    features: {latents: {shape: [C, F, H, W], dtype: float32},
+               encoder_hidden_states: {shape: [L, D], dtype: float32}}
     splits: {train: {records: N, shards: [paths]}, eval: {records: M, shards: [paths]}}
-    latent_shape: [C, F, H, W]
-    text_shape: [L, D]
     timesteps_list: [125, ...]
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 LATENTS = "latents"
-TEXT = "encoder_hidden_states"
-LATENTS_SHAPE = "latents_shape"
-TEXT_SHAPE = "encoder_hidden_states_shape"
 CAPTION = "caption"
 SOURCE_ID = "source_id"
 TIMESTEPS = "timesteps"
+RESERVED = (CAPTION, SOURCE_ID, TIMESTEPS)
 
 SPLITS = ("train", "eval")
 DEFAULT_TIMESTEPS_LIST = (125, 250, 375, 500, 625, 750, 875)
+
+
+def shape_key(name: str) -> str:
+    return f"{name}_shape"
 
 
 def _serialize(array: np.ndarray) -> bytes:
@@ -46,13 +49,12 @@ def _serialize(array: np.ndarray) -> bytes:
 
 
 def make_example(
-    latents: np.ndarray,
-    text_embeddings: np.ndarray,
+    tensors: Mapping[str, np.ndarray],
     caption: str,
     source_id: str,
     timestep: int | None = None,
 ) -> bytes:
-    """Serialise one record (see the module docstring for the layout)."""
+    """Serialise one record: every named float32 tensor with its shape, plus the ids."""
     import tensorflow as tf
 
     def b(v: bytes):
@@ -61,65 +63,57 @@ def make_example(
     def i(vs):
         return tf.train.Feature(int64_list=tf.train.Int64List(value=[int(x) for x in vs]))
 
-    feats = {
-        LATENTS: b(_serialize(latents)),
-        TEXT: b(_serialize(text_embeddings)),
-        LATENTS_SHAPE: i(np.shape(latents)),
-        TEXT_SHAPE: i(np.shape(text_embeddings)),
-        CAPTION: b(caption.encode("utf-8")),
-        SOURCE_ID: b(source_id.encode("utf-8")),
-    }
+    clash = sorted(set(tensors) & {*RESERVED, *(shape_key(n) for n in tensors)})
+    if clash:
+        raise ValueError(f"record tensor names {clash} clash with the record's own fields")
+    feats = {}
+    for name, array in tensors.items():
+        feats[name] = b(_serialize(array))
+        feats[shape_key(name)] = i(np.shape(array))
+    feats[CAPTION] = b(caption.encode("utf-8"))
+    feats[SOURCE_ID] = b(source_id.encode("utf-8"))
     if timestep is not None:
         feats[TIMESTEPS] = i([timestep])
     return tf.train.Example(features=tf.train.Features(feature=feats)).SerializeToString()
 
 
-def feature_spec(with_timesteps: bool):
+def feature_spec(shapes: Mapping[str, Sequence[int]], with_timesteps: bool):
     import tensorflow as tf
 
-    spec = {
-        LATENTS: tf.io.FixedLenFeature([], tf.string),
-        TEXT: tf.io.FixedLenFeature([], tf.string),
-        LATENTS_SHAPE: tf.io.FixedLenFeature([4], tf.int64),
-        TEXT_SHAPE: tf.io.FixedLenFeature([2], tf.int64),
-        CAPTION: tf.io.FixedLenFeature([], tf.string),
-        SOURCE_ID: tf.io.FixedLenFeature([], tf.string),
-    }
+    spec = {}
+    for name, shape in shapes.items():
+        spec[name] = tf.io.FixedLenFeature([], tf.string)
+        spec[shape_key(name)] = tf.io.FixedLenFeature([len(shape)], tf.int64)
+    spec[CAPTION] = tf.io.FixedLenFeature([], tf.string)
+    spec[SOURCE_ID] = tf.io.FixedLenFeature([], tf.string)
     if with_timesteps:
         spec[TIMESTEPS] = tf.io.FixedLenFeature([], tf.int64)
     return spec
 
 
-def parse_example(serialized, latent_shape, text_shape, with_timesteps: bool = False) -> Mapping:
+def parse_example(serialized, shapes: Mapping[str, Sequence[int]], with_timesteps: bool = False):
     """tf.data map function: bytes -> dict of tensors with static shapes.
 
-    ``latent_shape`` [C, F, H, W] and ``text_shape`` [L, D] come from the artifact's manifest;
-    a record of another shape fails with an error naming the feature and both shapes.
+    ``shapes`` ({name: shape}) come from the artifact's manifest; a record whose tensor has
+    another shape fails with an error naming the feature and the manifest's shape.
     """
     import tensorflow as tf
 
-    parsed = tf.io.parse_single_example(serialized, feature_spec(with_timesteps))
-    latents = tf.io.parse_tensor(parsed[LATENTS], tf.float32)
-    text = tf.io.parse_tensor(parsed[TEXT], tf.float32)
-    checks = [
-        tf.debugging.assert_equal(
-            tf.shape(latents, out_type=tf.int64),
-            tf.constant(list(latent_shape), tf.int64),
-            message=f"record {LATENTS} shape differs from the manifest's {list(latent_shape)}",
-        ),
-        tf.debugging.assert_equal(
-            tf.shape(text, out_type=tf.int64),
-            tf.constant(list(text_shape), tf.int64),
-            message=f"record {TEXT} shape differs from the manifest's {list(text_shape)}",
-        ),
-    ]
+    parsed = tf.io.parse_single_example(serialized, feature_spec(shapes, with_timesteps))
+    tensors, checks = {}, []
+    for name, shape in shapes.items():
+        tensors[name] = tf.io.parse_tensor(parsed[name], tf.float32)
+        checks.append(
+            tf.debugging.assert_equal(
+                tf.shape(tensors[name], out_type=tf.int64),
+                tf.constant(list(shape), tf.int64),
+                message=f"record {name} shape differs from the manifest's {list(shape)}",
+            )
+        )
     with tf.control_dependencies(checks):
-        out = {
-            LATENTS: tf.ensure_shape(latents, latent_shape),
-            TEXT: tf.ensure_shape(text, text_shape),
-            CAPTION: parsed[CAPTION],
-            SOURCE_ID: parsed[SOURCE_ID],
-        }
+        out = {name: tf.ensure_shape(t, shapes[name]) for name, t in tensors.items()}
+        out[CAPTION] = parsed[CAPTION]
+        out[SOURCE_ID] = parsed[SOURCE_ID]
     if with_timesteps:
         out[TIMESTEPS] = parsed[TIMESTEPS]
     return out

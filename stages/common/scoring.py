@@ -1,4 +1,4 @@
-"""Eval-timestep scoring, shared by ``evaluate`` and periodic eval in ``train``.
+"""Eval-timestep scoring, shared by ``evaluate`` and periodic eval in ``train`` (any family).
 
 Each eval record is scored at the fixed timestep it carries, with noise drawn from a key
 derived from its ``source_id`` (not its position), so a score does not depend on shard order,
@@ -17,9 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stages import records
-from stages.train import objective
-from stages.train.data import DataSpec, batch_sharding, iterate_numpy, tf_dataset
+from jaxcore import sharding
+from stages.common import objective, records
+from stages.common.data import DataSpec, batch_sharding, iterate_numpy, replicated, tf_dataset
+
+TIMESTEPS = records.TIMESTEPS
+IDS = "source_id_hash"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,18 +53,14 @@ def record_noise(seed: int, id_hashes: jax.Array, shape: tuple[int, ...]) -> jax
     return jax.vmap(lambda h: jax.random.normal(jax.random.fold_in(base, h), shape))(id_hashes)
 
 
-def per_record_loss(module, params, latents, text, timesteps, id_hashes, seed: int):
-    """Flow-matching MSE of each record at its own timestep (0..1000) and its own noise."""
+def per_record_loss(
+    family, module, params, tensors, timesteps, id_hashes, seed: int, embedded=None
+):
+    """Loss of each record at its own timestep (0..1000) and its own noise."""
+    latents, conditioning = objective.split_batch(tensors, embedded)
     noise = record_noise(seed, id_hashes, latents.shape[1:])
     t = timesteps.astype(jnp.float32) / objective.NUM_TRAIN_TIMESTEPS
-    x_t = objective.noisy_input(latents, noise, t)
-    prediction = module.apply(
-        {"params": params},
-        x_t.astype(module.dtype),
-        t * objective.NUM_TRAIN_TIMESTEPS,
-        text.astype(module.dtype),
-    )
-    return objective.per_sample_loss(prediction, objective.velocity_target(latents, noise))
+    return objective.loss_at(family, module, params, latents, conditioning, t, noise)
 
 
 def eval_batches(spec: DataSpec, batch_size: int, max_records: int | None) -> Iterator[dict]:
@@ -88,12 +87,9 @@ def eval_batches(spec: DataSpec, batch_size: int, max_records: int | None) -> It
                 return
         seen += n
         pad = batch_size - n
-        out = {
-            "latents": batch[records.LATENTS][:n],
-            "text": batch[records.TEXT][:n],
-            "timesteps": batch[records.TIMESTEPS][:n].astype(np.int32),
-            "ids": np.array([source_id_hash(s) for s in batch[records.SOURCE_ID][:n]], np.uint32),
-        }
+        out = {name: batch[name][:n] for name in spec.tensor_names}
+        out[TIMESTEPS] = batch[records.TIMESTEPS][:n].astype(np.int32)
+        out[IDS] = np.array([source_id_hash(s) for s in batch[records.SOURCE_ID][:n]], np.uint32)
         out = {k: np.concatenate([v, np.repeat(v[-1:], pad, axis=0)]) for k, v in out.items()}
         out["valid"] = np.arange(batch_size) < n
         yield out
@@ -105,27 +101,29 @@ def _global(x: np.ndarray, mesh) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
 
 
-def make_eval_fn(module, mesh, param_shardings, seed: int):
-    """Jitted ``(params, latents, text, timesteps, ids) -> per-record loss``."""
-    from stages.train.trainer import mesh_context, replicated
-
-    shards = (
-        param_shardings,
-        batch_sharding(mesh, 5),
-        batch_sharding(mesh, 3),
-        batch_sharding(mesh, 1),
-        batch_sharding(mesh, 1),
-    )
+def make_eval_fn(family, module, mesh, param_shardings, spec: DataSpec, seed: int, embedded=None):
+    """Jitted ``(params, batch from eval_batches) -> per-record loss`` for ``spec``'s tensors;
+    ``embedded``: the denoiser's scalar inputs, as training used them."""
+    tensor_shardings = {f.name: batch_sharding(mesh, 1 + len(f.shape)) for f in spec.features}
+    embedded = dict(embedded or {})
     fn = jax.jit(
-        lambda p, lat, txt, ts, ids: per_record_loss(module, p, lat, txt, ts, ids, seed),
-        in_shardings=shards,
+        lambda p, tensors, ts, ids: per_record_loss(
+            family, module, p, tensors, ts, ids, seed, embedded
+        ),
+        in_shardings=(
+            param_shardings,
+            tensor_shardings,
+            batch_sharding(mesh, 1),
+            batch_sharding(mesh, 1),
+        ),
         out_shardings=replicated(mesh),
     )
 
     def call(params, batch):
-        with mesh_context(mesh):
-            args = [_global(batch[k], mesh) for k in ("latents", "text", "timesteps", "ids")]
-            return np.asarray(jax.device_get(fn(params, *args)))
+        with sharding.mesh_context(mesh):
+            tensors = {name: _global(batch[name], mesh) for name in spec.tensor_names}
+            out = fn(params, tensors, _global(batch[TIMESTEPS], mesh), _global(batch[IDS], mesh))
+            return np.asarray(jax.device_get(out))
 
     return call
 
@@ -138,7 +136,7 @@ def score(
     counts: dict[int, int] = {}
     for batch in eval_batches(spec, batch_size, max_records):
         losses = eval_fn(params, batch)
-        for loss, t, ok in zip(losses, batch["timesteps"], batch["valid"], strict=True):
+        for loss, t, ok in zip(losses, batch[TIMESTEPS], batch["valid"], strict=True):
             if ok:
                 sums[int(t)] = sums.get(int(t), 0.0) + float(loss)
                 counts[int(t)] = counts.get(int(t), 0) + 1

@@ -5,6 +5,7 @@ Sections (each component receives only its own):
 - ``dataset``: the Hugging Face source and its column names;
 - ``media``: frames, frame rate and size of the clips fed to the VAE;
 - ``encoder``: the diffusers-format pipeline directory whose VAE and text encoder encode;
+- ``compute``: dtypes (and attention backend) of the encoders;
 - ``split``: the deterministic train/eval split and the eval timesteps;
 - ``shards``: TFRecord shard size (records or bytes);
 - ``beam``: the runner and its options (DirectRunner, DataflowRunner, portable runners).
@@ -18,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from stages.records import DEFAULT_TIMESTEPS_LIST
+from jaxcore.compute import ComputeConfig
+from stages.common.records import DEFAULT_TIMESTEPS_LIST
 
 RUNNERS = (
     "DirectRunner",
@@ -28,7 +30,6 @@ RUNNERS = (
     "SparkRunner",
     "PrismRunner",
 )
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,12 @@ class DatasetConfig:
     """Where the rows come from.
 
     ``source``: a local folder (imagefolder/videofolder with metadata, parquet/JSON files, or a
-    ``save_to_disk`` dataset), a parquet/JSON/CSV file, a hub id (when the network allows), or
-    ``synthetic:shapes?num_items=N&seed=S&height=H&width=W`` for the built-in shapes dataset.
+    ``save_to_disk`` dataset), a parquet/JSON/CSV file or a hub id (when the network allows).
+    The ``difforge`` command also accepts ``synthetic:shapes?num_items=N&seed=S&height=H&width=W``
+    (the demo's shapes dataset, see ``pipelines.demo.embedded``).
     """
 
-    source: str = "synthetic:shapes?num_items=32&seed=0&height=64&width=64"
+    source: str = ""
     revision: str | None = None
     dataset_split: str = "train"
     media_column: str = "image"
@@ -50,7 +52,7 @@ class DatasetConfig:
 
     def __post_init__(self):
         if not self.source:
-            raise ValueError("source must name a dataset (folder, file, hub id or synthetic:)")
+            raise ValueError("source must name a dataset (a folder, a file or a hub id)")
         for key in ("media_column", "caption_column"):
             if not getattr(self, key):
                 raise ValueError(f"{key} must be a column name")
@@ -60,7 +62,11 @@ class DatasetConfig:
 
 @dataclass(frozen=True)
 class MediaConfig:
-    """Clip geometry: ``num_frames`` at ``fps``, resized and centre-cropped to height x width."""
+    """Clip geometry: ``num_frames`` at ``fps``, resized and centre-cropped to height x width.
+
+    Which sizes the model can encode (VAE compression, frame stride) is its family's rule,
+    checked against the pipeline before the job starts.
+    """
 
     height: int = 64
     width: int = 64
@@ -68,28 +74,23 @@ class MediaConfig:
     fps: float = 16.0
 
     def __post_init__(self):
-        for key in ("height", "width"):
+        for key in ("height", "width", "num_frames"):
             value = getattr(self, key)
-            if value < 8 or value % 8:
-                raise ValueError(f"{key} must be a positive multiple of 8, got {value}")
-        if self.num_frames < 1 or (self.num_frames - 1) % 4:
-            raise ValueError(
-                f"num_frames must be 1 + 4k (the Wan VAE's temporal stride), got {self.num_frames}"
-            )
+            if value < 1:
+                raise ValueError(f"{key} must be >= 1, got {value}")
         if self.fps <= 0:
             raise ValueError(f"fps must be > 0, got {self.fps}")
 
 
 @dataclass(frozen=True)
 class EncoderConfig:
-    """The diffusers-format pipeline (``vae/``, ``text_encoder/``, ``tokenizer/``) that encodes."""
+    """The diffusers-format pipeline whose VAE and text encoders encode (any supported family;
+    ``model_index.json`` names it). How they compute is the ``compute`` section."""
 
-    pretrained_model_name_or_path: str = "tiny"  # "tiny": a random-init tiny Wan pipeline
+    pretrained_model_name_or_path: str = ""
     max_sequence_length: int = 512
     batch_size: int = 4  # every encoder call is padded to this, so nothing recompiles
     large_model: bool = False  # share one model copy across the worker's processes
-    weights_dtype: str = "float32"
-    activations_dtype: str = "float32"
 
     def __post_init__(self):
         if not self.pretrained_model_name_or_path:
@@ -98,9 +99,6 @@ class EncoderConfig:
             raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        for key in ("weights_dtype", "activations_dtype"):
-            if getattr(self, key) not in DTYPES:
-                raise ValueError(f"{key} must be one of {list(DTYPES)}, got {getattr(self, key)!r}")
 
 
 @dataclass(frozen=True)
@@ -191,6 +189,7 @@ class ConvertConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
     shards: ShardConfig = field(default_factory=ShardConfig)
     beam: BeamConfig = field(default_factory=BeamConfig)

@@ -24,10 +24,10 @@ from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
 
 from jaxcore import storage
-from stages import records
+from stages.common import records
 from stages.convert import media, split
 from stages.convert.config import BeamConfig, DatasetConfig, MediaConfig, SplitConfig
-from stages.convert.encode import EncoderShapes, WanEncoderHandler
+from stages.convert.encode import EncoderHandler, EncoderPlan
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +61,20 @@ class ShardPlan:
 
 def plan_shards(
     expected_counts: Mapping[str, int],
-    shapes: EncoderShapes,
+    plan: EncoderPlan,
     records_per_shard: int | None,
     max_shard_bytes: int | None,
 ) -> ShardPlan:
     """Records per shard from the count limit and/or the byte limit, and shards per split.
 
-    A record is ``4 * (latent + text elements)`` bytes plus a small overhead; dropped rows only
+    A record is ``4 *`` (its tensors' elements) bytes plus a small overhead; dropped rows only
     make shards smaller than planned, never larger.
     """
     limits = []
     if records_per_shard is not None:
         limits.append(records_per_shard)
     if max_shard_bytes is not None:
-        record_bytes = 4 * (math.prod(shapes.latents) + math.prod(shapes.text))
+        record_bytes = 4 * sum(math.prod(shape) for shape in plan.shapes.values())
         limits.append(max(1, max_shard_bytes // (record_bytes + RECORD_OVERHEAD_BYTES)))
     per_shard = min(limits)
     shards = {s: max(1, math.ceil(expected_counts.get(s, 0) / per_shard)) for s in records.SPLITS}
@@ -148,9 +148,7 @@ class MakeRecord(beam.DoFn):
         if timestep is not None:
             self._buckets[timestep].inc()
         self._records[which].inc()
-        example = records.make_example(
-            item["latents"], item["encoder_hidden_states"], item["caption"], sid, timestep
-        )
+        example = records.make_example(item["tensors"], item["caption"], sid, timestep)
         yield beam.pvalue.TaggedOutput(which, example)
 
 
@@ -172,7 +170,7 @@ def build_graph(
     dataset_config: DatasetConfig,
     media_config: MediaConfig,
     split_config: SplitConfig,
-    handler: WanEncoderHandler,
+    handler: EncoderHandler,
 ) -> dict[str, beam.PCollection]:
     """Attach the convert transforms; returns ``{"train", "eval", "dropped"}`` PCollections.
 

@@ -12,10 +12,11 @@ import time
 
 from jaxcore import storage
 from jaxcore.artifacts import ArtifactWriter, Manifest
-from stages import records
+from stages.common import records
+from stages.common.errors import StageInputError
 from stages.convert import split
 from stages.convert.config import ConvertConfig
-from stages.convert.encode import WanEncoderHandler, expected_shapes, resolve_pipeline_dir
+from stages.convert.encode import EncoderHandler, EncoderLoadError, plan_encoders
 from stages.convert.media import DROP_REASONS
 from stages.convert.pipeline import (
     DROPPED_FILE,
@@ -33,7 +34,6 @@ from stages.convert.pipeline import (
     write_outputs,
 )
 from stages.convert.source import describe, load_source, source_ids
-from stages.errors import StageInputError
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +55,17 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
     if not ids:
         raise StageInputError(f"source {config.dataset.source}: the dataset has no rows")
     del dataset  # workers open their own copy
-    pipeline_dir = resolve_pipeline_dir(config.encoder.pretrained_model_name_or_path)
-    shapes = expected_shapes(
-        pipeline_dir,
-        config.media.num_frames,
-        config.media.height,
-        config.media.width,
-        config.encoder.max_sequence_length,
-    )
+    try:
+        encoders = plan_encoders(
+            config.encoder, config.media.height, config.media.width, config.media.num_frames
+        )
+    except EncoderLoadError as err:
+        raise StageInputError(str(err)) from None
     expected = {s: 0 for s in records.SPLITS}
     for sid in ids:
         expected[split.assign_split(sid, config.split.eval_fraction, config.split.split_seed)] += 1
     plan = plan_shards(
-        expected, shapes, config.shards.records_per_shard, config.shards.max_shard_bytes
+        expected, encoders, config.shards.records_per_shard, config.shards.max_shard_bytes
     )
     log.info(
         "convert: %d rows (expected train %d, eval %d) -> %s shards of <= %d records",
@@ -82,25 +80,25 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
         storage.delete_tree(storage.join(writer.uri, folder))
 
     if config.beam.dry_run:
-        _, staged = _run_beam(config, info.num_rows, shapes, plan, writer.uri)
+        _, staged = _run_beam(config, info.num_rows, encoders, plan, writer.uri)
         log.info("convert: dry run built the job (staging %s); nothing was submitted", staged)
         return None
     started = time.perf_counter()
-    counters, _ = _run_beam(config, info.num_rows, shapes, plan, writer.uri)
+    counters, _ = _run_beam(config, info.num_rows, encoders, plan, writer.uri)
     seconds = time.perf_counter() - started
-    summary = _summary(config, info, shapes, plan, counters, writer.uri, seconds)
+    summary = _summary(config, info, encoders, plan, counters, writer.uri, seconds)
     _check_bad_fraction(config, summary)
     return writer.commit(summary)
 
 
 def _run_beam(
-    config: ConvertConfig, num_rows: int, shapes, plan, output_dir: str
+    config: ConvertConfig, num_rows: int, encoders, plan, output_dir: str
 ) -> tuple[dict, list[str]]:
     """Build and run the job; returns (Metrics counters, files a remote runner stages)."""
     import apache_beam as beam
 
     use_anonymous_gcs_with_emulator()
-    handler = WanEncoderHandler(config.encoder, shapes)
+    handler = EncoderHandler(config.encoder, config.compute, encoders)
     options = pipeline_options(config.beam, job_name=_job_name(config.run_name))
     pipeline = beam.Pipeline(options=options)
     outputs = build_graph(
@@ -123,7 +121,7 @@ def _job_name(run_name: str) -> str:
     return f"difforge-{cleaned or 'convert'}"[:63]
 
 
-def _summary(config, info, shapes, plan, counters: dict, uri: str, seconds: float) -> dict:
+def _summary(config, info, encoders, plan, counters: dict, uri: str, seconds: float) -> dict:
     files = storage.list_files(uri)
     shard_list = {
         s: [f.path for f in files if f.path.startswith(f"{s}/") and f.path.endswith(".tfrecord")]
@@ -145,30 +143,23 @@ def _summary(config, info, shapes, plan, counters: dict, uri: str, seconds: floa
         },
         "encoder": {
             "pretrained_model_name_or_path": config.encoder.pretrained_model_name_or_path,
-            "vae": "jaxcore.models.wan_vae",
-            "text_encoder": "jaxcore.models.umt5",
             "max_sequence_length": config.encoder.max_sequence_length,
-            "weights_dtype": config.encoder.weights_dtype,
-            "activations_dtype": config.encoder.activations_dtype,
+            "weights_dtype": config.compute.weights_dtype,
+            "activations_dtype": config.compute.activations_dtype,
         },
-        # the schema train/evaluate read (stages/records.py documents it)
+        # the schema train/evaluate read (stages/common/records.py documents it)
+        "family": encoders.family,
+        "features": {f.name: f.to_dict() for f in encoders.features},
         "splits": {
             name: {"records": counts.get(name, 0), "shards": shard_list.get(name, [])}
             for name in records.SPLITS
         },
-        "latent_shape": list(shapes.latents),
-        "text_shape": list(shapes.text),
         "rows_read": rows_read,
         "dropped": dropped,
         "dropped_total": sum(dropped.values()),
         "dropped_file": DROPPED_FILE,
         "records_per_shard": plan.records_per_shard,
-        "latent_sampling": "mean",
-        "latents_normalization": {
-            "formula": "(z - latents_mean) / latents_std",
-            "latents_mean": list(shapes.latents_mean),
-            "latents_std": list(shapes.latents_std),
-        },
+        "latents_normalization": encoders.latent_normalization,
         "media": {
             "height": config.media.height,
             "width": config.media.width,

@@ -7,8 +7,6 @@ What ``dataset.source`` may be (see :class:`stages.convert.config.DatasetConfig`
   files) -> ``datasets.load_dataset(folder)``, which picks the builder from the files;
 - a ``.parquet``/``.json``/``.jsonl``/``.csv`` file -> the matching packaged builder;
 - ``gs://...`` -> a cached local copy, then as above;
-- ``synthetic:shapes?num_items=N&seed=S&height=H&width=W`` -> :mod:`stages.synthetic`, written
-  once into the difforge cache;
 - anything else -> a hub id (``revision`` honoured), when the network allows.
 
 Image/Video columns are cast to ``decode=False`` so rows carry ``{"bytes", "path"}`` and the
@@ -17,18 +15,15 @@ stage decodes (and counts failures) itself.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
+from stages.common.errors import StageInputError
 from stages.convert.config import DatasetConfig
-from stages.errors import StageInputError
 
 log = logging.getLogger(__name__)
 
-SYNTHETIC_PREFIX = "synthetic:"
 FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 
 
@@ -41,34 +36,6 @@ class SourceInfo:
     fingerprint: str
     num_rows: int
     columns: tuple[str, ...]
-
-
-def synthetic_directory(source: str) -> Path:
-    """Write (once) and return the folder of a ``synthetic:shapes?...`` source."""
-    from jaxcore import storage
-    from stages.synthetic import make_shapes_dataset
-
-    parsed = urllib.parse.urlparse(source)
-    kind = parsed.path or parsed.netloc
-    if kind != "shapes":
-        raise StageInputError(f"source {source}: unknown synthetic dataset {kind!r} (use shapes)")
-    allowed = {"num_items", "seed", "height", "width", "corrupt", "empty_captions"}
-    params: dict[str, int] = {}
-    for key, value in urllib.parse.parse_qsl(parsed.query):
-        if key not in allowed:
-            raise StageInputError(f"source {source}: unknown parameter {key!r}; use {allowed}")
-        try:
-            params[key] = int(value)
-        except ValueError:
-            raise StageInputError(f"source {source}: {key}={value!r} is not an integer") from None
-    params.setdefault("num_items", 32)
-    digest = hashlib.sha256(repr(sorted(params.items())).encode()).hexdigest()[:12]
-    directory = storage.cache_dir() / "synthetic" / f"shapes-{digest}"
-    done = directory / ".complete"
-    if not done.exists():
-        make_shapes_dataset(directory, **params)
-        done.write_text(source)
-    return directory
 
 
 def _load_local(path: Path, config: DatasetConfig):
@@ -103,9 +70,7 @@ def load_source(config: DatasetConfig):
 
     source = config.source
     try:
-        if source.startswith(SYNTHETIC_PREFIX):
-            dataset = _load_local(synthetic_directory(source), config)
-        elif storage.is_gcs(source):
+        if storage.is_gcs(source):
             dataset = _load_local(storage.local_copy(source), config)
         elif Path(source).exists():
             dataset = _load_local(Path(source), config)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
+from jaxcore.compute import ComputeConfig
 from jaxcore.sharding import MeshConfig
 
 
@@ -24,9 +24,7 @@ class EvaluateConfig:
     eval_batch_size: int = 8
     eval_seed: int = 0
     max_eval_records: int | None = None
-    activations_dtype: Literal["float32", "bfloat16"] = "float32"
-    weights_dtype: Literal["float32", "bfloat16"] = "float32"
-    attention: str = "dot_product"
+    compute: ComputeConfig = dataclasses.field(default_factory=ComputeConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self):

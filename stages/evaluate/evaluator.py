@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import logging
 
-from jaxcore import sharding, storage
+from jaxcore import sharding
 from jaxcore.artifacts import Manifest
-from jaxcore.models import wan_transformer as wan
-from stages.evaluate import scoring
+from stages.common import checkpoints, data, scoring
+from stages.common.errors import StageInputError
 from stages.evaluate.config import EvaluateConfig
-from stages.train import checkpointing, data, model
-from stages.train.config import ModelSection
 
 log = logging.getLogger(__name__)
 
@@ -21,29 +19,23 @@ def evaluate_checkpoints(
     """{step: EvalResult.to_dict()} for each checkpoint step."""
     mesh = sharding.make_mesh(config.mesh)
     spec = data.split_spec(data_manifest, config.split)
-    wan_config = wan.WanTransformerConfig.from_dict(train_manifest.summary["model_config"])
-    data.check_model_shapes(
-        spec.latent_shape,
-        spec.text_shape,
-        wan_config.in_channels,
-        wan_config.text_dim,
-        data_manifest.uri,
-    )
-    section = ModelSection(
-        model_config="(from the checkpoint)",
-        weights_dtype=config.weights_dtype,
-        activations_dtype=config.activations_dtype,
-        attention=config.attention,
-    )
-    module = model.make_module(wan_config, section, mesh)
-    param_sh = model.param_target_shardings(module, mesh)
-    eval_fn = scoring.make_eval_fn(module, mesh, param_sh, config.eval_seed)
+    family, module = checkpoints.denoiser_of(train_manifest, config.compute, mesh)
+    if spec.family != family.name:
+        raise StageInputError(
+            f"{data_manifest.uri} holds {spec.family!r} records, but {train_manifest.uri} "
+            f"trained a {family.name!r} model"
+        )
+    family.check_features(module.config, spec.by_name, data_manifest.uri)
+    param_sh = checkpoints.param_shardings(family, module, mesh)
+    # the denoiser's scalar inputs (Flux dev: guidance) as training used them
+    embedded = train_manifest.summary.get("embedded_inputs") or {}
+    eval_fn = scoring.make_eval_fn(family, module, mesh, param_sh, spec, config.eval_seed, embedded)
     ways = sharding.batch_axis_size(mesh)
     batch = -(-config.eval_batch_size // ways) * ways
-    directory = storage.join(train_manifest.uri, train_manifest.summary["checkpoint_dir"])
+    directory = checkpoints.checkpoint_dir(train_manifest)
     results = {}
     for step in steps:
-        params = checkpointing.restore_params(directory, step, module, mesh)
+        params = checkpoints.restore_params(directory, step, family, module, mesh)
         result = scoring.score(
             eval_fn, params, spec, batch_size=batch, max_records=config.max_eval_records
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from jaxcore.artifacts import ArtifactWriter, Manifest, open_artifact
-from stages.errors import StageInputError
+from stages.common.errors import StageInputError
 from stages.evaluate.config import EvaluateConfig
 
 log = logging.getLogger(__name__)

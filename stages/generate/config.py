@@ -2,8 +2,8 @@
 
 Key names follow MaxDiffusion where it has one (``pretrained_model_name_or_path``,
 ``num_inference_steps``, ``guidance_scale``, ``flow_shift``, ``height``, ``width``,
-``num_frames``, ``fps``, ``seed``, ``per_device_batch_size``, ``attention``,
-``weights_dtype``, ``activations_dtype``). Bare leaf keys resolve on the command line when
+``num_frames``, ``fps``, ``seed``, ``per_device_batch_size``, and in ``compute``:
+``attention``, ``weights_dtype``, ``activations_dtype``). Bare leaf keys resolve on the command line when
 unique (``guidance_scale=1``). Per-prompt values in a ``.jsonl`` prompt file override the
 ``sampling`` section for that prompt only.
 """
@@ -13,45 +13,39 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from jaxcore.compute import ComputeConfig
 from jaxcore.sharding import MeshConfig
 
 SCHEDULERS = ("unipc", "flow_euler")
 
 
-def check_video_shape(height: int, width: int, num_frames: int, where: str = "") -> None:
-    """Raise ValueError naming the parameter when a shape cannot be rendered by Wan 2.1.
-
-    The VAE downsamples space by 8 and time by 4 (first frame kept), and the transformer
-    patches latents by 2 in space, so height/width must be multiples of 16 and
-    ``num_frames - 1`` a multiple of 4 (diffusers WanPipeline silently rounds; we refuse).
-    """
-    prefix = f"{where}: " if where else ""
-    for name, value in (("height", height), ("width", width)):
-        if not isinstance(value, int) or value < 16 or value % 16:
-            raise ValueError(f"{prefix}{name} must be a positive multiple of 16, got {value!r}")
-    if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % 4:
-        raise ValueError(f"{prefix}num_frames must be 1, 5, 9, ... (4k + 1), got {num_frames!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class SamplingSection:
-    """Defaults for every prompt (a ``.jsonl`` line may override each of them)."""
+    """Defaults for every prompt (a ``.jsonl`` line may override each of them).
 
-    height: int = 480
-    width: int = 832
-    num_frames: int = 81
-    num_inference_steps: int = 50
-    guidance_scale: float = 5.0
+    ``None`` means the pipeline's own default, as its diffusers pipeline has it (Wan:
+    480x832, 81 frames, 50 steps, guidance 5; the shift and scheduler of its
+    scheduler_config.json). Sizes are checked against the model (VAE compression, patch size)
+    before anything renders.
+    """
+
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    true_cfg_scale: float = 1.0  # Flux's true CFG (with the negative prompt) when > 1
     flow_shift: float | None = None  # None: the pipeline's scheduler_config.json value
-    scheduler: Literal["unipc", "flow_euler"] = "unipc"
+    scheduler: Literal["unipc", "flow_euler"] | None = None  # None: the pipeline's scheduler
     negative_prompt: str = ""
     seed: int = 0
     max_sequence_length: int = 512
 
     def __post_init__(self):
-        check_video_shape(self.height, self.width, self.num_frames)
-        if self.num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
+        for key in ("height", "width", "num_frames", "num_inference_steps"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"{key} must be >= 1, got {value}")
         if self.flow_shift is not None and self.flow_shift <= 0:
             raise ValueError(f"flow_shift must be > 0, got {self.flow_shift}")
         if self.max_sequence_length < 1:
@@ -62,14 +56,12 @@ class SamplingSection:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-    """How the models compute. The source is ``pretrained_model_name_or_path`` (top level)."""
+    """Which checkpoint of a train artifact renders. The source is
+    ``pretrained_model_name_or_path`` (top level); how models compute is ``compute``."""
 
-    weights_dtype: Literal["float32", "bfloat16"] = "float32"
-    activations_dtype: Literal["float32", "bfloat16"] = "float32"
-    attention: str = "dot_product"
     checkpoint: str = "best"  # for a train artifact: "best", "final" or a step number
-    # For a train artifact: the diffusers pipeline that supplies the VAE, text encoder,
-    # tokenizer and scheduler (default: the pipeline the run was fine-tuned from).
+    # For a train artifact: the diffusers pipeline that supplies the other components (VAE,
+    # text encoders, tokenizers, scheduler; default: the pipeline the run was fine-tuned from).
     base_pipeline: str | None = None
 
     def __post_init__(self):
@@ -105,9 +97,9 @@ class OutputSection:
 class GenerateConfig:
     """``difforge generate``: render every prompt of ``prompt_file`` into ``output_dir``.
 
-    ``pretrained_model_name_or_path``: a diffusers Wan pipeline directory (local or gs://), a
-    Hugging Face repo id (from the local cache; nothing is downloaded at run time), or a
-    ``train`` artifact (its ``model.checkpoint``).
+    ``pretrained_model_name_or_path``: a diffusers pipeline directory of a supported family
+    (local or gs://), a Hugging Face repo id (from the local cache; nothing is downloaded at
+    run time), or a ``train`` / ``evaluate`` artifact (its ``model.checkpoint``).
     ``per_device_batch_size``: prompts per device per batch; the global batch is this times the
     data-parallel ways of the mesh (at least 1), padded up to a multiple of those ways.
     """
@@ -119,6 +111,7 @@ class GenerateConfig:
     per_device_batch_size: float = 1.0
     sampling: SamplingSection = dataclasses.field(default_factory=SamplingSection)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    compute: ComputeConfig = dataclasses.field(default_factory=ComputeConfig)
     output: OutputSection = dataclasses.field(default_factory=OutputSection)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 

@@ -1,9 +1,13 @@
 """The model a generate run renders with: a diffusers pipeline, or a train artifact's checkpoint.
 
-A ``train`` artifact (a folder with a train ``manifest.json``) supplies the transformer: its
-orbax checkpoint ``model.checkpoint`` ("best" as named by evaluation, "final", or a step),
-restored onto the mesh. The VAE, text encoder, tokenizer and scheduler come from
-``model.base_pipeline``, or from the diffusers pipeline the run was fine-tuned from.
+:func:`describe` finds the family, the component configs and the scheduler config without
+reading weights, so every prompt line is checked against the model's sizes before anything
+loads; :func:`load` then loads the pipeline (and the checkpoint's denoiser).
+
+A ``train`` (or ``evaluate``) artifact supplies the denoiser: its orbax checkpoint
+``model.checkpoint`` ("best" as named by evaluation, "final", or a step), restored onto the mesh.
+The other components come from ``model.base_pipeline``, or from the diffusers pipeline the run
+was fine-tuned from.
 """
 
 from __future__ import annotations
@@ -11,13 +15,49 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
-from jaxcore import artifacts, storage
+from jaxcore import artifacts, families, storage
 from jaxcore.artifacts import Manifest
-from stages.errors import StageInputError
+from jaxcore.compute import ComputeConfig
+from jaxcore.families.base import read_scheduler_config
+from jaxcore.pipeline import Pipeline, resolve_pipeline_dir
+from stages.common import checkpoints
+from stages.common.errors import StageInputError
 from stages.generate.config import GenerateConfig
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """What renders, known before any weights load."""
+
+    family: families.Family
+    pipeline_dir: Path
+    configs: dict[str, Any]  # component configs (the checkpoint's denoiser config, if any)
+    scheduler_config: dict
+    checkpoint: checkpoints.CheckpointSource | None
+    provenance: dict
+
+    @property
+    def geometry(self) -> families.Geometry:
+        return self.family.geometry(self.configs)
+
+    @property
+    def inputs(self) -> dict[str, Manifest]:
+        return self.checkpoint.inputs if self.checkpoint is not None else {}
+
+    def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:
+        return tuple(self.family.latent_shape(self.configs, height, width, num_frames))
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The pipeline's defaults plus its scheduler's shift and name."""
+        return {
+            **self.family.sampling_defaults(self.configs),
+            "flow_shift": self.family.default_shift(self.scheduler_config),
+            "scheduler": self.family.default_scheduler(self.scheduler_config),
+        }
 
 
 def checkpoint_artifact(source: str) -> Manifest | None:
@@ -46,40 +86,63 @@ def _base_pipeline(config: GenerateConfig, manifest: Manifest) -> str:
                 return str(candidate)
     raise StageInputError(
         f"{manifest.uri} was not fine-tuned from a diffusers pipeline: set model.base_pipeline "
-        "to a Wan pipeline that supplies the VAE, text encoder and tokenizer"
+        "to a pipeline of its family that supplies the VAE, text encoders and tokenizers"
     )
 
 
-def load(config: GenerateConfig, mesh) -> tuple[object, dict, dict[str, Manifest]]:
-    """(pipeline, provenance for the manifest, input artifacts) for the configured model."""
-    from jaxcore import wan_pipeline
-    from jaxcore.models import wan_transformer as wan
+def _pipeline(path: str) -> tuple[families.Family, Path]:
+    try:
+        directory = resolve_pipeline_dir(path)
+        return families.for_pipeline(directory), directory
+    except families.FamilyError as err:
+        raise StageInputError(str(err)) from None
 
-    section = config.model
+
+def describe(config: GenerateConfig) -> ModelSource:
+    """Family, configs and provenance of the configured model (no weights read)."""
     source = config.pretrained_model_name_or_path
-    common = dict(
-        dtype=section.activations_dtype,
-        weights_dtype=section.weights_dtype,
-        attention=section.attention,
-        mesh=mesh,
-    )
     if checkpoint_artifact(source) is None:
-        pipe = wan_pipeline.load_wan_pipeline(source, **common)
-        return pipe, {"source": "pipeline", "path": source}, {}
-
-    from stages.train import checkpointing
-    from stages.train.model import resolve_checkpoint_source
-
-    resolved = resolve_checkpoint_source(source, section.checkpoint)
-    manifest, step = resolved.train, resolved.step
-    base = _base_pipeline(config, manifest)
-    pipe = wan_pipeline.load_wan_pipeline(base, **common)
-    t_config = wan.WanTransformerConfig.from_dict(manifest.summary["model_config"])
-    module = dataclasses.replace(pipe.transformer, config=t_config)
-    params = checkpointing.restore_params(
-        storage.join(manifest.uri, manifest.summary["checkpoint_dir"]), step, module, mesh
+        family, directory = _pipeline(source)
+        configs = family.component_configs(directory)
+        provenance = {"source": "pipeline", "path": source, "family": family.name}
+        return ModelSource(
+            family, directory, configs, read_scheduler_config(directory), None, provenance
+        )
+    resolved = checkpoints.resolve_checkpoint_source(source, config.model.checkpoint)
+    family = resolved.family
+    base = _base_pipeline(config, resolved.train)
+    base_family, directory = _pipeline(base)
+    if base_family != family:
+        raise StageInputError(
+            f"model.base_pipeline {base} is a {base_family.name!r} pipeline, but "
+            f"{resolved.train.uri} trained a {family.name!r} model"
+        )
+    configs = family.component_configs(directory)
+    configs[family.denoiser_component] = family.denoiser_config(
+        resolved.train.summary["model_config"], f"{resolved.train.uri} model_config"
     )
-    pipe = dataclasses.replace(pipe, transformer=module, transformer_params=params)
-    log.info("generate: transformer from %s step %d, the rest from %s", manifest.uri, step, base)
-    provenance = {"source": "train_artifact", "path": manifest.uri, "step": step, "base": base}
-    return pipe, provenance, resolved.inputs
+    provenance = {
+        "source": "train_artifact",
+        "path": resolved.train.uri,
+        "step": resolved.step,
+        "base": base,
+        "family": family.name,
+    }
+    return ModelSource(
+        family, directory, configs, read_scheduler_config(directory), resolved, provenance
+    )
+
+
+def load(source: ModelSource, compute: ComputeConfig, mesh) -> Pipeline:
+    """The pipeline, with the checkpoint's denoiser when the source is a train artifact."""
+    denoiser = None
+    if source.checkpoint is not None:
+        _, module, params = checkpoints.restore_denoiser(source.checkpoint, compute, mesh)
+        denoiser = (module, params)
+        log.info(
+            "generate: denoiser from %s step %d, the rest from %s",
+            source.checkpoint.train.uri,
+            source.checkpoint.step,
+            source.pipeline_dir,
+        )
+    return source.family.load_pipeline(source.pipeline_dir, compute, mesh, denoiser=denoiser)

@@ -99,7 +99,7 @@ def write_prompt_outputs(
     ``video_fhwc``: float32 [F, H, W, 3] in [0, 1]; ``record`` holds id/name/params/...;
     the written paths are added to it.
     """
-    from jaxcore.wan_pipeline import to_uint8
+    from jaxcore.sampling import to_uint8
 
     name = record["name"]
     frames = to_uint8(video_fhwc)

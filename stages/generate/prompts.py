@@ -4,8 +4,10 @@ Formats (local path or ``gs://``):
 - ``.txt``: one prompt per line; blank lines and lines starting with ``#`` are ignored.
 - ``.jsonl``: one JSON object per line (blank and ``#`` lines ignored) with ``prompt`` and
   optionally ``id``, ``negative_prompt``, ``seed``, ``height``, ``width``, ``num_frames``,
-  ``num_inference_steps``, ``guidance_scale``, ``flow_shift`` and ``latents`` (a ``.npy`` of
-  the initial noise, relative to the prompt file or absolute/gs://).
+  ``num_inference_steps``, ``guidance_scale``, ``true_cfg_scale``, ``flow_shift`` and
+  ``latents`` (a ``.npy`` of the initial noise, relative to the prompt file or absolute/gs://).
+  Values a line leaves out come from the config's ``sampling`` section, then from the
+  pipeline's own defaults; sizes are checked against the model.
 
 Every problem (broken JSON, unknown field, wrong type, bad value, empty prompt, duplicate id)
 is a :class:`StageInputError` naming the file and line; all lines are checked first.
@@ -24,13 +26,25 @@ import re
 from collections.abc import Iterable
 
 from jaxcore import storage
-from stages.errors import StageInputError
-from stages.generate.config import SamplingSection, check_video_shape
+from jaxcore.families import Geometry
+from stages.common.errors import StageInputError
+from stages.generate.config import SamplingSection
 
 FIELDS_INT = ("seed", "height", "width", "num_frames", "num_inference_steps")
-FIELDS_FLOAT = ("guidance_scale", "flow_shift")
+FIELDS_FLOAT = ("guidance_scale", "true_cfg_scale", "flow_shift")
 FIELDS_STR = ("id", "prompt", "negative_prompt", "latents")
 KNOWN_FIELDS = frozenset((*FIELDS_INT, *FIELDS_FLOAT, *FIELDS_STR))
+
+# Per-prompt values that fall back to the config's sampling section (then the model's).
+PER_PROMPT_DEFAULTS = (
+    "height",
+    "width",
+    "num_frames",
+    "num_inference_steps",
+    "guidance_scale",
+    "true_cfg_scale",
+    "flow_shift",
+)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 MAX_NAME_LENGTH = 80
@@ -52,6 +66,7 @@ class PromptSpec:
     num_frames: int
     num_inference_steps: int
     guidance_scale: float
+    true_cfg_scale: float
     flow_shift: float | None
     latents: str | None  # URI of a .npy of initial noise, or None
 
@@ -64,6 +79,7 @@ class PromptSpec:
             self.num_frames,
             self.num_inference_steps,
             self.guidance_scale > 1.0,
+            self.true_cfg_scale > 1.0,
             self.flow_shift,
         )
 
@@ -78,6 +94,7 @@ class PromptSpec:
             "num_frames": self.num_frames,
             "num_inference_steps": self.num_inference_steps,
             "guidance_scale": self.guidance_scale,
+            "true_cfg_scale": self.true_cfg_scale,
             "flow_shift": self.flow_shift,
             "latents": self.latents,
         }
@@ -154,21 +171,24 @@ def _resolve_latents(path: str, prompt_file: str) -> str:
     return storage.join(folder, path)
 
 
-def _check_values(fields: dict, where: str) -> None:
+def _check_values(fields: dict, where: str, geometry: Geometry | None) -> None:
     if not fields["prompt"].strip():
         raise StageInputError(f"{where}: empty prompt")
-    if fields["num_inference_steps"] < 1:
-        raise StageInputError(
-            f"{where}: num_inference_steps must be >= 1, got {fields['num_inference_steps']}"
-        )
+    for key in PER_PROMPT_DEFAULTS:
+        if fields[key] is None and key != "flow_shift":
+            raise StageInputError(f"{where}: no {key} (set sampling.{key} or the line's {key})")
+    for key in ("height", "width", "num_frames", "num_inference_steps"):
+        if fields[key] < 1:
+            raise StageInputError(f"{where}: {key} must be >= 1, got {fields[key]}")
     if fields["seed"] < 0:
         raise StageInputError(f"{where}: seed must be >= 0, got {fields['seed']}")
     if fields["flow_shift"] is not None and fields["flow_shift"] <= 0:
         raise StageInputError(f"{where}: flow_shift must be > 0, got {fields['flow_shift']}")
-    try:
-        check_video_shape(fields["height"], fields["width"], fields["num_frames"])
-    except ValueError as err:
-        raise StageInputError(f"{where}: {err}") from None
+    if geometry is not None:
+        try:
+            geometry.check(fields["height"], fields["width"], fields["num_frames"])
+        except ValueError as err:
+            raise StageInputError(f"{where}: {err}") from None
 
 
 def _raw_entries(uri: str, lines: Iterable[str]) -> Iterable[tuple[int, dict]]:
@@ -182,14 +202,53 @@ def _raw_entries(uri: str, lines: Iterable[str]) -> Iterable[tuple[int, dict]]:
         yield number, _parse_jsonl_line(text, where) if is_jsonl else {"prompt": text}
 
 
-def parse_prompts(uri: str, lines: Iterable[str], defaults: SamplingSection) -> list[PromptSpec]:
-    """Validate every line and resolve defaults; raises StageInputError naming the line."""
+def resolved_defaults(defaults: SamplingSection, model_defaults: dict | None) -> dict:
+    """The config's sampling values, with ``None`` filled from the model's own defaults."""
+    values = dataclasses.asdict(defaults)
+    for key, value in (model_defaults or {}).items():
+        if values.get(key) is None:
+            values[key] = value
+    return values
+
+
+def parse_entries(uri: str, lines: Iterable[str]) -> list[tuple[int, dict]]:
+    """(line number, fields) of every prompt line, syntax and field types checked."""
     if not uri.endswith((".txt", ".jsonl")):
         raise StageInputError(f"prompt_file {uri}: expected a .txt or .jsonl file")
+    entries = list(_raw_entries(uri, lines))
+    if not entries:
+        raise StageInputError(f"prompt_file {uri} holds no prompts")
+    return entries
+
+
+def parse_prompts(
+    uri: str,
+    lines: Iterable[str],
+    defaults: SamplingSection,
+    model_defaults: dict | None = None,
+    geometry: Geometry | None = None,
+) -> list[PromptSpec]:
+    """Validate every line and resolve defaults (:func:`resolve_prompts`)."""
+    return resolve_prompts(uri, parse_entries(uri, lines), defaults, model_defaults, geometry)
+
+
+def resolve_prompts(
+    uri: str,
+    entries: list[tuple[int, dict]],
+    defaults: SamplingSection,
+    model_defaults: dict | None = None,
+    geometry: Geometry | None = None,
+) -> list[PromptSpec]:
+    """Prompt entries -> PromptSpecs; raises StageInputError naming the line.
+
+    ``model_defaults`` fill the config's ``None`` values (the pipeline's own defaults);
+    ``geometry`` checks each prompt's size against the model.
+    """
+    base = resolved_defaults(defaults, model_defaults)
     specs: list[PromptSpec] = []
     seen_ids: dict[str, int] = {}
     seen_names: dict[str, int] = {}
-    for number, given in _raw_entries(uri, lines):
+    for number, given in entries:
         where = _where(uri, number)
         index = len(specs)
         prompt_id = given.get("id", f"{index:05d}")
@@ -209,16 +268,12 @@ def parse_prompts(uri: str, lines: Iterable[str], defaults: SamplingSection) -> 
         seen_names[name] = number
         fields = {
             "prompt": given["prompt"],
-            "negative_prompt": given.get("negative_prompt", defaults.negative_prompt),
-            "seed": given.get("seed", derive_seed(defaults.seed, prompt_id)),
-            "height": given.get("height", defaults.height),
-            "width": given.get("width", defaults.width),
-            "num_frames": given.get("num_frames", defaults.num_frames),
-            "num_inference_steps": given.get("num_inference_steps", defaults.num_inference_steps),
-            "guidance_scale": given.get("guidance_scale", defaults.guidance_scale),
-            "flow_shift": given.get("flow_shift", defaults.flow_shift),
+            "negative_prompt": given.get("negative_prompt", base["negative_prompt"]),
+            "seed": given.get("seed", derive_seed(base["seed"], prompt_id)),
         }
-        _check_values(fields, where)
+        for key in PER_PROMPT_DEFAULTS:
+            fields[key] = given.get(key, base[key])
+        _check_values(fields, where, geometry)
         latents = given.get("latents")
         if latents is not None:
             if not latents.endswith(".npy"):
@@ -227,17 +282,26 @@ def parse_prompts(uri: str, lines: Iterable[str], defaults: SamplingSection) -> 
         specs.append(
             PromptSpec(index=index, line=number, id=prompt_id, name=name, latents=latents, **fields)
         )
-    if not specs:
-        raise StageInputError(f"prompt_file {uri} holds no prompts")
     return specs
 
 
-def read_prompt_file(uri: str, defaults: SamplingSection) -> list[PromptSpec]:
-    """Read and validate a prompt file (local or gs://)."""
+def read_prompt_entries(uri: str) -> list[tuple[int, dict]]:
+    """Read a prompt file (local or gs://) and check every line's syntax and fields."""
     try:
         text = storage.read_text(uri)
     except storage.StorageError:
         raise StageInputError(f"prompt_file {uri} does not exist") from None
     except UnicodeDecodeError as err:
         raise StageInputError(f"prompt_file {uri} is not UTF-8 text: {err}") from None
-    return parse_prompts(uri, text.splitlines(), defaults)
+    return parse_entries(uri, text.splitlines())
+
+
+def read_prompt_file(
+    uri: str,
+    defaults: SamplingSection,
+    model_defaults: dict | None = None,
+    geometry: Geometry | None = None,
+) -> list[PromptSpec]:
+    """Read and validate a prompt file (local or gs://); see :func:`resolve_prompts`."""
+    entries = read_prompt_entries(uri)
+    return resolve_prompts(uri, entries, defaults, model_defaults, geometry)

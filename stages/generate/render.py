@@ -25,7 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from jaxcore import storage
-from stages.errors import StageInputError
+from jaxcore.sampling import initial_latents
+from stages.common.errors import StageInputError
 from stages.generate.prompts import PromptSpec
 
 log = logging.getLogger(__name__)
@@ -110,8 +111,6 @@ def check_latent_files(specs: Sequence[PromptSpec], latent_shape: Callable) -> N
 
 def initial_noise(spec: PromptSpec, shape: Sequence[int]) -> np.ndarray:
     """The prompt's own initial latents: its .npy, or noise from its seed alone."""
-    from jaxcore.wan_pipeline import initial_latents
-
     if spec.latents is not None:
         return read_latents(spec, shape)
     return initial_latents(spec.seed, shape)
@@ -124,23 +123,27 @@ class _InFlight:
     started: float
 
 
-def _dispatch(pipe, batch: Batch, scheduler: str, max_sequence_length: int) -> _InFlight:
-    """Host prep (noise, text) for this process's rows, then queue the device work."""
+def _dispatch(pipe, batch: Batch, scheduler: str | None, max_sequence_length: int) -> _InFlight:
+    """Host prep (noise, conditioning) for this process's rows, then queue the device work."""
     started = time.perf_counter()
     first = batch.specs[0]
     shape = pipe.latent_shape(first.height, first.width, first.num_frames)
     rows = [batch.row_spec(r) for r in batch.local_rows]
     latents = np.stack([initial_noise(s, shape) for s in rows])
-    use_cfg = first.guidance_scale > 1.0
-    negatives = [s.negative_prompt for s in rows] if use_cfg else None
-    text, neg_text = pipe.encode_prompts([s.prompt for s in rows], negatives, max_sequence_length)
+    guidances = [pipe.guidance(s.guidance_scale, s.true_cfg_scale) for s in rows]
+    cond, uncond, scales = pipe.conditioning(
+        [s.prompt for s in rows],
+        [s.negative_prompt for s in rows],
+        guidances,
+        max_sequence_length,
+    )
     z = pipe.sample(
         latents,
-        text,
-        neg_text,
+        cond,
+        uncond,
         num_inference_steps=first.num_inference_steps,
-        guidance_scale=[s.guidance_scale for s in rows],
-        flow_shift=first.flow_shift,
+        cfg_scale=scales,
+        shift=first.flow_shift,
         scheduler=scheduler,
     )
     return _InFlight(batch, pipe.decode(z), started)
@@ -164,7 +167,7 @@ def render_batches(
     pipe,
     batches: Sequence[Batch],
     *,
-    scheduler: str,
+    scheduler: str | None,
     max_sequence_length: int,
     on_result: Callable[[PromptSpec, np.ndarray, float, int], dict],
     writer_threads: int = 4,

@@ -12,17 +12,18 @@ from jaxcore.artifacts import ArtifactError, ArtifactWriter, Manifest
 from jaxcore.config import to_dict
 from stages.generate import outputs
 from stages.generate.config import GenerateConfig
-from stages.generate.prompts import PromptSpec, read_prompt_file
+from stages.generate.prompts import PromptSpec, read_prompt_entries, resolve_prompts
 
 log = logging.getLogger(__name__)
 
 
-def _run_fingerprint(config: GenerateConfig) -> str:
+def _run_fingerprint(config: GenerateConfig, scheduler: str) -> str:
     """What, besides a prompt's own parameters, decides its pixels."""
     payload = {
         "model": config.pretrained_model_name_or_path,
         "model_section": to_dict(config.model),
-        "scheduler": config.sampling.scheduler,
+        "compute": to_dict(config.compute),
+        "scheduler": scheduler,
         "max_sequence_length": config.sampling.max_sequence_length,
         "fps": config.output.fps,
         "save_arrays": config.output.save_arrays,
@@ -39,16 +40,6 @@ def _prompt_file_sha256(uri: str) -> str:
     return hashlib.sha256(storage.read_bytes(uri)).hexdigest()
 
 
-def _resolve_shift(specs: list[PromptSpec], default_shift: float) -> list[PromptSpec]:
-    """Fill ``flow_shift=None`` with the pipeline's scheduler value (recorded per prompt)."""
-    import dataclasses
-
-    return [
-        s if s.flow_shift is not None else dataclasses.replace(s, flow_shift=default_shift)
-        for s in specs
-    ]
-
-
 def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     """Render every prompt not already rendered (same fingerprint), then commit the artifact."""
     import jax
@@ -57,16 +48,14 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     from jaxcore.sharding import make_mesh
     from stages.generate import model, render
 
-    specs = read_prompt_file(config.prompt_file, config.sampling)  # fails before any work
+    entries = read_prompt_entries(config.prompt_file)  # syntax errors before anything else
+    source = model.describe(config)  # the family and its sizes, no weights
+    defaults = source.sampling_defaults()
+    # every line is checked against the model before any work
+    specs = resolve_prompts(config.prompt_file, entries, config.sampling, defaults, source.geometry)
+    scheduler = config.sampling.scheduler or defaults["scheduler"]
     prompt_sha = _prompt_file_sha256(config.prompt_file)
-    inputs = {}
-    if model.checkpoint_artifact(config.pretrained_model_name_or_path) is not None:
-        from stages.train.model import resolve_checkpoint_source
-
-        inputs = resolve_checkpoint_source(
-            config.pretrained_model_name_or_path, config.model.checkpoint
-        ).inputs
-    writer = ArtifactWriter(config.output_dir, "generate", config, inputs)
+    writer = ArtifactWriter(config.output_dir, "generate", config, source.inputs)
     done = writer.existing(force)
     if done is not None:
         if done.summary.get("prompt_file_sha256") != prompt_sha:
@@ -77,11 +66,11 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
         log.info("generate: %s is already finished (same config and prompts)", done.uri)
         return done
 
+    render.check_latent_files(specs, source.latent_shape)  # also before any rendering
     mesh = make_mesh(config.mesh)
-    pipe, provenance, _ = model.load(config, mesh)
-    specs = _resolve_shift(specs, pipe.default_flow_shift)
-    render.check_latent_files(specs, pipe.latent_shape)  # also before any rendering
-    run_fp = _run_fingerprint(config)
+    pipe = model.load(source, config.compute, mesh)
+    provenance = source.provenance
+    run_fp = _run_fingerprint(config, scheduler)
     if jax.process_index() == 0:
         outputs.remove_stale_partials(writer.uri)
     _barrier("generate-start")
@@ -98,7 +87,7 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
             "index": spec.index,
             "line": spec.line,
             "params": spec.params(),
-            "scheduler": config.sampling.scheduler,
+            "scheduler": scheduler,
             "fingerprint": _fingerprint(spec, run_fp),
             "seconds": seconds,
             "batch_size": batch_size,
@@ -123,7 +112,7 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
         render.render_batches(
             pipe,
             batches,
-            scheduler=config.sampling.scheduler,
+            scheduler=scheduler,
             max_sequence_length=config.sampling.max_sequence_length,
             on_result=write,
             writer_threads=config.output.writer_threads,

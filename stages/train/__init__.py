@@ -1,4 +1,4 @@
-"""Stage ``train``: sharded flow-matching training of Wan on converted TFRecords.
+"""Stage ``train``: sharded flow-matching training of any model family on converted TFRecords.
 
 Light on purpose: importing this package does not import JAX or TensorFlow.
 """

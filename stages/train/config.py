@@ -10,30 +10,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from jaxcore.compute import ComputeConfig
 from jaxcore.sharding import MeshConfig
-
-DTYPES = ("float32", "bfloat16")
+from stages.common.objective import ObjectiveSection
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-    """Where the transformer comes from, and how it computes.
+    """Where the denoiser comes from (its family follows from the source).
 
-    Exactly one source: ``pretrained_model_name_or_path`` (a diffusers pipeline directory with
-    ``transformer/``, or a transformer directory; fine-tuning), ``model_config`` (a YAML whose
-    ``model_config_section`` holds the architecture; from scratch) or ``init_from`` (a previous
-    train artifact; its ``init_checkpoint``: "final", "best" or a step number).
+    Exactly one source: ``pretrained_model_name_or_path`` (a diffusers pipeline directory, or
+    its denoiser directory; fine-tuning), ``model_config`` (a model YAML naming its ``family``
+    and the denoiser's architecture; from scratch) or ``init_from`` (a previous train or
+    evaluate artifact; its ``init_checkpoint``: "final", "best" or a step number).
+    ``model_config_section`` picks the YAML section (default: the family's denoiser).
     """
 
     pretrained_model_name_or_path: str | None = None
     model_config: str | None = None
-    model_config_section: str = "transformer"
+    model_config_section: str | None = None
     init_from: str | None = None
     init_checkpoint: str = "final"
-    weights_dtype: Literal["float32", "bfloat16"] = "float32"
-    activations_dtype: Literal["float32", "bfloat16"] = "float32"
-    attention: str = "dot_product"
-    remat_policy: str = "none"
 
     def __post_init__(self):
         sources = [
@@ -53,24 +50,25 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:
-    """Input pipeline. ``synthetic`` feeds random tensors of the configured shapes."""
+    """Input pipeline. ``synthetic`` feeds random tensors: latents of ``synthetic_latent_shape``
+    and the model family's conditioning for prompts of ``synthetic_text_length`` tokens."""
 
     dataset_type: Literal["tfrecord", "synthetic"] = "tfrecord"
     shuffle_buffer_size: int = 1024
     prefetch_batches: int = 2
     synthetic_latent_shape: tuple[int, ...] = (4, 1, 8, 8)
-    synthetic_text_shape: tuple[int, ...] = (8, 32)
+    synthetic_text_length: int = 8
 
     def __post_init__(self):
         if self.shuffle_buffer_size < 1:
             raise ValueError(f"shuffle_buffer_size must be >= 1, got {self.shuffle_buffer_size}")
-        if len(self.synthetic_latent_shape) != 4:
+        if not self.synthetic_latent_shape or min(self.synthetic_latent_shape) < 1:
             raise ValueError(
-                f"synthetic_latent_shape must be [C, F, H, W], got {self.synthetic_latent_shape}"
+                f"synthetic_latent_shape must be positive sizes, got {self.synthetic_latent_shape}"
             )
-        if len(self.synthetic_text_shape) != 2:
+        if self.synthetic_text_length < 1:
             raise ValueError(
-                f"synthetic_text_shape must be [L, D], got {self.synthetic_text_shape}"
+                f"synthetic_text_length must be >= 1, got {self.synthetic_text_length}"
             )
 
 
@@ -97,31 +95,6 @@ class OptimizerSection:
             )
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0 (0 = off), got {self.max_grad_norm}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ObjectiveSection:
-    """Flow-matching objective (Wan / SD3): timestep sampling and optional loss weighting.
-
-    ``timestep_sampling``: "uniform" t~U[0,1); "logit_normal" t=sigmoid(N(logit_mean,
-    logit_std)); "shifted" (MaxDiffusion's Wan trainer) t~U then t'=s*t/(1+(s-1)t) with
-    s=``timestep_shift``. ``loss_weighting``: "none" or "gaussian" (a bell around
-    ``weighting_center`` in timestep units, normalised over the schedule, not the batch).
-    """
-
-    timestep_sampling: Literal["uniform", "logit_normal", "shifted"] = "shifted"
-    timestep_shift: float = 3.0
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    loss_weighting: Literal["none", "gaussian"] = "none"
-    weighting_center: float = 500.0
-    weighting_width: float = 250.0
-
-    def __post_init__(self):
-        if self.timestep_shift <= 0:
-            raise ValueError(f"timestep_shift must be > 0, got {self.timestep_shift}")
-        if self.logit_std <= 0 or self.weighting_width <= 0:
-            raise ValueError("logit_std and weighting_width must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +151,7 @@ class TrainConfig:
     per_device_batch_size: float = 1.0
     export_diffusers: bool = False
     jax_cache_dir: str | None = None
+    compute: ComputeConfig = dataclasses.field(default_factory=ComputeConfig)
     input: DataSection = dataclasses.field(default_factory=DataSection)
     optimizer: OptimizerSection = dataclasses.field(default_factory=OptimizerSection)
     objective: ObjectiveSection = dataclasses.field(default_factory=ObjectiveSection)

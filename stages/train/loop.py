@@ -1,5 +1,10 @@
 """The training loop: build, resume, step, log, checkpoint, eval, preempt, finish.
 
+:func:`train` reads as the recipe: :func:`prepare` builds everything once (mesh, data, model,
+optimiser, compiled step, checkpoint manager), :func:`resume` restores the latest checkpoint,
+:func:`run_steps` runs the steps, and :func:`finish` saves the last checkpoint and writes the
+outputs. Model-specific work is the family's (:mod:`jaxcore.families`).
+
 Resume: the latest finished checkpoint under ``<output_dir>/checkpoints`` is restored (onto
 this run's mesh) and the data pipeline starts at its step. SIGTERM (preemption) saves a
 checkpoint at the current step, waits for it, and returns without a manifest.
@@ -14,14 +19,15 @@ import signal
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxcore import sharding, storage
-from jaxcore.artifacts import open_artifact
-from stages import records
-from stages.train import checkpointing, data, metrics, model, trainer
+from jaxcore.families import TensorSpec
+from stages.common import checkpoints, data, objective, records, scoring
+from stages.train import metrics, model, trainer
 from stages.train.config import TrainConfig, global_batch_size
 
 log = logging.getLogger(__name__)
@@ -76,227 +82,368 @@ class TrainResult:
     final_step: int
     final_loss: float | None
     checkpoints: list[int]
+    family: str
     model_config: dict
     eval_history: list[dict]
     best_checkpoint_step: int | None
     preempted: bool
     model_source: dict
+    embedded_inputs: dict  # the denoiser's scalar inputs training used (Flux dev: guidance)
+    exported_denoiser: str | None = None  # folder of the diffusers export, if any
 
 
-def _shapes(config: TrainConfig, train_spec):
-    if train_spec is not None:
-        return train_spec.latent_shape, train_spec.text_shape
-    return config.input.synthetic_latent_shape, config.input.synthetic_text_shape
+@dataclasses.dataclass
+class Run:
+    """Everything one training run holds: built once by :func:`prepare`, mutated by the loop."""
 
+    config: TrainConfig
+    output_dir: str
+    mesh: Any
+    batch: int
+    model: model.Model
+    features: tuple[TensorSpec, ...]
+    train_spec: data.DataSpec | None
+    eval_spec: data.DataSpec | None
+    opt_state: Any
+    step_fn: trainer.TrainStep
+    param_shardings: Any
+    mngr: Any
+    log_book: metrics.MetricsLog
+    local_dir: Path
+    train_flops: float
+    peak_flops: float
+    eval_fn: Any = None
+    start: int = 0
+    eval_history: list[dict] = dataclasses.field(default_factory=list)
 
-def _batches(config, train_spec, local_batch, start_step):
-    if train_spec is None:
-        lat, txt = _shapes(config, None)
-        return data.synthetic_batches(
-            lat, txt, local_batch, seed=config.seed, start_step=start_step
+    @property
+    def params(self):
+        return self.model.params
+
+    @property
+    def embedded_inputs(self) -> dict[str, float]:
+        return objective.embedded_inputs(
+            self.model.family, self.model.module.config, self.config.objective
         )
-    ds = data.tf_dataset(
-        train_spec,
-        local_batch,
-        seed=config.seed,
-        start_step=start_step,
-        shuffle_buffer=config.input.shuffle_buffer_size,
-        prefetch=config.input.prefetch_batches,
-    )
-    return data.iterate_numpy(train_spec, ds)
 
 
-def _tokens(module, latent_shape, text_shape):
-    c, f, h, w = latent_shape
-    pt, ph, pw = module.config.patch_size
-    return (f // pt) * (h // ph) * (w // pw), text_shape[0]
+# --- building ---------------------------------------------------------------------------------
 
 
-def train(config: TrainConfig, output_dir: str, data_manifest=None) -> TrainResult:
-    """Run (or resume) training into ``output_dir``; see the module docstring."""
-    if config.jax_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", config.jax_cache_dir)
-    mesh = sharding.make_mesh(config.mesh)
-    batch = global_batch_size(config.per_device_batch_size, mesh.size)
-    sharding.check_divisible(mesh, batch=batch)
-    local_batch = data.local_batch_size(batch)
-
+def data_specs(config: TrainConfig, data_manifest):
+    """(train split, eval split) of the convert artifact; None where not used."""
     train_spec = eval_spec = None
     if config.input.dataset_type == "tfrecord":
         train_spec = data.split_spec(data_manifest, "train")
     if config.evaluation.eval_every:
         eval_spec = data.split_spec(data_manifest, "eval")
+    return train_spec, eval_spec
 
-    module, params, source = model.build_model(config.model, mesh, jax.random.key(config.seed))
-    sharding.check_divisible(mesh, heads=module.config.num_attention_heads)
-    latent_shape, text_shape = _shapes(config, train_spec)
-    data.check_model_shapes(
-        latent_shape,
-        text_shape,
-        module.config.in_channels,
-        module.config.text_dim,
-        config.data or "synthetic_latent_shape/synthetic_text_shape",
-    )
+
+def batch_features(config: TrainConfig, built: model.Model, train_spec) -> tuple[TensorSpec, ...]:
+    """The tensors of a batch: the records' (checked against the model) or synthetic ones."""
+    family, denoiser_config = built.family, built.module.config
+    if train_spec is None:
+        latents = TensorSpec(records.LATENTS, tuple(config.input.synthetic_latent_shape))
+        conditioning = family.conditioning_specs(
+            denoiser_config, config.input.synthetic_text_length
+        )
+        features = (latents, *conditioning)
+        where = "input.synthetic_latent_shape"
+    else:
+        features, where = train_spec.features, train_spec.artifact_uri
+        if train_spec.family != family.name:
+            raise data.StageInputError(
+                f"{where} holds records of the {train_spec.family!r} family, but the model is "
+                f"a {family.name!r} model"
+            )
+    family.check_features(denoiser_config, {f.name: f for f in features}, where)
+    return features
+
+
+def training_flops(built: model.Model, features, batch: int) -> float:
+    """Model FLOPs of one training step (3x a forward, as MaxDiffusion counts)."""
+    shapes = {f.name: f.shape for f in features}
+    latent_shape = shapes.pop(records.LATENTS)
+    config = built.module.config
+    return 3 * built.family.flops_per_forward(config, batch, latent_shape, shapes)
+
+
+def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
+    """Mesh, data, model, optimiser, compiled step and checkpoint manager of one run."""
+    if config.jax_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", config.jax_cache_dir)
+    mesh = sharding.make_mesh(config.mesh)
+    batch = global_batch_size(config.per_device_batch_size, mesh.size)
+    sharding.check_divisible(mesh, batch=batch)
+    train_spec, eval_spec = data_specs(config, data_manifest)
+
+    built = model.build_model(config.model, config.compute, mesh, jax.random.key(config.seed))
+    objective.check_objective(built.family)
+    built.family.check_heads(built.module.config, mesh)
+    features = batch_features(config, built, train_spec)
 
     tx, schedule = trainer.make_optimizer(config.optimizer, config.max_train_steps)
-    param_sh = model.param_target_shardings(module, mesh)
-    opt_sh = trainer.opt_state_shardings(tx, params, param_sh, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    param_sh = checkpoints.param_shardings(built.family, built.module, mesh)
+    opt_sh = trainer.opt_state_shardings(tx, built.params, param_sh, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(built.params)
     step_fn = trainer.make_train_step(
-        module, tx, schedule, config.objective, mesh, param_sh, opt_sh, config.seed
+        built.family,
+        built.module,
+        tx,
+        schedule,
+        config.objective,
+        mesh,
+        param_sh,
+        opt_sh,
+        features,
+        config.seed,
     )
-
-    ckpt_cfg = config.checkpointing
-    mngr = checkpointing.manager(
+    ckpt = config.checkpointing
+    mngr = checkpoints.manager(
         storage.join(output_dir, CHECKPOINT_DIR),
-        max_to_keep=ckpt_cfg.max_to_keep,
-        async_save=ckpt_cfg.enable_async_checkpointing,
+        max_to_keep=ckpt.max_to_keep,
+        async_save=ckpt.enable_async_checkpointing,
     )
-    meta = {"model_config": module.config.to_dict(), "seed": config.seed}
-    start = 0
     local_dir = Path(tempfile.mkdtemp(prefix="difforge-train-"))
     # Local outputs get their TensorBoard events in place; gs:// ones through an upload.
     events_dir = local_dir if storage.is_gcs(output_dir) else Path(output_dir)
-    log_book = metrics.MetricsLog(output_dir, events_dir)
-    eval_history: list[dict] = []
-    latest = mngr.latest_step()
-    if latest is not None:
-        log.info("resuming from the checkpoint at step %d", latest)
-        params, opt_state, saved = checkpointing.restore_state(mngr, latest, params, opt_state)
-        eval_history = [e for e in saved.get("eval_history", []) if e["step"] <= latest]
-        start = latest
-        log_book.resume_from(latest)
-
-    video_tokens, text_tokens = _tokens(module, latent_shape, text_shape)
-    from jaxcore.models.wan_transformer import flops_per_forward
-
-    train_flops = 3 * flops_per_forward(module.config, batch, video_tokens, text_tokens)
-    peak = metrics.peak_flops_per_device(config.metrics.peak_flops_per_device)
-    eval_fn = None
+    run = Run(
+        config=config,
+        output_dir=output_dir,
+        mesh=mesh,
+        batch=batch,
+        model=built,
+        features=features,
+        train_spec=train_spec,
+        eval_spec=eval_spec,
+        opt_state=opt_state,
+        step_fn=step_fn,
+        param_shardings=param_sh,
+        mngr=mngr,
+        log_book=metrics.MetricsLog(output_dir, events_dir),
+        local_dir=local_dir,
+        train_flops=training_flops(built, features, batch),
+        peak_flops=metrics.peak_flops_per_device(config.metrics.peak_flops_per_device),
+    )
     if eval_spec is not None:
-        from stages.evaluate import scoring
-
-        eval_fn = scoring.make_eval_fn(module, mesh, param_sh, config.evaluation.eval_seed)
-
-    def run_eval(step):
-        from stages.evaluate import scoring
-
-        size = _round_up(config.evaluation.eval_batch_size, sharding.batch_axis_size(mesh))
-        result = scoring.score(
-            eval_fn,
-            params,
+        built.family.check_features(built.module.config, eval_spec.by_name, eval_spec.artifact_uri)
+        run.eval_fn = scoring.make_eval_fn(
+            built.family,
+            built.module,
+            mesh,
+            param_sh,
             eval_spec,
-            batch_size=size,
-            max_records=config.evaluation.max_eval_records,
+            config.evaluation.eval_seed,
+            run.embedded_inputs,
         )
-        entry = {"step": step, **result.to_dict()}
-        eval_history.append(entry)
-        log.info("step %d: eval loss %.5f", step, result.eval_loss)
+    return run
 
-    def save(step, force=False):
-        if step in mngr.all_steps():
-            return
-        opt = opt_state if ckpt_cfg.save_optimizer else None
-        checkpointing.save(
-            mngr,
-            step,
-            params,
-            opt,
-            {**meta, "step": step, "eval_history": eval_history},
-            force=force,
+
+def resume(run: Run) -> None:
+    """Restore the latest finished checkpoint of this output, if any."""
+    latest = run.mngr.latest_step()
+    if latest is None:
+        return
+    log.info("resuming from the checkpoint at step %d", latest)
+    params, run.opt_state, saved = checkpoints.restore_state(
+        run.mngr, latest, run.model.params, run.opt_state
+    )
+    run.model.params = params
+    run.eval_history = [e for e in saved.get("eval_history", []) if e["step"] <= latest]
+    run.start = latest
+    run.log_book.resume_from(latest)
+
+
+# --- stepping ---------------------------------------------------------------------------------
+
+
+def batches(run: Run):
+    """Host batches from the run's start step on (same order as an uninterrupted run)."""
+    config, local_batch = run.config, data.local_batch_size(run.batch)
+    if run.train_spec is None:
+        return data.synthetic_batches(
+            run.features, local_batch, seed=config.seed, start_step=run.start
         )
-        log_book.flush()
+    ds = data.tf_dataset(
+        run.train_spec,
+        local_batch,
+        seed=config.seed,
+        start_step=run.start,
+        shuffle_buffer=config.input.shuffle_buffer_size,
+        prefetch=config.input.prefetch_batches,
+    )
+    return data.iterate_numpy(run.train_spec, ds)
 
-    final_loss = None
-    preempted = False
-    profiler_on = False
-    batches = _batches(config, train_spec, local_batch, start)
+
+def run_eval(run: Run, step: int) -> None:
+    size = _round_up(run.config.evaluation.eval_batch_size, sharding.batch_axis_size(run.mesh))
+    result = scoring.score(
+        run.eval_fn,
+        run.params,
+        run.eval_spec,
+        batch_size=size,
+        max_records=run.config.evaluation.max_eval_records,
+    )
+    run.eval_history.append({"step": step, **result.to_dict()})
+    log.info("step %d: eval loss %.5f", step, result.eval_loss)
+
+
+def save(run: Run, step: int, force: bool = False) -> None:
+    if step in run.mngr.all_steps():
+        return
+    opt = run.opt_state if run.config.checkpointing.save_optimizer else None
+    meta = {
+        "family": run.model.family.name,
+        "model_config": run.model.module.config.to_dict(),
+        "seed": run.config.seed,
+        "step": step,
+        "eval_history": run.eval_history,
+    }
+    checkpoints.save(run.mngr, step, run.params, opt, meta, force=force)
+    run.log_book.flush()
+
+
+def log_step(run: Run, done: int, m: dict, seconds: float) -> None:
+    flops_per_device = run.train_flops / seconds / run.mesh.size
+    tokens = run.model.family.tokens_per_example(run.model.module.config, run.features[0].shape)
+    run.log_book.log(
+        {
+            "step": done,
+            "loss": float(m["loss"]),
+            "learning_rate": float(m["learning_rate"]),
+            "grad_norm": float(m["grad_norm"]),
+            "step_time_s": seconds,
+            "tokens_per_s": run.batch * tokens / seconds,
+            "tflops_per_device": flops_per_device / 1e12,
+            "mfu": flops_per_device / run.peak_flops,
+        }
+    )
+
+
+class Profiler:
+    """The optional profiler window: traces steps [start, start + num_steps)."""
+
+    def __init__(self, run: Run):
+        cfg = run.config.metrics
+        self.enabled, self.first, self.count = (
+            cfg.enable_profiler,
+            cfg.profiler_start_step,
+            cfg.profiler_num_steps,
+        )
+        self.run = run
+        self.active = False
+
+    def before(self, step: int) -> None:
+        if self.enabled and step == self.first:
+            jax.profiler.start_trace(str(_profile_dir(self.run.output_dir, self.run.local_dir)))
+            self.active = True
+
+    def after(self, done: int) -> None:
+        if self.active and done >= self.first + self.count:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+            _upload_tree(
+                self.run.local_dir / "profile", storage.join(self.run.output_dir, "profile")
+            )
+
+
+def run_steps(run: Run) -> tuple[bool, float | None]:
+    """Steps from ``run.start`` to ``max_train_steps``; returns (preempted, last loss)."""
     from tqdm import tqdm
 
+    config = run.config
+    keys = tuple(f.name for f in run.features)
+    source = batches(run)
+    profiler = Profiler(run)
+    final_loss = None
     with Preemption() as preemption:
         progress = tqdm(
-            range(start, config.max_train_steps),
-            initial=start,
+            range(run.start, config.max_train_steps),
+            initial=run.start,
             total=config.max_train_steps,
             desc="train",
             disable=None,
         )
         for step in progress:
-            if config.metrics.enable_profiler and step == config.metrics.profiler_start_step:
-                jax.profiler.start_trace(str(_profile_dir(output_dir, local_dir)))
-                profiler_on = True
-            host_batch = next(batches)
-            global_batch = data.to_global(
-                host_batch, mesh, batch, keys=(records.LATENTS, records.TEXT)
-            )
+            profiler.before(step)
+            global_batch = data.to_global(next(source), run.mesh, run.batch, keys=keys)
             t0 = time.perf_counter()
-            params, opt_state, m = step_fn(params, opt_state, global_batch, step)
+            run.model.params, run.opt_state, m = run.step_fn(
+                run.params, run.opt_state, global_batch, step
+            )
             m = jax.device_get(m)
             seconds = time.perf_counter() - t0
             done = step + 1
             final_loss = float(m["loss"])
             if not np.isfinite(final_loss):
                 raise FloatingPointError(f"loss is {final_loss} at step {done}")
-            if profiler_on and done >= (
-                config.metrics.profiler_start_step + config.metrics.profiler_num_steps
-            ):
-                jax.profiler.stop_trace()
-                profiler_on = False
+            profiler.after(done)
             if done % config.metrics.log_every == 0 or done == config.max_train_steps:
-                flops_per_device = train_flops / seconds / mesh.size
-                log_book.log(
-                    {
-                        "step": done,
-                        "loss": final_loss,
-                        "learning_rate": float(m["learning_rate"]),
-                        "grad_norm": float(m["grad_norm"]),
-                        "step_time_s": seconds,
-                        "tokens_per_s": batch * video_tokens / seconds,
-                        "tflops_per_device": flops_per_device / 1e12,
-                        "mfu": flops_per_device / peak,
-                    }
-                )
+                log_step(run, done, m, seconds)
                 progress.set_postfix(loss=f"{final_loss:.4f}")
-            if eval_fn is not None and done % config.evaluation.eval_every == 0:
-                run_eval(done)
-            if done % ckpt_cfg.checkpoint_every == 0:
-                save(done)
+            if run.eval_fn is not None and done % config.evaluation.eval_every == 0:
+                run_eval(run, done)
+            if done % config.checkpointing.checkpoint_every == 0:
+                save(run, done)
             if preemption.requested:
-                save(done, force=True)
-                preempted = True
-                break
-        if profiler_on:
-            jax.profiler.stop_trace()
-            _upload_tree(local_dir / "profile", storage.join(output_dir, "profile"))
+                save(run, done, force=True)
+                profiler.stop()
+                return True, final_loss
+    profiler.stop()
+    return False, final_loss
+
+
+# --- finishing --------------------------------------------------------------------------------
+
+
+def finish(run: Run, preempted: bool, final_loss: float | None) -> TrainResult:
+    """Last eval and checkpoint, wait for saves, then the loss curve and optional export."""
     if not preempted:
-        last = config.max_train_steps
-        if eval_fn is not None and not any(e["step"] == last for e in eval_history):
-            run_eval(last)
-        save(last, force=True)
-    mngr.wait_until_finished()
-    steps = sorted(mngr.all_steps())
-    mngr.close()
-    log_book.close()
-    if final_loss is None and log_book.rows:
-        final_loss = log_book.rows[-1].get("loss")
-    best = min(eval_history, key=lambda e: e["eval_loss"])["step"] if eval_history else None
-    result = TrainResult(
-        final_step=steps[-1] if steps else start,
+        last = run.config.max_train_steps
+        if run.eval_fn is not None and not any(e["step"] == last for e in run.eval_history):
+            run_eval(run, last)
+        save(run, last, force=True)
+    run.mngr.wait_until_finished()
+    steps = sorted(run.mngr.all_steps())
+    run.mngr.close()
+    run.log_book.close()
+    if final_loss is None and run.log_book.rows:
+        final_loss = run.log_book.rows[-1].get("loss")
+    history = run.eval_history
+    best = min(history, key=lambda e: e["eval_loss"])["step"] if history else None
+    exported = None
+    if not preempted:
+        metrics.plot_loss_curve(run.log_book.rows, storage.join(run.output_dir, "loss_curve.png"))
+        if run.config.export_diffusers:
+            exported = run.model.family.denoiser_component
+            uri = storage.join(run.output_dir, exported)
+            model.export_diffusers(run.model, jax.device_get(run.params), uri)
+    return TrainResult(
+        final_step=steps[-1] if steps else run.start,
         final_loss=final_loss,
         checkpoints=steps,
-        model_config=module.config.to_dict(),
-        eval_history=eval_history,
+        family=run.model.family.name,
+        model_config=run.model.module.config.to_dict(),
+        eval_history=history,
         best_checkpoint_step=best if best in steps else None,
         preempted=preempted,
-        model_source=source,
+        model_source=run.model.provenance,
+        embedded_inputs=run.embedded_inputs,
+        exported_denoiser=exported,
     )
-    if not preempted:
-        metrics.plot_loss_curve(log_book.rows, storage.join(output_dir, "loss_curve.png"))
-        if config.export_diffusers:
-            model.export_diffusers(
-                module, jax.device_get(params), storage.join(output_dir, "transformer")
-            )
-    return result
+
+
+def train(config: TrainConfig, output_dir: str, data_manifest=None) -> TrainResult:
+    """Run (or resume) training into ``output_dir``; see the module docstring."""
+    run = prepare(config, output_dir, data_manifest)
+    resume(run)
+    preempted, final_loss = run_steps(run)
+    return finish(run, preempted, final_loss)
 
 
 def _profile_dir(output_dir: str, local_dir: Path) -> Path:
@@ -314,8 +461,3 @@ def _upload_tree(local: Path, uri: str) -> None:
     for path in local.rglob("*"):
         if path.is_file():
             storage.upload_file(path, storage.join(uri, str(path.relative_to(local))))
-
-
-def open_data(config: TrainConfig):
-    """The convert artifact, when the config names one."""
-    return open_artifact(config.data, "convert") if config.data else None

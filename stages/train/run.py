@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 from jaxcore.artifacts import ArtifactWriter, Manifest, open_artifact
+from stages.common.checkpoints import resolve_checkpoint_source
 from stages.train.config import TrainConfig
-from stages.train.model import resolve_checkpoint_source
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,12 @@ def run(config: TrainConfig, *, force: bool = False) -> Manifest | None:
             "final_loss": result.final_loss,
             "checkpoints": result.checkpoints,
             "checkpoint_dir": loop.CHECKPOINT_DIR,
+            "family": result.family,
             "model_config": result.model_config,
+            "embedded_inputs": result.embedded_inputs,
             "model_source": result.model_source,
             "eval_history": result.eval_history,
             "best_checkpoint_step": result.best_checkpoint_step,
-            "exported_transformer": "transformer" if config.export_diffusers else None,
+            "exported_denoiser": result.exported_denoiser,
         }
     )

@@ -13,12 +13,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from jaxcore import sharding
-from stages import records
-from stages.train import objective
-from stages.train.config import ObjectiveSection, OptimizerSection
+from stages.common import objective
+from stages.common.data import batch_sharding, replicated
+from stages.common.objective import ObjectiveSection
+from stages.train.config import OptimizerSection
 
 
 def learning_rate_schedule(cfg: OptimizerSection, total_steps: int) -> optax.Schedule:
@@ -55,10 +56,6 @@ def make_optimizer(cfg: OptimizerSection, total_steps: int):
     return adamw, schedule
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
-
-
 def opt_state_shardings(tx, params, param_shardings, mesh: Mesh):
     """Moments follow their parameter's sharding; counters and scalars are replicated."""
     abstract = jax.eval_shape(tx.init, params)
@@ -72,9 +69,6 @@ def opt_state_shardings(tx, params, param_shardings, mesh: Mesh):
     )
 
 
-mesh_context = sharding.mesh_context
-
-
 @dataclasses.dataclass
 class TrainStep:
     """A compiled step: ``(params, opt_state, batch, step) -> (params, opt_state, metrics)``."""
@@ -83,24 +77,12 @@ class TrainStep:
     mesh: Mesh
 
     def __call__(self, params, opt_state, batch, step: int):
-        with mesh_context(self.mesh):
+        with sharding.mesh_context(self.mesh):
             return self.fn(params, opt_state, batch, jnp.asarray(step, jnp.int32))
 
 
-def flow_matching_loss(module, params, latents, text, key, cfg: ObjectiveSection):
-    """Mean weighted flow-matching MSE of one batch (see ``objective``)."""
-    key_t, key_noise = jax.random.split(key)
-    batch = latents.shape[0]
-    t = objective.sample_t(key_t, batch, cfg)
-    timestep = t * objective.NUM_TRAIN_TIMESTEPS
-    noise = jax.random.normal(key_noise, latents.shape, jnp.float32)
-    x_t = objective.noisy_input(latents, noise, t)
-    prediction = module.apply({"params": params}, x_t.astype(module.dtype), timestep, text)
-    per_sample = objective.per_sample_loss(prediction, objective.velocity_target(latents, noise))
-    return jnp.mean(per_sample * objective.loss_weight(t, cfg))
-
-
 def make_train_step(
+    family,
     module,
     tx,
     schedule,
@@ -108,23 +90,23 @@ def make_train_step(
     mesh: Mesh,
     param_shardings,
     opt_shardings,
+    features,
     seed: int,
 ) -> TrainStep:
-    """Jit the step with explicit in/out shardings; params and opt_state buffers are donated."""
-    from stages.train.data import batch_sharding
+    """Jit the step with explicit in/out shardings; params and opt_state buffers are donated.
 
-    batch_shardings = {
-        records.LATENTS: batch_sharding(mesh, 5),
-        records.TEXT: batch_sharding(mesh, 3),
-    }
+    ``features``: the batch's tensors (TensorSpecs); each is sharded on its batch axis.
+    """
+    batch_shardings = {f.name: batch_sharding(mesh, 1 + len(f.shape)) for f in features}
     rep = replicated(mesh)
+    embedded = objective.embedded_inputs(family, module.config, objective_cfg)
 
     def step_fn(params, opt_state, batch, step):
         key = jax.random.fold_in(jax.random.key(seed), step)
-        latents = batch[records.LATENTS].astype(jnp.float32)
-        text = batch[records.TEXT].astype(module.dtype)
         loss, grads = jax.value_and_grad(
-            lambda p: flow_matching_loss(module, p, latents, text, key, objective_cfg)
+            lambda p: objective.training_loss(
+                family, module, p, batch, key, objective_cfg, embedded
+            )
         )(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)

@@ -26,11 +26,12 @@ def test_pipeline_configs(path):
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("models/*.yml")), ids=lambda p: p.name)
 def test_model_configs(path):
-    from jaxcore.model_configs import load_model_yaml
+    from jaxcore.model_configs import read_model_yaml
 
-    sections = load_model_yaml(path)
-    assert "transformer" in sections
-    assert set(read_yaml(path)) == set(sections)
+    family, sections = read_model_yaml(path)
+    assert family.denoiser_component in sections
+    assert set(read_yaml(path)) == {"family", *sections}
+    assert set(sections) <= set(family.component_config_classes())
 
 
 def test_there_are_configs():

@@ -9,13 +9,17 @@ asserted at 1e-4.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from jaxcore import wan_pipeline
-from jaxcore.tiny_pipeline import build_tiny_wan_pipeline
+from jaxcore import families
+from jaxcore.pipeline import Pipeline, load_pipeline
+from jaxcore.sampling import initial_latents
+from pipelines.demo.tiny import build_tiny_wan_pipeline
 
+REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-4
 PROMPTS = ["a red circle", "blue square moving left"]
 NEGATIVE = ["dark background", ""]
@@ -31,7 +35,9 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def jax_pipe(tiny_dir):
-    return wan_pipeline.load_wan_pipeline(tiny_dir)
+    pipe = load_pipeline(tiny_dir)
+    assert isinstance(pipe, Pipeline) and pipe.family.name == "wan"
+    return pipe
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +73,11 @@ def test_matches_diffusers_wan_pipeline(jax_pipe, torch_pipe, guidance, frames):
     # The tiny VAE compresses 2x in space and time (one downsampling level).
     shape = jax_pipe.latent_shape(16, 16, frames)
     assert shape == (4, (frames - 1) // 2 + 1, 8, 8)
-    latents = np.stack([wan_pipeline.initial_latents(s, shape) for s in (3, 4)])
-    negatives = NEGATIVE if guidance > 1 else None
-    text, neg = jax_pipe.encode_prompts(PROMPTS, negatives, 512)
-    z = jax_pipe.sample(latents, text, neg, num_inference_steps=3, guidance_scale=guidance)
+    latents = np.stack([initial_latents(s, shape) for s in (3, 4)])
+    guidances = [jax_pipe.guidance(guidance)] * 2
+    cond, uncond, scales = jax_pipe.conditioning(PROMPTS, NEGATIVE, guidances, 512)
+    assert (uncond is None) == (guidance <= 1)
+    z = jax_pipe.sample(latents, cond, uncond, num_inference_steps=3, cfg_scale=scales)
     ours = np.asarray(jax_pipe.decode(z))
     ref = torch_pipe(
         prompt=PROMPTS,
@@ -90,37 +97,60 @@ def test_matches_diffusers_wan_pipeline(jax_pipe, torch_pipe, guidance, frames):
 def test_guidance_and_prompts_change_the_output(jax_pipe):
     """The parity test above would pass vacuously if nothing depended on text or guidance."""
     shape = jax_pipe.latent_shape(16, 16, 1)
-    latents = np.stack([wan_pipeline.initial_latents(5, shape)] * 2)
-    text, neg = jax_pipe.encode_prompts(PROMPTS, NEGATIVE, 512)
-    plain = np.asarray(jax_pipe.sample(latents, text, neg, num_inference_steps=2, guidance_scale=1))
-    guided = np.asarray(
-        jax_pipe.sample(latents, text, neg, num_inference_steps=2, guidance_scale=6)
-    )
+    latents = np.stack([initial_latents(5, shape)] * 2)
+    cond = jax_pipe.encode_prompts(PROMPTS, 512)
+    uncond = jax_pipe.encode_prompts(NEGATIVE, 512)
+    plain = np.asarray(jax_pipe.sample(latents, cond, uncond, num_inference_steps=2, cfg_scale=1))
+    guided = np.asarray(jax_pipe.sample(latents, cond, uncond, num_inference_steps=2, cfg_scale=6))
     assert np.abs(plain[0] - plain[1]).max() > 1e-3  # prompt matters
     assert np.abs(plain - guided).max() > 1e-3  # guidance matters
 
 
 def test_initial_latents_depend_on_seed_only():
-    a = wan_pipeline.initial_latents(11, (4, 2, 2, 2))
-    np.testing.assert_array_equal(a, wan_pipeline.initial_latents(11, (4, 2, 2, 2)))
+    a = initial_latents(11, (4, 2, 2, 2))
+    np.testing.assert_array_equal(a, initial_latents(11, (4, 2, 2, 2)))
     assert a.dtype == np.float32
-    assert not np.array_equal(a, wan_pipeline.initial_latents(12, (4, 2, 2, 2)))
-    assert wan_pipeline.latent_shape(16, 480, 832, 81) == (16, 21, 60, 104)
+    assert not np.array_equal(a, initial_latents(12, (4, 2, 2, 2)))
+
+
+def test_latent_shape_and_geometry_of_the_real_wan_configs():
+    from jaxcore.model_configs import read_model_yaml
+
+    family, configs = read_model_yaml(REPO / "configs/models/wan2.1_t2v_14b.yml")
+    assert family.latent_shape(configs, 480, 832, 81) == (16, 21, 60, 104)
+    geometry = family.geometry(configs)
+    assert (geometry.spatial_multiple, geometry.temporal_multiple) == (16, 4)
+    geometry.check(480, 832, 81)
+    with pytest.raises(ValueError, match="height must be a positive multiple of 16"):
+        geometry.check(472, 832, 81)
+    with pytest.raises(ValueError, match="num_frames must be 1, 5, 9"):
+        geometry.check(480, 832, 80)
 
 
 def test_flow_euler_sampler_runs(jax_pipe):
     shape = jax_pipe.latent_shape(16, 16, 1)
-    latents = wan_pipeline.initial_latents(0, shape)[None]
-    text, _ = jax_pipe.encode_prompts(PROMPTS[:1], None, 16)
-    z = jax_pipe.sample(
-        latents, text, None, num_inference_steps=2, guidance_scale=1, scheduler="flow_euler"
-    )
+    latents = initial_latents(0, shape)[None]
+    cond = jax_pipe.encode_prompts(PROMPTS[:1], 16)
+    z = jax_pipe.sample(latents, cond, None, num_inference_steps=2, scheduler="flow_euler")
     assert z.shape == latents.shape and np.isfinite(np.asarray(z)).all()
 
 
 def test_missing_component_is_named(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
-    with pytest.raises(wan_pipeline.PipelineError, match="missing component"):
-        wan_pipeline.load_wan_pipeline(tmp_path)
-    with pytest.raises(wan_pipeline.PipelineError, match="does not exist"):
-        wan_pipeline.load_wan_pipeline(tmp_path / "nope")
+    with pytest.raises(families.FamilyError, match="no transformer/config.json"):
+        load_pipeline(tmp_path)
+    with pytest.raises(families.FamilyError, match="does not exist"):
+        load_pipeline(tmp_path / "nope")
+
+
+def test_unknown_pipeline_class_lists_the_supported_ones(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "NopePipeline"}))
+    with pytest.raises(families.FamilyError, match=r"'NopePipeline' is not supported.*WanPipeline"):
+        load_pipeline(tmp_path)
+
+
+def test_wan_2_2_and_i2v_are_refused_by_name(tmp_path):
+    index = {"_class_name": "WanPipeline", "transformer_2": ["diffusers", "WanTransformer3DModel"]}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(families.FamilyError, match="transformer_2"):
+        families.for_pipeline(tmp_path)

@@ -299,6 +299,7 @@ def test_every_model_yaml_is_valid(name):
     from transformers import UMT5Config
 
     doc = _yaml(name)
+    assert doc.pop("family") == "wan"
     assert set(doc) == {"transformer", "vae", "text_encoder"}
     config = wt.WanTransformerConfig.from_dict(doc["transformer"])
     if name not in PUBLISHED_COUNTS:  # those are checked by test_published_param_counts

@@ -24,7 +24,7 @@ def test_demo_pipeline_passes_its_colour_check(tmp_path, monkeypatch):
 
 def test_demo_config_validates():
     from jaxcore.config import ConfigError, load_config
-    from pipelines.demo import DemoConfig
+    from pipelines.demo.run import DemoConfig
 
     assert load_config(DemoConfig, None, ["root=/tmp/x"]).min_pass_fraction == 0.8
     with pytest.raises(ConfigError, match="min_pass_fraction must be in"):

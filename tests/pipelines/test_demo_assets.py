@@ -1,4 +1,4 @@
-"""pipelines.demo_assets: the shipped demo VAE (loads in ours and diffusers, reconstructs fresh
+"""pipelines.demo.assets: the shipped demo VAE (loads in ours and diffusers, reconstructs fresh
 shapes), the colour check (passes true images, fails wrong/blank/noise), the demo model YAML,
 and build_demo_assets (loadable pipeline, idempotent)."""
 
@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from pipelines import demo_assets
-from stages import synthetic
+from pipelines.demo import assets as demo_assets
+from pipelines.demo import shapes as synthetic
 
 # Measured on the shipped VAE (32x32, the 24 seed-99 demo items below, posterior mean, fp32):
 # PSNR 29.1 dB (fit-vae's own held-out report: 28.5 dB demo palette, 27.5 dB all 8 colours);
@@ -47,8 +47,8 @@ def test_shipped_vae_matches_diffusers(shipped_vae, fresh_demo_items):
     torch = pytest.importorskip("torch")
     from diffusers import AutoencoderKLWan
 
-    from jaxcore import vae_fitting
     from jaxcore.models import wan_vae
+    from pipelines.demo import vae_fitting
 
     module, params = shipped_vae
     video = vae_fitting.images_to_video(demo_assets.decode_items(fresh_demo_items[:4]))
@@ -61,7 +61,7 @@ def test_shipped_vae_matches_diffusers(shipped_vae, fresh_demo_items):
 
 
 def test_shipped_vae_reconstructs_fresh_shapes(shipped_vae, fresh_demo_items):
-    from jaxcore import vae_fitting
+    from pipelines.demo import vae_fitting
 
     module, params = shipped_vae
     images = demo_assets.decode_items(fresh_demo_items)
@@ -73,8 +73,8 @@ def test_shipped_vae_reconstructs_fresh_shapes(shipped_vae, fresh_demo_items):
 
 def test_shipped_latent_stats_normalise(shipped_vae, fresh_demo_items):
     """latents_mean/std in the shipped config give ~unit-scale latents on fresh shapes."""
-    from jaxcore import vae_fitting
     from jaxcore.models import wan_vae
+    from pipelines.demo import vae_fitting
 
     module, params = shipped_vae
     video = vae_fitting.images_to_video(demo_assets.decode_items(fresh_demo_items))
@@ -194,9 +194,10 @@ def test_build_demo_assets_is_loadable_and_idempotent(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert not [p for p in (tmp_path / "assets").iterdir() if p.name.startswith(".") and p.is_dir()]
 
-    wan_pipeline = pytest.importorskip("jaxcore.wan_pipeline")
-    pipeline = wan_pipeline.load_wan_pipeline(assets.pipeline)
-    assert pipeline.vae.config.z_dim == pipeline.transformer.config.in_channels == 4
+    from jaxcore.pipeline import load_pipeline
+
+    pipeline = load_pipeline(assets.pipeline)
+    assert pipeline.configs["vae"].z_dim == pipeline.denoiser.config.in_channels == 4
 
     # Other parameters rebuild only what they change.
     rebuilt = demo_assets.build_demo_assets(tmp_path, num_items=30, seed=0)

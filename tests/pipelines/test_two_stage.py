@@ -23,7 +23,9 @@ def test_two_stage_chain(tmp_path, monkeypatch, capsys):
     # the second stage trains at the higher resolution
     data_low = artifacts.open_artifact(str(root / "data_low"), "convert")
     data_high = artifacts.open_artifact(str(root / "data_high"), "convert")
-    assert data_high.summary["latent_shape"][2] == 2 * data_low.summary["latent_shape"][2]
+    low = data_low.summary["features"]["latents"]["shape"]
+    high = data_high.summary["features"]["latents"]["shape"]
+    assert high[2] == 2 * low[2]
 
     render = artifacts.open_artifact(str(root / "render"), "generate")
     assert render.inputs["evaluation"]["uri"] == str(root / "eval_high")

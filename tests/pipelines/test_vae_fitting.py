@@ -1,13 +1,13 @@
-"""jaxcore.vae_fitting: the fitting objective lowers the loss, latent statistics normalise,
+"""pipelines.demo.vae_fitting: the fitting objective lowers the loss, latent statistics normalise,
 saved folders load in our loader and in diffusers, and bad input is refused by name."""
 
 import jax
 import numpy as np
 import pytest
 
-from jaxcore import vae_fitting
 from jaxcore.models import wan_vae
 from jaxcore.models.wan_vae import WanVAEConfig
+from pipelines.demo import vae_fitting
 
 TINY = WanVAEConfig(
     base_dim=4,

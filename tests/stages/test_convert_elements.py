@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from jaxcore.config import ConfigError, load_config
-from stages import synthetic
+from jaxcore.families import TensorSpec
+from pipelines.demo import shapes as synthetic
 from stages.convert import media, split
 from stages.convert.config import ConvertConfig, MediaConfig
-from stages.convert.encode import EncoderShapes
+from stages.convert.encode import EncoderPlan
 from stages.convert.pipeline import plan_shards, row_ranges
 
 REPO = Path(__file__).resolve().parents[2]
@@ -175,7 +176,8 @@ def test_timestep_buckets_are_equal_and_order_free():
 
 
 def test_plan_shards_by_count_and_by_bytes():
-    shapes = EncoderShapes((4, 1, 8, 8), (16, 8), (0.0,) * 4, (1.0,) * 4)
+    features = (TensorSpec("latents", (4, 1, 8, 8)), TensorSpec("encoder_hidden_states", (16, 8)))
+    shapes = EncoderPlan("wan", Path("."), features, {})
     plan = plan_shards({"train": 25, "eval": 0}, shapes, records_per_shard=10, max_shard_bytes=None)
     assert plan.records_per_shard == 10 and dict(plan.num_shards) == {"train": 3, "eval": 1}
     record = 4 * (4 * 64 + 16 * 8) + 512  # 2048 bytes planned per record
@@ -206,8 +208,8 @@ def test_checked_in_config_loads_with_overrides():
 @pytest.mark.parametrize(
     ("override", "names"),
     [
-        ("num_frames=4", "num_frames"),
-        ("height=30", "height"),
+        ("num_frames=0", "num_frames"),
+        ("height=0", "height"),
         ("eval_fraction=1.5", "eval_fraction"),
         ("timesteps_list=[100,1200]", "timesteps_list"),
         ("runner=NoSuchRunner", "runner"),
@@ -227,8 +229,10 @@ def test_dataflow_runner_needs_cloud_fields():
         load_config(ConvertConfig, None, ["output_dir=/tmp/x", "runner=DataflowRunner"])
 
 
-def test_media_config_accepts_wan_frame_counts():
+def test_media_config_leaves_model_sizes_to_the_family():
+    # what a model can encode is its family's geometry, checked when convert plans the run
     assert MediaConfig(num_frames=81).num_frames == 81
+    assert MediaConfig(height=24, width=40, num_frames=2).num_frames == 2
 
 
 # ---------------------------------------------------------------------------- synthetic
@@ -280,9 +284,9 @@ def test_synthetic_dataset_loads_with_datasets(tmp_path, layout):
 
 
 def test_source_errors_name_the_column_and_path(tmp_path):
+    from stages.common.errors import StageInputError
     from stages.convert.config import DatasetConfig
     from stages.convert.source import load_source
-    from stages.errors import StageInputError
 
     directory = synthetic.make_shapes_dataset(tmp_path / "ds", num_items=2, height=8, width=8)
     with pytest.raises(StageInputError, match="caption_column='prompt'"):

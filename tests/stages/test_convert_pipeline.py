@@ -17,7 +17,8 @@ import pytest
 
 from jaxcore import storage
 from pipelines.cli import main
-from stages import records, synthetic
+from pipelines.demo import shapes as synthetic
+from stages.common import records
 from stages.convert import media, split
 from stages.convert.config import EncoderConfig, MediaConfig, SplitConfig
 
@@ -33,40 +34,18 @@ ATOL = 1e-5
 
 
 def _write_encoder_pipeline(root: Path) -> Path:
-    """vae/ + text_encoder/ + tokenizer/ of a tiny random-init Wan pipeline (diffusers layout)."""
-    import jax
+    """A tiny random-init Wan pipeline (diffusers layout) with non-trivial latent statistics."""
+    from jaxcore.model_configs import read_model_yaml
+    from pipelines.demo.tiny import build_tiny_wan_pipeline
 
-    from jaxcore import weights
-    from jaxcore.model_configs import load_model_yaml
-    from jaxcore.models import umt5, wan_vae
-    from jaxcore.tiny_pipeline import export_state_dict
-    from jaxcore.tiny_tokenizer import build_tiny_tokenizer
-
-    sections = load_model_yaml(REPO / "configs/models/wan_tiny.yml")
-    vae_cfg = dataclasses.replace(
+    _, sections = read_model_yaml(REPO / "configs/models/wan_tiny.yml")
+    sections["vae"] = dataclasses.replace(
         sections["vae"], latents_mean=LATENTS_MEAN, latents_std=LATENTS_STD
     )
-    text_cfg = dataclasses.replace(sections["text_encoder"], vocab_size=256)
-    _, vae_params = wan_vae.init_wan_vae(vae_cfg, jax.random.key(1))
-    (root / "vae").mkdir(parents=True)
-    (root / "vae/config.json").write_text(
-        json.dumps({"_class_name": "AutoencoderKLWan", **vae_cfg.to_dict()})
+    sections["text_encoder"] = dataclasses.replace(sections["text_encoder"], vocab_size=256)
+    return build_tiny_wan_pipeline(
+        root, model_config={name: c.to_dict() for name, c in sections.items()}, seed=1
     )
-    weights.save_safetensors(
-        export_state_dict(vae_params, wan_vae.weight_map(vae_cfg)),
-        root / "vae/diffusion_pytorch_model.safetensors",
-    )
-    _, text_params = umt5.init_umt5(text_cfg, jax.random.key(2))
-    (root / "text_encoder").mkdir()
-    (root / "text_encoder/config.json").write_text(
-        json.dumps({"model_type": "umt5", **dataclasses.asdict(text_cfg)})
-    )
-    weights.save_safetensors(
-        export_state_dict(text_params, umt5.weight_map(text_cfg)),
-        root / "text_encoder/model.safetensors",
-    )
-    build_tiny_tokenizer(root / "tokenizer", vocab_size=256)
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -125,13 +104,16 @@ def _video(seed: int) -> np.ndarray:
 
 
 def test_handler_matches_direct_encoding(encoder_config, direct):
-    from stages.convert.encode import WanEncoderHandler, expected_shapes
+    from jaxcore.compute import ComputeConfig
+    from stages.convert.encode import EncoderHandler, plan_encoders
 
-    shapes = expected_shapes(
-        Path(encoder_config.pretrained_model_name_or_path), 1, HEIGHT, WIDTH, SEQ_LEN
-    )
-    assert shapes.latents == (4, 1, HEIGHT // 2, WIDTH // 2) and shapes.text == (SEQ_LEN, 32)
-    handler = WanEncoderHandler(encoder_config, shapes)
+    plan = plan_encoders(encoder_config, HEIGHT, WIDTH, 1)
+    assert plan.family == "wan"
+    assert plan.shapes == {
+        "latents": (4, 1, HEIGHT // 2, WIDTH // 2),
+        "encoder_hidden_states": (SEQ_LEN, 32),
+    }
+    handler = EncoderHandler(encoder_config, ComputeConfig(), plan)
     model = handler.load_model()
     import weakref
 
@@ -145,11 +127,21 @@ def test_handler_matches_direct_encoding(encoder_config, direct):
     assert [o["source_id"] for o in out] == ["s0", "s1", "s2"]
     latents_fn, text_fn = direct
     for item, result in zip(batch, out, strict=True):
-        np.testing.assert_allclose(result["latents"], latents_fn(item["video"]), atol=ATOL)
+        tensors = result["tensors"]
+        np.testing.assert_allclose(tensors["latents"], latents_fn(item["video"]), atol=ATOL)
         np.testing.assert_allclose(
-            result["encoder_hidden_states"], text_fn(item["caption"]), atol=ATOL
+            tensors["encoder_hidden_states"], text_fn(item["caption"]), atol=ATOL
         )
-        assert np.abs(result["latents"]).max() > 1e-3  # not trivially zero
+        assert np.abs(tensors["latents"]).max() > 1e-3  # not trivially zero
+
+
+def test_sizes_the_model_cannot_encode_are_refused_before_the_job(encoder_config):
+    from stages.convert.encode import EncoderLoadError, plan_encoders
+
+    with pytest.raises(EncoderLoadError, match="num_frames must be 1, 3, 5"):
+        plan_encoders(encoder_config, HEIGHT, WIDTH, 4)
+    with pytest.raises(EncoderLoadError, match="height must be a positive multiple of 4"):
+        plan_encoders(encoder_config, 18, WIDTH, 1)
 
 
 def test_prepare_item_dofn_emits_items_and_drop_reasons():
@@ -189,16 +181,16 @@ def test_make_record_dofn_routes_by_split_and_adds_timesteps():
     timesteps = split.assign_timesteps(eval_ids, cfg.timesteps_list)
     dofn = MakeRecord(cfg)
     for sid in ids:
-        item = {
-            "source_id": sid,
-            "caption": "c",
+        tensors = {
             "latents": np.ones((4, 1, 2, 2), np.float32),
             "encoder_hidden_states": np.zeros((3, 5), np.float32),
         }
+        item = {"source_id": sid, "caption": "c", "tensors": tensors}
         (out,) = dofn.process(item, timesteps)
         assert out.tag == split.assign_split(sid, 0.5, 0)
+        shapes = {name: value.shape for name, value in tensors.items()}
         parsed = records.parse_example(
-            tf.constant(out.value), (4, 1, 2, 2), (3, 5), with_timesteps=out.tag == "eval"
+            tf.constant(out.value), shapes, with_timesteps=out.tag == "eval"
         )
         assert parsed[records.SOURCE_ID].numpy().decode() == sid
         if out.tag == "eval":
@@ -212,8 +204,9 @@ def test_graph_on_test_pipeline(shapes_dir, encoder_config):
     from apache_beam.testing.test_pipeline import TestPipeline
     from apache_beam.testing.util import assert_that, equal_to
 
+    from jaxcore.compute import ComputeConfig
     from stages.convert.config import DatasetConfig
-    from stages.convert.encode import WanEncoderHandler
+    from stages.convert.encode import EncoderHandler
     from stages.convert.pipeline import DROPPED_TAG, build_graph
 
     dataset_config = DatasetConfig(source=str(shapes_dir))
@@ -243,7 +236,7 @@ def test_graph_on_test_pipeline(shapes_dir, encoder_config):
             dataset_config=dataset_config,
             media_config=MediaConfig(height=HEIGHT, width=WIDTH),
             split_config=split_cfg,
-            handler=WanEncoderHandler(encoder_config),
+            handler=EncoderHandler(encoder_config, ComputeConfig()),
         )
         for name in ("train", "eval"):
             assert_that(
@@ -285,13 +278,9 @@ def _read_split(manifest, split_name: str) -> list[dict]:
     local = storage.local_copy(manifest.uri)
     files = [str(local / p) for p in manifest.summary["splits"][split_name]["shards"]]
     assert files == sorted(files) and files
+    shapes = {name: f["shape"] for name, f in manifest.summary["features"].items()}
     dataset = tf.data.TFRecordDataset(files).map(
-        lambda s: records.parse_example(
-            s,
-            manifest.summary["latent_shape"],
-            manifest.summary["text_shape"],
-            with_timesteps=split_name == "eval",
-        )
+        lambda s: records.parse_example(s, shapes, with_timesteps=split_name == "eval")
     )
     return [
         {k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in row.items()}
@@ -305,9 +294,12 @@ def _check_artifact(uri: str, direct, shapes_dir: Path) -> None:
 
     manifest = open_artifact(uri, "convert")
     s = manifest.summary
-    assert s["latent_shape"] == [4, 1, HEIGHT // 2, WIDTH // 2]
-    assert s["text_shape"] == [SEQ_LEN, 32]
-    assert s["latent_sampling"] == "mean"
+    assert s["family"] == "wan"
+    assert s["features"] == {
+        "latents": {"shape": [4, 1, HEIGHT // 2, WIDTH // 2], "dtype": "float32"},
+        "encoder_hidden_states": {"shape": [SEQ_LEN, 32], "dtype": "float32"},
+    }
+    assert s["latents_normalization"]["latent_sampling"] == "mean"
     assert s["latents_normalization"]["latents_mean"] == pytest.approx(list(LATENTS_MEAN))
     assert s["rows_read"] == 14 and s["dropped_total"] == 2
     assert s["dropped"][media.UNDECODABLE_MEDIA] == 1 and s["dropped"][media.EMPTY_CAPTION] == 1
@@ -342,7 +334,7 @@ def _check_artifact(uri: str, direct, shapes_dir: Path) -> None:
         assert row[records.LATENTS].dtype == np.float32
         video = prepare_video(item["image_bytes"], height=HEIGHT, width=WIDTH, num_frames=1, fps=16)
         np.testing.assert_allclose(row[records.LATENTS], latents_fn(video), atol=ATOL)
-        np.testing.assert_allclose(row[records.TEXT], text_fn(item["text"]), atol=ATOL)
+        np.testing.assert_allclose(row["encoder_hidden_states"], text_fn(item["text"]), atol=ATOL)
         assert row[records.CAPTION].decode() == item["text"]
 
 

@@ -19,12 +19,12 @@ from jaxcore.artifacts import ArtifactWriter, open_artifact
 from jaxcore.config import load_config
 from jaxcore.models import wan_transformer as wan
 from pipelines.cli import main
-from stages.errors import StageInputError
-from stages.evaluate import scoring
+from stages.common import checkpoints as checkpointing
+from stages.common import data, scoring
+from stages.common.errors import StageInputError
 from stages.evaluate.config import EvaluateConfig
 from stages.evaluate.run import selected_steps
-from stages.train import checkpointing, data
-from stages.train.testing import write_convert_artifact
+from tests.support.convert_artifacts import write_convert_artifact
 
 REPO = Path(__file__).resolve().parents[2]
 EVAL_YML = REPO / "configs" / "stages" / "evaluate.yml"
@@ -53,7 +53,8 @@ def artifacts(tmp_path_factory):
     mngr = checkpointing.manager(f"{train_uri}/checkpoints", async_save=False)
     for step in (1, 2):
         _, params = wan.init_wan_transformer(config, jax.random.key(step))
-        checkpointing.save(mngr, step, params, None, {"model_config": config.to_dict()})
+        meta = {"family": "wan", "model_config": config.to_dict()}
+        checkpointing.save(mngr, step, params, None, meta)
     mngr.wait_until_finished()
     mngr.close()
     ArtifactWriter(train_uri, "train", {"test": "checkpoints"}).commit(
@@ -61,6 +62,7 @@ def artifacts(tmp_path_factory):
             "checkpoints": [1, 2],
             "checkpoint_dir": "checkpoints",
             "final_step": 2,
+            "family": "wan",
             "model_config": config.to_dict(),
         }
     )
@@ -86,7 +88,7 @@ def test_eval_loss_is_the_mean_of_bucket_means(artifacts):
     spec = data.split_spec(open_artifact(data_uri, "convert"), "eval")
     # a fake scorer: loss = timestep / 1000 for one bucket size pattern
     result = scoring.score(
-        lambda params, batch: batch["timesteps"].astype(np.float64) / 1000,
+        lambda params, batch: batch[scoring.TIMESTEPS].astype(np.float64) / 1000,
         None,
         spec,
         batch_size=4,

@@ -24,11 +24,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxcore import storage, wan_pipeline
+from jaxcore import storage
 from jaxcore.artifacts import open_artifact
+from jaxcore.pipeline import load_pipeline
+from jaxcore.sampling import initial_latents
 from jaxcore.sharding import make_mesh
-from jaxcore.tiny_pipeline import build_tiny_wan_pipeline
 from pipelines import cli
+from pipelines.demo.tiny import build_tiny_wan_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-4
@@ -51,7 +53,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 def _latents(frames: int, seed: int) -> np.ndarray:
-    return wan_pipeline.initial_latents(seed, (4, (frames - 1) // 2 + 1, 8, 8))
+    return initial_latents(seed, (4, (frames - 1) // 2 + 1, 8, 8))
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +196,8 @@ def test_same_pixels_for_any_batch_size_and_device_count(tiny_dir):
     )
     specs = parse_prompts("p.txt", ["red", "blue circle", "a green star", "gold"], defaults)
     specs = [s.__class__(**{**s.__dict__, "flow_shift": 3.0}) for s in specs]
-    one_device = wan_pipeline.load_wan_pipeline(tiny_dir, mesh=make_mesh(devices=jax.devices()[:1]))
-    eight = wan_pipeline.load_wan_pipeline(tiny_dir, mesh=make_mesh())
+    one_device = load_pipeline(tiny_dir, mesh=make_mesh(devices=jax.devices()[:1]))
+    eight = load_pipeline(tiny_dir, mesh=make_mesh())
     assert (one_device.batch_ways, eight.batch_ways) == (1, 8)
     runs = {
         "1 device, batch 1": _render(one_device, specs, 1),

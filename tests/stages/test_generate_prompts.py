@@ -7,12 +7,16 @@ import json
 import pytest
 
 from jaxcore.config import ConfigError, load_config
-from stages.errors import StageInputError
+from jaxcore.families import Geometry
+from stages.common.errors import StageInputError
 from stages.generate.config import GenerateConfig, SamplingSection
 from stages.generate.prompts import derive_seed, parse_prompts, safe_name
 from stages.generate.render import global_batch_size, plan_batches
 
-DEFAULTS = SamplingSection(height=16, width=16, num_frames=1, num_inference_steps=2)
+DEFAULTS = SamplingSection(
+    height=16, width=16, num_frames=1, num_inference_steps=2, guidance_scale=5.0
+)
+WAN_GEOMETRY = Geometry(spatial_multiple=16, temporal_multiple=4)  # Wan 2.1's VAE x patch
 
 
 def _jsonl(*records) -> list[str]:
@@ -57,8 +61,24 @@ def test_jsonl_fields_override_defaults():
 def test_bad_line_is_named_before_rendering(bad_line, message):
     lines = _jsonl({"prompt": "fine"}, "# comment", bad_line, {"prompt": "also fine"})
     with pytest.raises(StageInputError, match=message) as err:
-        parse_prompts("prompts.jsonl", lines, DEFAULTS)
+        parse_prompts("prompts.jsonl", lines, DEFAULTS, geometry=WAN_GEOMETRY)
     assert "prompts.jsonl line 3" in str(err.value)
+
+
+def test_model_defaults_fill_what_the_config_leaves_open():
+    model_defaults = {"height": 480, "width": 832, "num_frames": 81, "num_inference_steps": 50}
+    model_defaults |= {"guidance_scale": 5.0, "flow_shift": 3.0}
+    (spec,) = parse_prompts("p.txt", ["x"], SamplingSection(width=64), model_defaults)
+    assert (spec.height, spec.width, spec.num_frames) == (480, 64, 81)
+    assert (spec.num_inference_steps, spec.guidance_scale, spec.flow_shift) == (50, 5.0, 3.0)
+    with pytest.raises(StageInputError, match="p.txt line 1: no height"):
+        parse_prompts("p.txt", ["x"], SamplingSection())
+
+
+def test_images_only_geometry_refuses_frames():
+    lines = _jsonl({"prompt": "x", "num_frames": 5})
+    with pytest.raises(StageInputError, match="line 1: num_frames must be 1"):
+        parse_prompts("p.jsonl", lines, DEFAULTS, geometry=Geometry(16, 0))
 
 
 def test_duplicate_ids_and_empty_files_are_errors():
@@ -98,7 +118,7 @@ def test_plan_batches_groups_pads_and_splits_hosts():
 
 def test_stage_yaml_loads_and_validates():
     config = load_config(GenerateConfig, "configs/stages/generate.yml", ["guidance_scale=1"])
-    assert config.sampling.guidance_scale == 1.0 and config.sampling.scheduler == "unipc"
+    assert config.sampling.guidance_scale == 1.0 and config.sampling.scheduler is None
     with pytest.raises(ConfigError, match="num_inference_steps"):
         load_config(GenerateConfig, "configs/stages/generate.yml", ["num_inference_steps=0"])
     with pytest.raises(ConfigError, match="prompt_file is required"):

@@ -22,13 +22,16 @@ import yaml
 
 from jaxcore import sharding
 from jaxcore.artifacts import ArtifactError
+from jaxcore.compute import ComputeConfig
 from jaxcore.config import load_config
+from jaxcore.families import FamilyError, TensorSpec, get
 from pipelines.cli import main
-from stages import records
-from stages.errors import StageInputError
-from stages.train import data, model, objective, trainer
-from stages.train.config import ObjectiveSection, OptimizerSection, TrainConfig, global_batch_size
-from stages.train.testing import TinyDataConfig, write_convert_artifact
+from stages.common import checkpoints, data, objective, records
+from stages.common.errors import StageInputError
+from stages.common.objective import ObjectiveSection
+from stages.train import model, trainer
+from stages.train.config import ModelSection, OptimizerSection, TrainConfig, global_batch_size
+from tests.support.convert_artifacts import TinyDataConfig, write_convert_artifact
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_YML = REPO / "configs" / "stages" / "train.yml"
@@ -171,41 +174,65 @@ def test_mismatched_record_shape_names_the_feature(tmp_path):
     # a manifest claiming another latent shape than the records hold
     mpath = Path(uri) / "manifest.json"
     m = json.loads(mpath.read_text())
-    m["summary"]["latent_shape"] = [4, 1, 4, 4]
+    m["summary"]["features"]["latents"]["shape"] = [4, 1, 4, 4]
     mpath.write_text(json.dumps(m))
     spec = data.split_spec(_open(uri), "train")
     with pytest.raises(StageInputError, match="latents"):
         _take(spec, 0, 1, batch=2)
-    with pytest.raises(StageInputError, match="in_channels"):
-        data.check_model_shapes((8, 1, 4, 4), (8, 32), 4, 32, uri)
+
+
+def test_records_that_do_not_fit_the_model_name_both(tmp_path):
+    wan = get("wan")
+    config = wan.denoiser_config(
+        yaml.safe_load((REPO / "configs/models/wan_tiny.yml").read_text())["transformer"]
+    )
+    good = {
+        "latents": TensorSpec("latents", (4, 1, 8, 8)),
+        "encoder_hidden_states": TensorSpec("encoder_hidden_states", (8, 32)),
+    }
+    wan.check_features(config, good, "data")
+    with pytest.raises(FamilyError, match="8 channels, the denoiser takes 4"):
+        wan.check_features(config, {**good, "latents": TensorSpec("latents", (8, 1, 8, 8))}, "d")
+    wide = {**good, "encoder_hidden_states": TensorSpec("encoder_hidden_states", (8, 64))}
+    with pytest.raises(FamilyError, match=r"'encoder_hidden_states' has shape \[8, 64\]"):
+        wan.check_features(config, wide, "d")
+    with pytest.raises(FamilyError, match="no 'encoder_hidden_states' feature"):
+        wan.check_features(config, {"latents": good["latents"]}, "d")
 
 
 def test_synthetic_batches_are_indexed_by_step():
-    a = data.synthetic_batches((4, 1, 2, 2), (3, 8), 2, seed=1, start_step=0)
-    b = data.synthetic_batches((4, 1, 2, 2), (3, 8), 2, seed=1, start_step=2)
+    features = (TensorSpec("latents", (4, 1, 2, 2)), TensorSpec("encoder_hidden_states", (3, 8)))
+    a = data.synthetic_batches(features, 2, seed=1, start_step=0)
+    b = data.synthetic_batches(features, 2, seed=1, start_step=2)
     first = [next(a) for _ in range(3)]
     np.testing.assert_array_equal(first[2][records.LATENTS], next(b)[records.LATENTS])
+    assert first[0]["encoder_hidden_states"].shape == (2, 3, 8)
 
 
 # --- the step on meshes -----------------------------------------------------------------------
 
 
+FEATURES = (TensorSpec("latents", (4, 1, 8, 8)), TensorSpec("encoder_hidden_states", (8, 32)))
+
+
 def _one_step(model_yaml, mesh):
-    section = model.ModelSection(model_config=model_yaml)
-    module, params, _ = model.build_model(section, mesh, jax.random.key(0))
+    built = model.build_model(
+        ModelSection(model_config=model_yaml), ComputeConfig(), mesh, jax.random.key(0)
+    )
+    family, module, params = built.family, built.module, built.params
     tx, sched = trainer.make_optimizer(
         OptimizerSection(learning_rate=1e-3, warmup_steps_fraction=0.0), 10
     )
-    p_sh = model.param_target_shardings(module, mesh)
+    p_sh = checkpoints.param_shardings(family, module, mesh)
     o_sh = trainer.opt_state_shardings(tx, params, p_sh, mesh)
     opt = jax.jit(tx.init, out_shardings=o_sh)(params)
-    step = trainer.make_train_step(module, tx, sched, ObjectiveSection(), mesh, p_sh, o_sh, 0)
+    step = trainer.make_train_step(
+        family, module, tx, sched, ObjectiveSection(), mesh, p_sh, o_sh, FEATURES, 0
+    )
     rng = np.random.default_rng(0)
-    host = {
-        records.LATENTS: rng.standard_normal((8, 4, 1, 8, 8), np.float32),
-        records.TEXT: rng.standard_normal((8, 8, 32), np.float32),
-    }
-    params, _, metrics = step(params, opt, data.to_global(host, mesh, 8), 0)
+    host = {f.name: rng.standard_normal((8, *f.shape), np.float32) for f in FEATURES}
+    keys = tuple(host)
+    params, _, metrics = step(params, opt, data.to_global(host, mesh, 8, keys=keys), 0)
     return jax.device_get(params), float(metrics["loss"])
 
 
@@ -254,10 +281,10 @@ def test_sharded_step_equals_single_device_step(name, one_layer_model, single_de
 
 
 def _initial(model_yaml):
-    section = model.ModelSection(model_config=model_yaml)
+    section = ModelSection(model_config=model_yaml)
     mesh = sharding.make_mesh(sharding.MeshConfig(), devices=jax.devices()[:1])
-    _, params, _ = model.build_model(section, mesh, jax.random.key(0))
-    return jax.device_get(params)
+    built = model.build_model(section, ComputeConfig(), mesh, jax.random.key(0))
+    return jax.device_get(built.params)
 
 
 # --- end to end -------------------------------------------------------------------------------
@@ -387,7 +414,7 @@ def test_checkpoints_on_gcs_save_keep_resume_and_reshard(gcs_root, one_layer_mod
     """orbax on the local GCS server: saves every 2 steps keeping 2, a longer run resumes from
     the latest, and a checkpoint restores onto another mesh shape."""
     # orbax reaches gs:// through etils.epath -> fsspec -> gcsfs; tensorstore does the array I/O.
-    from stages.train import checkpointing, loop
+    from stages.train import loop
 
     out = f"{gcs_root}/train"
     common = [f"model.model_config={one_layer_model}", "checkpoint_every=2", "max_to_keep=2"]
@@ -396,12 +423,13 @@ def test_checkpoints_on_gcs_save_keep_resume_and_reshard(gcs_root, one_layer_mod
     second = loop.train(_config(out, *common, "max_train_steps=6"), out)
     assert second.checkpoints == [4, 6]  # resumed at 4 (no step 2 re-saved), kept 2
     mesh = sharding.make_mesh(sharding.MeshConfig(ici_data_parallelism=2, ici_tensor_parallelism=4))
-    cfg = model.config_from_yaml(one_layer_model, "transformer")
-    module = model.make_module(cfg, model.ModelSection(model_config="x"), mesh)
-    params = checkpointing.restore_params(f"{out}/checkpoints", 6, module, mesh)
+    family, cfg = model.config_from_yaml(one_layer_model, None)
+    module = family.make_denoiser(cfg, ComputeConfig(), mesh)
+    params = checkpoints.restore_params(f"{out}/checkpoints", 6, family, module, mesh)
     q = params["blocks_0"]["attn1"]["to_q"]["kernel"]
     assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
-    assert checkpointing.read_meta(f"{out}/checkpoints", 6)["model_config"]["num_layers"] == 1
+    meta = checkpoints.read_meta(f"{out}/checkpoints", 6)
+    assert meta["model_config"]["num_layers"] == 1 and meta["family"] == "wan"
 
 
 def test_relative_output_dir_checkpoints_and_resumes(one_layer_model, tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """Builders of tiny convert artifacts for tests (train, evaluate, generate, pipelines).
 
-The summary keys match what the convert stage writes: ``splits: {train: {records, shards},
-eval: {...}}``, ``latent_shape: [C, F, H, W]``, ``text_shape: [L, D]``, ``timesteps_list``.
+The summary keys match what the convert stage writes: ``family``, ``features: {latents:
+{shape, dtype}, encoder_hidden_states: {...}}``, ``splits: {train: {records, shards}, eval:
+{...}}``, ``timesteps_list`` (Wan-family records: latents [C, F, H, W], text [L, D]).
 Latents are a few fixed random patterns (plus a little noise), each paired with its own text
 embedding, so a tiny model can visibly learn them within ~100 steps.
 """
@@ -17,7 +18,9 @@ import numpy as np
 
 from jaxcore import storage
 from jaxcore.artifacts import ArtifactWriter, Manifest
-from stages import records
+from stages.common import records
+
+TEXT = "encoder_hidden_states"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +35,31 @@ class TinyDataConfig:
     timesteps_list: tuple[int, ...] = records.DEFAULT_TIMESTEPS_LIST
     num_patterns: int = 4
     seed: int = 0
+    family: str = "wan"
+    # conditioning tensors besides the text (name, shape), e.g. Flux's pooled_projections
+    extra_features: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    @property
+    def conditioning(self) -> dict[str, tuple[int, ...]]:
+        return {TEXT: tuple(self.text_shape), **{n: tuple(s) for n, s in self.extra_features}}
+
+
+# Flux-family records of the tiny Flux (configs/models/flux_tiny.yml, tests/support/tiny_flux.py).
+FLUX = dict(
+    family="flux",
+    latent_shape=(4, 8, 8),
+    text_shape=(8, 32),
+    extra_features=(("pooled_projections", (24,)),),
+)
 
 
 def _examples(cfg: TinyDataConfig, split: str, count: int) -> list[bytes]:
     rng = np.random.default_rng(cfg.seed)
     patterns = rng.standard_normal((cfg.num_patterns, *cfg.latent_shape)).astype(np.float32)
-    texts = rng.standard_normal((cfg.num_patterns, *cfg.text_shape)).astype(np.float32)
+    conditioning = {
+        name: rng.standard_normal((cfg.num_patterns, *shape)).astype(np.float32)
+        for name, shape in cfg.conditioning.items()
+    }
     split_rng = np.random.default_rng([cfg.seed, 0 if split == "train" else 1])
     out = []
     for i in range(count):
@@ -46,13 +68,11 @@ def _examples(cfg: TinyDataConfig, split: str, count: int) -> list[bytes]:
         timestep = None
         if split == "eval":
             timestep = cfg.timesteps_list[i % len(cfg.timesteps_list)]
+        tensors = {records.LATENTS: latents.astype(np.float32)}
+        tensors |= {name: values[k] for name, values in conditioning.items()}
         out.append(
             records.make_example(
-                latents.astype(np.float32),
-                texts[k],
-                caption=f"pattern {k}",
-                source_id=f"{split}-{i:06d}",
-                timestep=timestep,
+                tensors, caption=f"pattern {k}", source_id=f"{split}-{i:06d}", timestep=timestep
             )
         )
     return out
@@ -83,10 +103,11 @@ def write_convert_artifact(uri: str, cfg: TinyDataConfig | None = None) -> Manif
     for split, count in (("train", cfg.train_records), ("eval", cfg.eval_records)):
         shards = write_shards(uri, split, _examples(cfg, split, count), cfg.shards_per_split)
         splits[split] = {"records": count, "shards": shards}
+    shapes = {records.LATENTS: tuple(cfg.latent_shape), **cfg.conditioning}
     summary = {
+        "family": cfg.family,
+        "features": {name: {"shape": list(s), "dtype": "float32"} for name, s in shapes.items()},
         "splits": splits,
-        "latent_shape": list(cfg.latent_shape),
-        "text_shape": list(cfg.text_shape),
         "timesteps_list": list(cfg.timesteps_list),
     }
     return ArtifactWriter(uri, "convert", cfg).commit(summary)

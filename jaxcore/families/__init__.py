@@ -1,0 +1,80 @@
+"""The model families difforge runs, in one static table, and how a model finds its family.
+
+:data:`FAMILIES` maps a family name to its :class:`~jaxcore.families.base.Family`. A diffusers
+pipeline directory names its family through ``model_index.json`` ``_class_name``
+(:func:`for_pipeline`); a bare denoiser directory through its ``config.json`` ``_class_name``
+(:func:`for_denoiser`). An unknown class is an error that lists the supported ones.
+
+Adding a family: write ``jaxcore/families/<name>.py`` (a :class:`Family` subclass over the
+models in ``jaxcore/models/``) and add one line to :data:`FAMILIES` (see the README section
+"Adding a model family").
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from jaxcore.families.base import (
+    Encoders,
+    Family,
+    FamilyError,
+    Geometry,
+    Guidance,
+    TensorSpec,
+    read_json,
+    read_model_index,
+)
+from jaxcore.families.flux import FluxFamily
+from jaxcore.families.wan import WanFamily
+
+FAMILIES: dict[str, Family] = {family.name: family for family in (WanFamily(), FluxFamily())}
+
+
+def get(name: str) -> Family:
+    """The family called ``name``; an unknown name is an error listing the known ones."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise FamilyError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}") from None
+
+
+def _by_class(class_name: str | None, attribute: str, where: str) -> Family:
+    for family in FAMILIES.values():
+        if class_name in getattr(family, attribute):
+            return family
+    supported = sorted(c for f in FAMILIES.values() for c in getattr(f, attribute))
+    raise FamilyError(
+        f"{where}: _class_name {class_name!r} is not supported; supported: {supported}"
+    )
+
+
+def for_pipeline(directory: str | os.PathLike) -> Family:
+    """The family of a diffusers pipeline directory (from ``model_index.json``), checked."""
+    index = read_model_index(directory)
+    where = str(Path(directory) / "model_index.json")
+    family = _by_class(index.get("_class_name"), "pipeline_classes", where)
+    family.check_model_index(index, where)
+    return family
+
+
+def for_denoiser(directory: str | os.PathLike) -> Family:
+    """The family of a bare denoiser directory (its ``config.json`` ``_class_name``)."""
+    path = Path(directory) / "config.json"
+    return _by_class(
+        read_json(path, "a denoiser config").get("_class_name"), "denoiser_classes", str(path)
+    )
+
+
+__all__ = [
+    "FAMILIES",
+    "Encoders",
+    "Family",
+    "FamilyError",
+    "Geometry",
+    "Guidance",
+    "TensorSpec",
+    "for_denoiser",
+    "for_pipeline",
+    "get",
+]

@@ -1,0 +1,367 @@
+"""The model-family interface: everything model-specific the stages need, behind one class.
+
+A family (Wan, Flux, ...) is a small subclass of :class:`Family` in ``jaxcore/families/<name>.py``
+registered in the static table of :mod:`jaxcore.families`. The stages (convert, train,
+evaluate, generate) call only this interface; the sampling loop (:mod:`jaxcore.sampling`) and
+the training objective (:mod:`jaxcore.flow_matching`) are shared and written once.
+
+What a family tells the stages:
+
+- **recognition and loading**: the diffusers ``model_index.json`` ``_class_name`` values it
+  loads (:attr:`Family.pipeline_classes`) and the denoiser's ``config.json`` class names
+  (:attr:`Family.denoiser_classes`); :meth:`Family.load_pipeline` loads every component.
+- **conditioning**: the named tensors its encoders produce (:meth:`Family.conditioning_specs`,
+  name/shape/dtype) — what convert writes into records and train/evaluate read back — and the
+  encoders themselves (:meth:`Family.load_encoders`: media -> latents, captions -> tensors).
+- **media <-> latents**: which sizes it can encode (:meth:`Family.geometry`), the latent shape
+  (:meth:`Family.latent_shape`), encode (in :class:`Encoders`) and decode (:meth:`Family.decode`).
+- **the denoiser**: config, build, init, load, shard (``abstract_params``), apply to
+  ``(latents, timestep, conditioning)``, export to diffusers format, FLOPs.
+- **sampling defaults**: scheduler and shift from the pipeline's scheduler config, and how the
+  user's guidance settings become a CFG scale and the denoiser's own inputs
+  (:meth:`Family.guidance`).
+- **the training target**: :attr:`Family.objective` ("flow_matching" for every family so far;
+  "epsilon" / "v_prediction" are the seam for UNet families).
+
+Timesteps at this interface are always on the scheduler's scale, ``[0, num_train_timesteps]``
+(Wan's convention); a family whose denoiser wants another (Flux: ``t / 1000``) converts inside
+:meth:`Family.apply`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxcore import weights
+from jaxcore.compute import ComputeConfig
+
+
+class FamilyError(weights.WeightsError):
+    """A model directory, config or record set that does not fit a family; names the thing."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A named per-example tensor (no batch axis): a record feature or a conditioning input."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    def to_dict(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, name: str, data: Mapping) -> TensorSpec:
+        return cls(name, tuple(int(n) for n in data["shape"]), str(data.get("dtype", "float32")))
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The media sizes a pipeline can encode and render.
+
+    ``spatial_multiple``: height and width must be positive multiples of it (VAE compression x
+    the denoiser's patch). ``temporal_multiple``: ``num_frames - 1`` must be a multiple of it;
+    0 means images only (``num_frames == 1``).
+    """
+
+    spatial_multiple: int
+    temporal_multiple: int
+
+    def check(self, height: int, width: int, num_frames: int, where: str = "") -> None:
+        """Raise ValueError naming the parameter when a size cannot be used."""
+        prefix = f"{where}: " if where else ""
+        s = self.spatial_multiple
+        for name, value in (("height", height), ("width", width)):
+            if not isinstance(value, int) or value < s or value % s:
+                raise ValueError(
+                    f"{prefix}{name} must be a positive multiple of {s}, got {value!r}"
+                )
+        t = self.temporal_multiple
+        if not isinstance(num_frames, int) or num_frames < 1:
+            raise ValueError(f"{prefix}num_frames must be >= 1, got {num_frames!r}")
+        if t == 0 and num_frames != 1:
+            raise ValueError(
+                f"{prefix}num_frames must be 1 (this model makes images), got {num_frames}"
+            )
+        if t and (num_frames - 1) % t:
+            raise ValueError(
+                f"{prefix}num_frames must be 1, {1 + t}, {1 + 2 * t}, ... ({t}k + 1), "
+                f"got {num_frames}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Guidance:
+    """How one prompt is guided: a CFG scale (applied when > 1) and the denoiser's own inputs.
+
+    ``cfg_scale``: ``uncond + cfg_scale * (cond - uncond)`` when > 1 (Wan's ``guidance_scale``,
+    Flux's ``true_cfg_scale``). ``embedded``: extra per-sample conditioning scalars the denoiser
+    takes as input (Flux dev's guidance embedding), by name.
+    """
+
+    cfg_scale: float = 1.0
+    embedded: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def uses_cfg(self) -> bool:
+        return self.cfg_scale > 1.0
+
+
+class Encoders(abc.ABC):
+    """The encoders convert runs: media -> normalised latents, captions -> named tensors.
+
+    Every call takes at most ``batch_size`` rows and pads to it, so any batch reuses one
+    compiled program. An ordinary object (weak-referenceable, as Beam's model cache needs).
+    """
+
+    batch_size: int
+
+    @abc.abstractmethod
+    def encode_media(self, videos: np.ndarray) -> np.ndarray:
+        """``[B, 3, F, H, W]`` in [-1, 1] -> normalised latents ``[B, *latent_shape]`` float32."""
+
+    @abc.abstractmethod
+    def encode_text(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
+        """Captions -> ``{conditioning name: [B, *shape]}`` float32."""
+
+
+class Family(abc.ABC):
+    """One model line (see the module docstring). Subclasses are stateless singletons."""
+
+    name: str = ""
+    description: str = ""
+    pipeline_classes: tuple[str, ...] = ()  # model_index.json _class_name values
+    denoiser_classes: tuple[str, ...] = ()  # the denoiser's config.json _class_name values
+    denoiser_component: str = "transformer"  # its folder in a pipeline / section in a YAML
+    objective: str = "flow_matching"
+
+    # --- recognition, components -----------------------------------------------------------
+    def __hash__(self) -> int:  # singletons; hashable so jitted functions can be cached on them
+        return hash(type(self))
+
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other)
+
+    def __repr__(self) -> str:
+        return f"<family {self.name}>"
+
+    @abc.abstractmethod
+    def component_config_classes(self) -> dict[str, type]:
+        """{component name: its config dataclass} (sections of a model YAML, folders of a
+        pipeline). Each class has ``from_dict(config.json dict)`` and ``to_dict()``."""
+
+    def check_model_index(self, index: Mapping, where: str) -> None:
+        """Refuse a ``model_index.json`` this family recognises but cannot run (naming the key).
+
+        The default accepts every index whose ``_class_name`` the family lists."""
+        del index, where
+
+    def component_configs(self, directory: str | os.PathLike) -> dict[str, Any]:
+        """Validated configs of a pipeline directory's components (no weights are read)."""
+        directory = Path(directory)
+        out = {}
+        for component, cls in self.component_config_classes().items():
+            path = directory / component / "config.json"
+            if not path.is_file():
+                raise FamilyError(f"{directory}: no {component}/config.json ({self.name} pipeline)")
+            out[component] = _from_dict(cls, weights.read_config(path.parent), path)
+        return out
+
+    # --- the denoiser -----------------------------------------------------------------------
+    def denoiser_config(self, data: Mapping[str, Any], where: str = "config") -> Any:
+        """The denoiser's config from a config.json dict, a YAML section or a checkpoint."""
+        cls = self.component_config_classes()[self.denoiser_component]
+        return _from_dict(cls, data, where)
+
+    @abc.abstractmethod
+    def make_denoiser(self, config, compute: ComputeConfig, mesh=None):
+        """The denoiser module (no parameters)."""
+
+    @abc.abstractmethod
+    def abstract_params(self, module) -> Mapping:
+        """The ``params`` collection as boxed ShapeDtypeStructs (logical partitioning kept)."""
+
+    @abc.abstractmethod
+    def init_denoiser(self, config, rng, compute: ComputeConfig, mesh=None, rules=None):
+        """(module, params) randomly initialised, already placed on ``mesh``."""
+
+    @abc.abstractmethod
+    def load_denoiser(self, directory, compute: ComputeConfig, mesh=None, rules=None):
+        """(module, params) from a diffusers denoiser directory (config.json + safetensors)."""
+
+    @abc.abstractmethod
+    def apply(self, module, params, latents, timestep, conditioning: Mapping[str, Any]):
+        """The denoiser's prediction for ``latents [B, *latent_shape]`` at ``timestep [B]``
+        (scheduler scale, 0..1000) given the conditioning tensors by name."""
+
+    @abc.abstractmethod
+    def export_denoiser(self, module, params) -> tuple[dict[str, np.ndarray], dict]:
+        """(diffusers state dict, config.json dict) of a trained denoiser."""
+
+    @abc.abstractmethod
+    def flops_per_forward(self, config, batch: int, latent_shape, conditioning_shapes) -> int:
+        """Matmul FLOPs of one denoiser forward (for MFU); training is 3x this."""
+
+    @abc.abstractmethod
+    def tokens_per_example(self, config, latent_shape) -> int:
+        """Sequence positions the denoiser processes per example (for tokens/s)."""
+
+    @abc.abstractmethod
+    def check_heads(self, config, mesh) -> None:
+        """Raise ShardingError when the denoiser's heads do not split over the mesh."""
+
+    # --- conditioning and latents -----------------------------------------------------------
+    @abc.abstractmethod
+    def conditioning_specs(self, denoiser_config, text_length: int) -> tuple[TensorSpec, ...]:
+        """The conditioning tensors the denoiser takes per example for prompts padded to
+        ``text_length`` tokens (record features besides ``latents``)."""
+
+    @abc.abstractmethod
+    def geometry(self, configs: Mapping[str, Any]) -> Geometry:
+        """Which sizes the components (from :meth:`component_configs`) encode and render."""
+
+    @abc.abstractmethod
+    def latent_shape(self, configs: Mapping[str, Any], height, width, num_frames) -> tuple:
+        """Per-example latent shape for a ``num_frames x height x width`` clip."""
+
+    def record_features(
+        self, directory, height: int, width: int, num_frames: int, max_sequence_length: int
+    ) -> tuple[TensorSpec, ...]:
+        """What convert writes per example: ``latents`` then the conditioning (configs only)."""
+        configs = self.component_configs(directory)
+        self.geometry(configs).check(height, width, num_frames, where=str(directory))
+        latents = TensorSpec(
+            "latents", tuple(self.latent_shape(configs, height, width, num_frames))
+        )
+        denoiser = configs[self.denoiser_component]
+        return (latents, *self.conditioning_specs(denoiser, max_sequence_length))
+
+    def check_features(self, denoiser_config, features: Mapping[str, TensorSpec], where: str):
+        """Records must carry what the denoiser takes: the conditioning names and widths
+        (the text length may differ) and latents with the denoiser's channel count."""
+        length = _text_length(features)
+        expected = {s.name: s for s in self.conditioning_specs(denoiser_config, length)}
+        problems = []
+        for name, spec in expected.items():
+            got = features.get(name)
+            if got is None:
+                problems.append(
+                    f"no {name!r} feature (the {self.name} denoiser needs {spec.shape})"
+                )
+            elif tuple(got.shape) != tuple(spec.shape):
+                problems.append(
+                    f"{name!r} has shape {list(got.shape)}, the denoiser needs {list(spec.shape)}"
+                )
+        latents = features.get("latents")
+        channels = self.latent_channels(denoiser_config)
+        if latents is None:
+            problems.append("no 'latents' feature")
+        elif latents.shape[0] != channels:
+            problems.append(
+                f"'latents' {list(latents.shape)} have {latents.shape[0]} channels, the denoiser "
+                f"takes {channels}"
+            )
+        if problems:
+            raise FamilyError(
+                f"{where}: records do not fit the {self.name} model: " + "; ".join(problems)
+            )
+
+    @abc.abstractmethod
+    def latent_channels(self, denoiser_config) -> int:
+        """Channels of the latents the denoiser takes (the records' ``latents`` axis 0)."""
+
+    @abc.abstractmethod
+    def load_encoders(
+        self, directory, compute: ComputeConfig, max_sequence_length: int, batch_size: int
+    ) -> Encoders:
+        """The VAE encoder and text encoders of a pipeline directory, for convert."""
+
+    def latent_normalization(self, configs: Mapping[str, Any]) -> dict:
+        """How the records' latents were normalised (recorded in the convert manifest)."""
+        return {}
+
+    # --- inference --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def load_pipeline(
+        self, directory, compute: ComputeConfig, mesh=None, rules=None, denoiser=None
+    ):
+        """Every component of a pipeline directory -> :class:`jaxcore.pipeline.Pipeline`.
+
+        ``denoiser``: ``(module, params)`` that replace the directory's (e.g. a trained
+        checkpoint); its weights are then not read from the directory."""
+
+    @abc.abstractmethod
+    def encode_prompts(self, pipe, prompts: Sequence[str], max_sequence_length: int):
+        """Prompts -> ``{conditioning name: [B, ...]}`` float32 on the host."""
+
+    @abc.abstractmethod
+    def decode(self, pipe, latents):
+        """Latents -> video ``[B, F, H, W, 3]`` float32 in [0, 1] (diffusers ``output_type="np"``)."""
+
+    @abc.abstractmethod
+    def sampling_defaults(self, configs: Mapping[str, Any]) -> dict[str, Any]:
+        """What the diffusers pipeline renders when not told otherwise: ``height``, ``width``,
+        ``num_frames``, ``num_inference_steps``, ``guidance_scale``."""
+
+    @abc.abstractmethod
+    def default_scheduler(self, scheduler_config: Mapping) -> str:
+        """The jaxcore scheduler name the pipeline's scheduler_config.json stands for."""
+
+    def default_shift(self, scheduler_config: Mapping) -> float:
+        """The static shift of the pipeline's scheduler (``flow_shift`` / ``shift``), else 1."""
+        value = scheduler_config.get("flow_shift", scheduler_config.get("shift", 1.0))
+        return float(value or 1.0)
+
+    @abc.abstractmethod
+    def make_schedule(self, pipe, scheduler: str, num_inference_steps: int, shift, latent_shape):
+        """(scheduler state, step_fn) for one sampling run (see :mod:`jaxcore.schedulers`)."""
+
+    @abc.abstractmethod
+    def guidance(self, configs, *, guidance_scale: float, true_cfg_scale: float) -> Guidance:
+        """The user's guidance settings -> this family's :class:`Guidance` for a pipeline with
+        these component configs; a setting the family does not have is an error naming it."""
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def _from_dict(cls, data: Mapping, where) -> Any:
+    try:
+        return cls.from_dict(data)
+    except (ValueError, TypeError, KeyError) as err:
+        raise FamilyError(f"{where}: {err}") from None
+
+
+def _text_length(features: Mapping[str, TensorSpec]) -> int:
+    """The prompt length of a record set (its ``encoder_hidden_states`` rows), else 1."""
+    text = features.get("encoder_hidden_states")
+    return int(text.shape[0]) if text is not None and text.shape else 1
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> dict:
+    """A JSON file as a dict; a missing or broken file is a FamilyError naming it."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FamilyError(f"{path} does not exist (expected {what})") from None
+    except json.JSONDecodeError as err:
+        raise FamilyError(f"{path}: invalid JSON: {err}") from None
+
+
+def read_model_index(directory: str | os.PathLike) -> dict:
+    return read_json(Path(directory) / "model_index.json", "a diffusers pipeline directory")
+
+
+def read_scheduler_config(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / "scheduler" / "scheduler_config.json"
+    return read_json(path, "the pipeline's scheduler config")

@@ -1,0 +1,421 @@
+"""Flux.1 (dev and schnell) text-to-image as a family: the twin of diffusers' ``FluxPipeline``.
+
+Reference: ``diffusers/pipelines/flux/pipeline_flux.py`` (``FluxPipeline.__call__``):
+
+- prompts -> CLIP-L's pooled output (``pooled_projections`` [768]; the CLIP tokenizer pads and
+  truncates to its 77 tokens, no attention mask) and T5 v1.1's last hidden state
+  (``encoder_hidden_states`` [max_sequence_length, 4096]; padded to ``max_sequence_length``,
+  no attention mask, so that length changes the result);
+- latents ``[16, H/8, W/8]`` normalised ``(z - shift_factor) * scaling_factor``; the denoiser
+  packs them into 2x2 patches ``[H/16 * W/16, 64]`` with image ids (0, row, col) and text ids
+  (zeros) for its 3-axis RoPE, and takes ``timestep / 1000``;
+- guidance: dev's embedded guidance (``guidance_scale``, a denoiser input of every sample);
+  true CFG with the negative prompt when ``true_cfg_scale > 1`` (a second pass,
+  ``neg + true_cfg_scale * (cond - neg)``); schnell has no guidance embedding;
+- the flow-match Euler scheduler with FluxPipeline's sigmas ``linspace(1, 1/N, N)`` and, under
+  dynamic shifting (dev), ``mu`` linear in the image sequence length;
+- decode: ``z / scaling_factor + shift_factor`` -> VAE -> ``image / 2 + 0.5`` in [0, 1].
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcore import sharding, weights
+from jaxcore.compute import ComputeConfig
+from jaxcore.families.base import (
+    Encoders,
+    Family,
+    FamilyError,
+    Geometry,
+    Guidance,
+    TensorSpec,
+    read_scheduler_config,
+)
+from jaxcore.models import autoencoder_kl, clip_text, flux_transformer, t5
+
+log = logging.getLogger(__name__)
+
+TEXT = "encoder_hidden_states"
+POOLED = "pooled_projections"
+GUIDANCE = "guidance"
+PACK = 2  # Flux packs latents into 2x2 patches
+DEFAULT_SAMPLE_SIZE = 128  # FluxPipeline.default_sample_size (in latent pixels)
+
+
+# --- prompt encoding ----------------------------------------------------------------------------
+
+
+def load_tokenizer(directory: Path):
+    """``AutoTokenizer`` from a local directory only; never runs code shipped with it."""
+    from transformers import AutoTokenizer
+
+    if not directory.is_dir():
+        raise FamilyError(f"tokenizer directory {directory} does not exist")
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+
+
+def _token_ids(tokenizer, prompts: Sequence[str], max_length: int) -> np.ndarray:
+    """FluxPipeline's tokenization: pad to ``max_length``, truncate, int32 ids [B, max_length]."""
+    encoded = tokenizer(
+        list(prompts),
+        padding="max_length",
+        max_length=max_length,
+        truncation=True,
+        return_tensors="np",
+    )
+    return np.asarray(encoded["input_ids"], np.int32)
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_clip(module: clip_text.CLIPTextEncoder):
+    return jax.jit(lambda params, ids: module.apply({"params": params}, ids).pooler_output)
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_t5(module: t5.T5Encoder):
+    return jax.jit(lambda params, ids: module.apply({"params": params}, ids))
+
+
+def encode_text(components: dict, prompts: Sequence[str], max_sequence_length: int) -> dict:
+    """``{encoder_hidden_states [B, L, D], pooled_projections [B, P]}`` float32 on the host."""
+    clip, clip_params = components["text_encoder"]
+    encoder, encoder_params = components["text_encoder_2"]
+    tokenizer = components["tokenizer"]
+    clip_length = int(getattr(tokenizer, "model_max_length", 77) or 77)
+    clip_length = min(clip_length, clip.config.max_position_embeddings)
+    clip_ids = _token_ids(tokenizer, prompts, clip_length)
+    t5_ids = _token_ids(components["tokenizer_2"], prompts, max_sequence_length)
+    pooled = _jitted_clip(clip)(clip_params, clip_ids)
+    hidden = _jitted_t5(encoder)(encoder_params, t5_ids)
+    return {
+        TEXT: np.asarray(hidden, np.float32),
+        POOLED: np.asarray(pooled, np.float32),
+    }
+
+
+def _load_text_encoders(directory: Path, compute: ComputeConfig, mesh=None) -> dict:
+    try:
+        clip, clip_params = clip_text.load_clip_text(
+            directory / "text_encoder",
+            dtype=compute.dtype,
+            param_dtype=compute.param_dtype,
+            mesh=mesh,
+        )
+        encoder, encoder_params = t5.load_t5_encoder(
+            directory / "text_encoder_2",
+            dtype=compute.dtype,
+            param_dtype=compute.param_dtype,
+            mesh=mesh,
+        )
+    except (clip_text.CLIPTextConfigError, t5.T5ConfigError) as err:
+        raise FamilyError(f"{directory}: {err}") from None
+    return {
+        "text_encoder": (clip, clip_params),
+        "text_encoder_2": (encoder, encoder_params),
+        "tokenizer": load_tokenizer(directory / "tokenizer"),
+        "tokenizer_2": load_tokenizer(directory / "tokenizer_2"),
+    }
+
+
+def _load_vae(directory: Path, compute: ComputeConfig, mesh=None, rules=None):
+    try:
+        return autoencoder_kl.load_autoencoder_kl(
+            directory / "vae",
+            dtype=compute.dtype,
+            param_dtype=compute.param_dtype,
+            attention=compute.attention,
+            mesh=mesh,
+            rules=rules,
+        )
+    except autoencoder_kl.AutoencoderKLConfigError as err:
+        raise FamilyError(f"{directory / 'vae'}: {err}") from None
+
+
+class FluxEncoders(Encoders):
+    """The VAE encoder, CLIP-L and T5 of a Flux pipeline directory (convert).
+
+    Media -> the VAE posterior *mean*, normalised ``(z - shift_factor) * scaling_factor``
+    (diffusers' Flux training scripts sample the posterior; the mean keeps records
+    deterministic); captions -> the two text conditionings, exactly as :func:`encode_text`.
+    """
+
+    def __init__(
+        self, directory: Path, compute: ComputeConfig, max_sequence_length: int, batch_size: int
+    ):
+        self.batch_size = batch_size
+        self.max_sequence_length = max_sequence_length
+        started = time.perf_counter()
+        self.vae, self.vae_params = _load_vae(directory, compute)
+        self.text = _load_text_encoders(directory, compute)
+        log.info("loaded Flux encoders from %s in %.1fs", directory, time.perf_counter() - started)
+
+    def _padded(self, rows, what: str):
+        count = len(rows)
+        if not 1 <= count <= self.batch_size:
+            raise ValueError(f"{count} {what} do not fit in encoder batch_size={self.batch_size}")
+        return list(rows) + [rows[-1]] * (self.batch_size - count), count
+
+    def encode_media(self, videos: np.ndarray) -> np.ndarray:
+        videos = np.asarray(videos, np.float32)
+        if videos.ndim != 5 or videos.shape[2] != 1:
+            raise ValueError(
+                f"Flux encodes images: videos must be [B, 3, 1, H, W], got {videos.shape}"
+            )
+        padded, count = self._padded(list(videos[:, :, 0]), "images")
+        posterior = autoencoder_kl.encode(self.vae, self.vae_params, np.stack(padded))
+        latents = autoencoder_kl.normalize_latents(
+            posterior.mean.astype(jnp.float32), self.vae.config
+        )
+        return np.asarray(latents, np.float32)[:count]
+
+    def encode_text(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
+        padded, count = self._padded(list(captions), "captions")
+        encoded = encode_text(self.text, padded, self.max_sequence_length)
+        return {name: value[:count] for name, value in encoded.items()}
+
+
+class FluxFamily(Family):
+    name = "flux"
+    description = "Flux.1 dev / schnell text-to-image (FluxPipeline)"
+    pipeline_classes = ("FluxPipeline",)
+    denoiser_classes = ("FluxTransformer2DModel",)
+    denoiser_component = "transformer"
+    objective = "flow_matching"
+
+    def component_config_classes(self) -> dict[str, type]:
+        return {
+            "transformer": flux_transformer.FluxTransformerConfig,
+            "vae": autoencoder_kl.AutoencoderKLConfig,
+            "text_encoder": clip_text.CLIPTextConfig,
+            "text_encoder_2": t5.T5Config,
+        }
+
+    # --- the denoiser -----------------------------------------------------------------------
+    def make_denoiser(self, config, compute: ComputeConfig, mesh=None):
+        return flux_transformer.FluxTransformer(
+            config,
+            dtype=compute.dtype,
+            param_dtype=compute.param_dtype,
+            attention=compute.attention,
+            mesh=mesh,
+            remat_policy=compute.remat_policy,
+        )
+
+    def abstract_params(self, module):
+        return flux_transformer.abstract_params(module)
+
+    def init_denoiser(self, config, rng, compute: ComputeConfig, mesh=None, rules=None):
+        return flux_transformer.init_flux_transformer(
+            config,
+            rng,
+            dtype=compute.dtype,
+            param_dtype=compute.param_dtype,
+            attention=compute.attention,
+            mesh=mesh,
+            rules=rules,
+            remat_policy=compute.remat_policy,
+        )
+
+    def load_denoiser(self, directory, compute: ComputeConfig, mesh=None, rules=None):
+        try:
+            return flux_transformer.load_flux_transformer(
+                directory,
+                dtype=compute.dtype,
+                param_dtype=compute.param_dtype,
+                attention=compute.attention,
+                mesh=mesh,
+                rules=rules,
+                remat_policy=compute.remat_policy,
+            )
+        except flux_transformer.FluxConfigError as err:
+            raise FamilyError(f"{directory}/config.json: {err}") from None
+
+    def apply(self, module, params, latents, timestep, conditioning):
+        """Pack ``latents [B, C, h, w]``, run the transformer at ``timestep / 1000``, unpack."""
+        _, _, h, w = latents.shape
+        dtype = module.dtype
+        text = conditioning[TEXT].astype(dtype)
+        guidance = conditioning.get(GUIDANCE)
+        if module.config.guidance_embeds and guidance is None:
+            raise FamilyError("this Flux model embeds guidance: the conditioning needs 'guidance'")
+        tokens = module.apply(
+            {"params": params},
+            flux_transformer.pack_latents(latents.astype(dtype)),
+            text,
+            conditioning[POOLED].astype(dtype),
+            timestep.astype(jnp.float32) / 1000.0,
+            flux_transformer.latent_image_ids(h, w),
+            np.zeros((text.shape[1], 3), np.float32),
+            guidance if module.config.guidance_embeds else None,
+        )
+        return flux_transformer.unpack_latents(tokens, h, w)
+
+    def export_denoiser(self, module, params):
+        state = weights.export_state_dict(params, flux_transformer.weight_map(module.config))
+        return state, {"_class_name": "FluxTransformer2DModel", **module.config.to_dict()}
+
+    def flops_per_forward(self, config, batch, latent_shape, conditioning_shapes):
+        text_tokens = conditioning_shapes[TEXT][0]
+        image_tokens = self.tokens_per_example(config, latent_shape)
+        return flux_transformer.flops_per_forward(config, batch, image_tokens, text_tokens)
+
+    def tokens_per_example(self, config, latent_shape):
+        _, h, w = latent_shape
+        return (h // PACK) * (w // PACK)
+
+    def check_heads(self, config, mesh) -> None:
+        sharding.check_divisible(mesh, heads=config.num_attention_heads)
+
+    # --- conditioning and latents -----------------------------------------------------------
+    def conditioning_specs(self, denoiser_config, text_length: int):
+        return (
+            TensorSpec(TEXT, (text_length, denoiser_config.joint_attention_dim)),
+            TensorSpec(POOLED, (denoiser_config.pooled_projection_dim,)),
+        )
+
+    def latent_channels(self, denoiser_config) -> int:
+        return denoiser_config.in_channels // (PACK * PACK)
+
+    def geometry(self, configs) -> Geometry:
+        return Geometry(
+            spatial_multiple=configs["vae"].spatial_compression * PACK, temporal_multiple=0
+        )
+
+    def latent_shape(self, configs, height, width, num_frames):
+        vae = configs["vae"]
+        s = vae.spatial_compression
+        return (vae.latent_channels, height // s, width // s)
+
+    def load_encoders(self, directory, compute, max_sequence_length, batch_size):
+        return FluxEncoders(Path(directory), compute, max_sequence_length, batch_size)
+
+    def latent_normalization(self, configs) -> dict:
+        vae = configs["vae"]
+        return {
+            "latent_sampling": "mean",
+            "formula": "(z - shift_factor) * scaling_factor",
+            "shift_factor": vae.shift_factor,
+            "scaling_factor": vae.scaling_factor,
+        }
+
+    # --- inference --------------------------------------------------------------------------
+    def load_pipeline(
+        self, directory, compute: ComputeConfig, mesh=None, rules=None, denoiser=None
+    ):
+        from jaxcore.pipeline import Pipeline
+
+        directory = Path(directory)
+        rules = tuple(rules) if rules is not None else sharding.LOGICAL_AXIS_RULES
+        configs = self.component_configs(directory)
+        if denoiser is None:
+            denoiser = self.load_denoiser(directory / "transformer", compute, mesh, rules)
+        module, params = denoiser
+        configs["transformer"] = module.config
+        vae = _load_vae(directory, compute, mesh, rules)
+        channels = self.latent_channels(module.config)
+        if channels != vae[0].config.latent_channels:
+            raise FamilyError(
+                f"{directory}: transformer in_channels {module.config.in_channels} (= 4 x "
+                f"{channels}) do not fit the vae's latent_channels {vae[0].config.latent_channels}"
+            )
+        # Text encoders outside the mesh: their params are replicated, nothing is lost.
+        components = {"vae": vae, **_load_text_encoders(directory, compute)}
+        return Pipeline(
+            family=self,
+            denoiser=module,
+            denoiser_params=params,
+            components=components,
+            configs=configs,
+            scheduler_config=read_scheduler_config(directory),
+            mesh=mesh,
+            rules=rules,
+            source=str(directory),
+        )
+
+    def encode_prompts(self, pipe, prompts, max_sequence_length):
+        if max_sequence_length > 512:
+            raise FamilyError(
+                f"max_sequence_length cannot exceed 512 for Flux, got {max_sequence_length}"
+            )
+        return encode_text(pipe.components, prompts, max_sequence_length)
+
+    def decode(self, pipe, latents):
+        vae, params = pipe.components["vae"]
+        z = autoencoder_kl.denormalize_latents(jnp.asarray(latents, jnp.float32), vae.config)
+        image_bchw = autoencoder_kl.decode(vae, params, z.astype(vae.dtype))
+        image = jnp.clip(image_bchw.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
+        return jnp.transpose(image, (0, 2, 3, 1))[:, None]
+
+    def sampling_defaults(self, configs) -> dict:
+        # FluxPipeline.__call__'s defaults
+        size = DEFAULT_SAMPLE_SIZE * configs["vae"].spatial_compression
+        return {
+            "height": size,
+            "width": size,
+            "num_frames": 1,
+            "num_inference_steps": 28,
+            "guidance_scale": 3.5,
+        }
+
+    def default_scheduler(self, scheduler_config) -> str:
+        name = scheduler_config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
+        if name != "FlowMatchEulerDiscreteScheduler":
+            raise FamilyError(
+                f"scheduler {name!r} is not supported for Flux (FlowMatchEulerDiscreteScheduler)"
+            )
+        return "flow_euler"
+
+    def make_schedule(self, pipe, scheduler, num_inference_steps, shift, latent_shape):
+        from jaxcore.schedulers import make_scheduler
+        from jaxcore.schedulers.flow_euler import (
+            FlowEulerConfigError,
+            calculate_shift,
+            flow_euler_options,
+            flux_sigmas,
+        )
+
+        if scheduler != "flow_euler":
+            raise FamilyError(f"scheduler={scheduler!r}: Flux samples with flow_euler only")
+        config = pipe.scheduler_config
+        try:
+            options = flow_euler_options(config, f"{pipe.source}/scheduler/scheduler_config.json")
+        except FlowEulerConfigError as err:
+            raise FamilyError(str(err)) from None
+        if options.use_dynamic_shifting and float(shift) != float(options.shift):
+            raise FamilyError(
+                f"flow_shift={shift}: this scheduler shifts by image size "
+                "(use_dynamic_shifting), so a flow_shift has no effect; leave it unset"
+            )
+        _, _, h, w = latent_shape
+        image_seq_len = (h // PACK) * (w // PACK)
+        mu = calculate_shift(
+            image_seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        sigmas = None if config.get("use_flow_sigmas") else flux_sigmas(num_inference_steps)
+        return make_scheduler(
+            "flow_euler",
+            num_inference_steps,
+            shift,
+            euler_options=options,
+            sigmas=sigmas,
+            mu=mu,
+        )
+
+    def guidance(self, configs, *, guidance_scale: float, true_cfg_scale: float) -> Guidance:
+        embedded = {}
+        if configs["transformer"].guidance_embeds:
+            embedded[GUIDANCE] = float(guidance_scale)
+        return Guidance(cfg_scale=float(true_cfg_scale), embedded=embedded)

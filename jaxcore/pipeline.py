@@ -1,0 +1,269 @@
+"""A loaded diffusion pipeline of any family: its components and the three inference phases.
+
+:class:`Pipeline` holds what :meth:`Family.load_pipeline` loaded (the denoiser, the family's
+other components, the component configs, the scheduler config) and runs
+
+1. :meth:`Pipeline.conditioning`: prompts (and negative prompts, where CFG is on) -> the
+   family's conditioning tensors, with each prompt's embedded guidance inputs;
+2. :meth:`Pipeline.sample`: the shared jitted denoising loop (:mod:`jaxcore.sampling`);
+3. :meth:`Pipeline.decode`: latents -> frames ``[B, F, H, W, 3]`` in [0, 1].
+
+Everything model-specific is a call into ``self.family``; nothing here knows a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcore import sampling, sharding, storage
+from jaxcore.families.base import FamilyError, Geometry, Guidance
+
+# What a Hugging Face snapshot of a pipeline needs (no pickles, no code).
+HUB_ALLOW_PATTERNS = [
+    "model_index.json",
+    "*/config.json",
+    "*/*.safetensors",
+    "*/*.safetensors.index.json",
+    "scheduler/scheduler_config.json",
+    "tokenizer*/*.json",
+    "tokenizer*/*.model",
+    "tokenizer*/*.txt",
+]
+
+
+@dataclasses.dataclass
+class Pipeline:
+    """Loaded components of one pipeline directory (see the module docstring)."""
+
+    family: Any  # jaxcore.families.base.Family
+    denoiser: Any  # the denoiser module
+    denoiser_params: Any
+    components: dict[str, Any]  # family-specific: modules, params, tokenizers
+    configs: dict[str, Any]  # component name -> validated config
+    scheduler_config: dict
+    mesh: jax.sharding.Mesh | None = None
+    rules: tuple = sharding.LOGICAL_AXIS_RULES
+    source: str = ""
+
+    # shapes and defaults ----------------------------------------------------------------------
+    @property
+    def geometry(self) -> Geometry:
+        return self.family.geometry(self.configs)
+
+    def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:
+        """Per-sample latent shape for a render of ``num_frames`` x ``height`` x ``width``."""
+        return tuple(self.family.latent_shape(self.configs, height, width, num_frames))
+
+    @property
+    def default_shift(self) -> float:
+        return self.family.default_shift(self.scheduler_config)
+
+    @property
+    def default_scheduler(self) -> str:
+        return self.family.default_scheduler(self.scheduler_config)
+
+    @property
+    def batch_ways(self) -> int:
+        """How many ways a batch is split over the mesh (batches must be a multiple)."""
+        return 1 if self.mesh is None else sharding.batch_axis_size(self.mesh, self.rules)
+
+    def with_denoiser(self, module, params) -> Pipeline:
+        """The same pipeline with another denoiser (e.g. a trained checkpoint)."""
+        configs = {**self.configs, self.family.denoiser_component: module.config}
+        return dataclasses.replace(self, denoiser=module, denoiser_params=params, configs=configs)
+
+    # placement --------------------------------------------------------------------------------
+    def context(self):
+        """Mesh + logical rules active while tracing, so activation constraints apply."""
+        stack = contextlib.ExitStack()
+        if self.mesh is not None:
+            stack.enter_context(sharding.mesh_context(self.mesh, self.rules))
+        return stack
+
+    def shard_batch(self, x) -> jax.Array:
+        """Place a host batch (this process's rows) with its leading axis over the batch axes."""
+        if isinstance(x, jax.Array):
+            return x
+        if self.mesh is None:
+            return jnp.asarray(x)
+        logical = ("activation_batch",) + (None,) * (np.ndim(x) - 1)
+        target = sharding.logical_sharding(self.mesh, logical, self.rules)
+        return jax.make_array_from_process_local_data(target, np.asarray(x))
+
+    # phases -----------------------------------------------------------------------------------
+    def guidance(self, guidance_scale: float, true_cfg_scale: float = 1.0) -> Guidance:
+        return self.family.guidance(
+            self.configs, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale
+        )
+
+    def encode_prompts(self, prompts: Sequence[str], max_sequence_length: int) -> dict:
+        """``{conditioning name: [B, ...]}`` float32 on the host."""
+        return self.family.encode_prompts(self, list(prompts), max_sequence_length)
+
+    def conditioning(
+        self,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str],
+        guidances: Sequence[Guidance],
+        max_sequence_length: int,
+    ) -> tuple[dict, dict | None, np.ndarray]:
+        """(cond, uncond or None, cfg scales [B]) for one batch of prompts.
+
+        The negative prompts are encoded only when some prompt uses CFG; each prompt's embedded
+        guidance inputs (``Guidance.embedded``) join both conditionings as ``[B]`` arrays.
+        """
+        prompts = list(prompts)
+        if len(guidances) != len(prompts) or len(negative_prompts) != len(prompts):
+            raise ValueError("prompts, negative_prompts and guidances must have the same length")
+        use_cfg = any(g.uses_cfg for g in guidances)
+        texts = prompts + (list(negative_prompts) if use_cfg else [])
+        encoded = self.encode_prompts(texts, max_sequence_length)
+        cond = {k: v[: len(prompts)] for k, v in encoded.items()}
+        uncond = {k: v[len(prompts) :] for k, v in encoded.items()} if use_cfg else None
+        for name in sorted({n for g in guidances for n in g.embedded}):
+            values = np.asarray([g.embedded[name] for g in guidances], np.float32)
+            cond[name] = values
+            if uncond is not None:
+                uncond[name] = values
+        scales = np.asarray([g.cfg_scale for g in guidances], np.float32)
+        return cond, uncond, scales
+
+    def sample(
+        self,
+        latents,
+        cond: Mapping[str, Any],
+        uncond: Mapping[str, Any] | None = None,
+        *,
+        num_inference_steps: int,
+        cfg_scale: float | Sequence[float] = 1.0,
+        shift: float | None = None,
+        scheduler: str | None = None,
+    ) -> jax.Array:
+        """Run the whole denoising loop (one jitted call); returns the final latents.
+
+        ``cfg_scale`` may be one value or one per sample; CFG runs when any is > 1 (then
+        ``uncond`` is required) and applies only to samples whose scale is > 1. ``shift`` and
+        ``scheduler`` default to the pipeline's scheduler config.
+        """
+        latents = self.shard_batch(latents)
+        batch = latents.shape[0]
+        scales = np.broadcast_to(np.asarray(cfg_scale, np.float32), (batch,))
+        use_cfg = bool((scales > 1.0).any())
+        if use_cfg and uncond is None:
+            raise ValueError("a cfg_scale > 1 needs the negative conditioning (uncond)")
+        cond = {k: self.shard_batch(v) for k, v in cond.items()}
+        uncond = cond if uncond is None else {k: self.shard_batch(v) for k, v in uncond.items()}
+        state, step_fn = self.family.make_schedule(
+            self,
+            scheduler or self.default_scheduler,
+            num_inference_steps,
+            self.default_shift if shift is None else float(shift),
+            latents.shape,
+        )
+        fn = sampling.denoise_fn(self.family, self.denoiser, step_fn, use_cfg)
+        with self.context():
+            return fn(
+                self.denoiser_params,
+                latents.astype(jnp.float32),
+                cond,
+                uncond,
+                self.shard_batch(scales),
+                state,
+            )
+
+    def decode(self, latents) -> jax.Array:
+        """Latents -> frames ``[B, F, H, W, 3]`` float32 in [0, 1]."""
+        with self.context():
+            return self.family.decode(self, latents)
+
+    def __call__(
+        self,
+        prompts: Sequence[str],
+        *,
+        negative_prompts: Sequence[str] | None = None,
+        seeds: Sequence[int] | None = None,
+        height: int,
+        width: int,
+        num_frames: int = 1,
+        num_inference_steps: int,
+        guidance_scale: float,
+        true_cfg_scale: float = 1.0,
+        shift: float | None = None,
+        scheduler: str | None = None,
+        max_sequence_length: int = 512,
+    ) -> np.ndarray:
+        """Convenience: prompts -> float frames ``[B, F, H, W, 3]`` (batch must fit the mesh)."""
+        prompts = list(prompts)
+        seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
+        self.geometry.check(height, width, num_frames)
+        shape = self.latent_shape(height, width, num_frames)
+        latents = np.stack([sampling.initial_latents(s, shape) for s in seeds])
+        guidance = self.guidance(guidance_scale, true_cfg_scale)
+        negatives = list(negative_prompts or [""] * len(prompts))
+        cond, uncond, scales = self.conditioning(
+            prompts, negatives, [guidance] * len(prompts), max_sequence_length
+        )
+        z = self.sample(
+            latents,
+            cond,
+            uncond,
+            num_inference_steps=num_inference_steps,
+            cfg_scale=scales,
+            shift=shift,
+            scheduler=scheduler,
+        )
+        return np.asarray(self.decode(z))
+
+
+def resolve_pipeline_dir(path_or_uri_or_repo_id: str | os.PathLike) -> Path:
+    """A local pipeline directory for a local path, a ``gs://`` URI or a Hugging Face repo id.
+
+    gs:// trees are copied into the local cache once; repo ids are resolved with
+    ``huggingface_hub.snapshot_download`` limited to json/safetensors/tokenizer files (it reads
+    the local cache when offline; nothing with code or pickles is fetched).
+    """
+    source = str(path_or_uri_or_repo_id)
+    if storage.is_gcs(source):
+        return storage.local_copy(source)
+    local = Path(source).expanduser()
+    if local.exists():
+        return local
+    if source.count("/") == 1 and not source.startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(source, allow_patterns=HUB_ALLOW_PATTERNS))
+        except Exception as err:  # offline and not cached, unknown repo, ...
+            raise FamilyError(
+                f"pretrained_model_name_or_path {source}: not a local path, and the Hugging "
+                f"Face snapshot could not be resolved ({type(err).__name__}: {err})"
+            ) from None
+    raise FamilyError(f"pretrained_model_name_or_path {source} does not exist")
+
+
+def load_pipeline(
+    path_or_uri_or_repo_id: str | os.PathLike,
+    compute=None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules=None,
+) -> Pipeline:
+    """Load a diffusers-format pipeline of any supported family (local, gs:// or hub id).
+
+    The family comes from ``model_index.json``; ``compute`` (a ``ComputeConfig``) defaults to
+    float32 with ``dot_product`` attention.
+    """
+    from jaxcore import families
+    from jaxcore.compute import ComputeConfig
+
+    directory = resolve_pipeline_dir(path_or_uri_or_repo_id)
+    family = families.for_pipeline(directory)
+    return family.load_pipeline(directory, compute or ComputeConfig(), mesh, rules)
