@@ -33,6 +33,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BENCHMARKS = {
     "matmul": "bench.matmul",
     "transformer": "bench.transformer",
+    "flux": "bench.flux",
     "train_step": "bench.train_step",
     "vae": "bench.vae",
     "generate": "bench.generate",
@@ -42,6 +43,7 @@ BENCHMARKS = {
 }
 GOALS = {
     "transformer_forward": "difforge >= 0.90 of the matmul limit",
+    "flux_forward": "difforge >= 1.0x diffusers eager",
     "train_step": "MFU >= 0.70",
     "generate": "share of wall time outside device compute < 0.10",
     "memory_load": "peak RSS growth < 1.3 x weight bytes",

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -100,12 +102,66 @@ def jax_forward(directory: Path, attention: str = "dot_product"):
     return forward, params
 
 
+def compare_with_diffusers(
+    ctx: BenchContext,
+    bench: str,
+    case_name: str,
+    forward_for: Callable[[str], Callable[[], Any]],
+    torch_model,
+    torch_inputs: dict,
+    common: dict,
+    *,
+    torch_compile: bool,
+    **extra,
+) -> list[dict]:
+    """difforge (dot_product and flash attention), diffusers eager and torch.compile on one
+    input: timed records, each difforge one with its max |diff| to diffusers' output.
+
+    ``forward_for(attention)`` returns a no-argument call of our jitted forward."""
+    import torch
+
+    threads = set_torch_threads()
+
+    def eager():
+        with torch.inference_mode():
+            return torch_model(**torch_inputs)[0]
+
+    reference = eager().numpy()
+    records = []
+    for attention, label in (("dot_product", "difforge"), ("flash", "difforge_flash")):
+        call = forward_for(attention)
+        started = time.perf_counter()
+        ours = np.asarray(block(call()))
+        first = time.perf_counter() - started
+        times, _ = time_calls(lambda call=call: block(call()), reps=ctx.reps, warmup=ctx.warmup)
+        info = {"first_call_s": first, **(extra if label == "difforge" else {})}
+        records.append(
+            timed_record(
+                bench,
+                case_name,
+                label,
+                times,
+                **common,
+                max_abs_diff_vs_diffusers=float(np.max(np.abs(reference - ours))),
+                **info,
+            )
+        )
+    eager_times, _ = time_calls(eager, reps=ctx.reps, warmup=ctx.warmup)
+    records.append(
+        timed_record(bench, case_name, "diffusers_eager", eager_times, **common, threads=threads)
+    )
+    if torch_compile and ctx.profile != "smoke":
+        records.append(
+            _compiled_record(ctx, bench, case_name, torch_model, torch_inputs, common, threads)
+        )
+    return records
+
+
 def run_case(ctx: BenchContext, case: ForwardCase) -> list[dict]:
-    """difforge jit, diffusers eager, diffusers torch.compile on one shape."""
+    """difforge jit (both attention backends), diffusers eager and torch.compile on one shape."""
     import torch
 
     config = case.config()
-    threads = set_torch_threads()
     directory = ctx.scratch(f"wan_{case.name}")
     torch_model = write_diffusers_model(config, directory)
     latents, timestep, text = make_inputs(config, case)
@@ -115,13 +171,9 @@ def run_case(ctx: BenchContext, case: ForwardCase) -> list[dict]:
     )
     common = {"flops": flops, "items": tokens, "item_unit": "video tokens"}
 
-    forward, params = jax_forward(directory)
-    started = time.perf_counter()
-    ours = np.asarray(block(forward(params, latents, timestep, text)))
-    jax_first = time.perf_counter() - started
-    jax_times, _ = time_calls(
-        lambda: block(forward(params, latents, timestep, text)), reps=ctx.reps, warmup=ctx.warmup
-    )
+    def forward_for(attention: str):
+        forward, params = jax_forward(directory, attention)
+        return lambda: forward(params, latents, timestep, text)
 
     t_inputs = {
         "hidden_states": torch.from_numpy(latents),
@@ -129,53 +181,20 @@ def run_case(ctx: BenchContext, case: ForwardCase) -> list[dict]:
         "encoder_hidden_states": torch.from_numpy(text),
         "return_dict": False,
     }
-
-    def eager():
-        with torch.inference_mode():
-            return torch_model(**t_inputs)[0]
-
-    reference = eager().numpy()
-    max_abs_diff = float(np.max(np.abs(reference - ours)))
-    records = [
-        timed_record(
-            BENCH,
-            case.name,
-            "difforge",
-            jax_times,
-            **common,
-            first_call_s=jax_first,
-            max_abs_diff_vs_diffusers=max_abs_diff,
-            params=wan.count_params(config),
-        ),
-    ]
-    # the memory-efficient backend is also the faster one on CPU (fewer passes over scores)
-    flash_forward, flash_params = jax_forward(directory, attention="flash")
-    flash_out = np.asarray(block(flash_forward(flash_params, latents, timestep, text)))
-    flash_times, _ = time_calls(
-        lambda: block(flash_forward(flash_params, latents, timestep, text)),
-        reps=ctx.reps,
-        warmup=ctx.warmup,
+    return compare_with_diffusers(
+        ctx,
+        BENCH,
+        case.name,
+        forward_for,
+        torch_model,
+        t_inputs,
+        common,
+        torch_compile=case.torch_compile,
+        params=wan.count_params(config),
     )
-    records.append(
-        timed_record(
-            BENCH,
-            case.name,
-            "difforge_flash",
-            flash_times,
-            **common,
-            max_abs_diff_vs_diffusers=float(np.max(np.abs(reference - flash_out))),
-        )
-    )
-    eager_times, _ = time_calls(eager, reps=ctx.reps, warmup=ctx.warmup)
-    records.append(
-        timed_record(BENCH, case.name, "diffusers_eager", eager_times, **common, threads=threads)
-    )
-    if case.torch_compile and ctx.profile != "smoke":
-        records.append(_compiled_record(ctx, case, torch_model, t_inputs, common, threads))
-    return records
 
 
-def _compiled_record(ctx, case, torch_model, t_inputs, common, threads) -> dict:
+def _compiled_record(ctx, bench, case_name, torch_model, t_inputs, common, threads) -> dict:
     import torch
 
     compiled = torch.compile(torch_model)
@@ -189,8 +208,8 @@ def _compiled_record(ctx, case, torch_model, t_inputs, common, threads) -> dict:
     compile_s = time.perf_counter() - started
     times, _ = time_calls(call, reps=ctx.reps, warmup=max(ctx.warmup - 1, 0))
     return timed_record(
-        BENCH,
-        case.name,
+        bench,
+        case_name,
         "diffusers_compile",
         times,
         **common,

@@ -9,7 +9,7 @@ import pytest
 from bench import run as bench_run
 from bench.common import BenchContext, check_record, timed_record, value_record
 
-FAST = ("matmul", "transformer", "vae")
+FAST = ("matmul", "transformer", "flux", "vae")
 SLOW = ("train_step", "generate", "convert", "compile_cache", "memory")
 
 
@@ -31,9 +31,10 @@ def _check_all(records, module_name):
 def test_benchmark_smoke(name, ctx):
     records = importlib.import_module(bench_run.BENCHMARKS[name]).run(ctx)
     _check_all(records, name)
-    if name == "transformer":
-        ours = next(r for r in records if r["impl"] == "difforge")
-        assert ours["max_abs_diff_vs_diffusers"] < 1e-4  # same weights, same computation
+    if name in ("transformer", "flux"):
+        for impl in ("difforge", "difforge_flash"):
+            ours = next(r for r in records if r["impl"] == impl)
+            assert ours["max_abs_diff_vs_diffusers"] < 1e-4  # same weights, same computation
 
 
 def test_every_benchmark_has_a_test():

@@ -370,7 +370,27 @@ def _train_cmd(data_uri, model_yaml, out, steps):
     ]
 
 
-def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_data, one_layer_model, tmp_path):
+@pytest.fixture(scope="module")
+def flux_data(tmp_path_factory) -> str:
+    from tests.support.convert_artifacts import FLUX
+
+    uri = str(tmp_path_factory.mktemp("flux_data") / "convert")
+    write_convert_artifact(uri, TinyDataConfig(**FLUX))
+    return uri
+
+
+@pytest.mark.parametrize(
+    "family", ["wan", pytest.param("flux", marks=pytest.mark.slow)], ids=["wan", "flux"]
+)
+def test_kill_9_then_resume_equals_an_uninterrupted_run(family, request, tmp_path):
+    """The same for every family (the loop is shared): a run SIGKILLed after its step-4
+    checkpoint, rerun, logs exactly the losses of an uninterrupted run."""
+    if family == "wan":
+        tiny_data = request.getfixturevalue("tiny_data")
+        one_layer_model = request.getfixturevalue("one_layer_model")
+    else:
+        tiny_data = request.getfixturevalue("flux_data")
+        one_layer_model = str(REPO / "configs/models/flux_tiny.yml")
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
