@@ -79,3 +79,13 @@ class ComputeConfig:
     def param_dtype(self):
         """Weights dtype (jnp)."""
         return DTYPES[self.weights_dtype]
+
+    @property
+    def denoiser_kwargs(self) -> dict:
+        """The keyword arguments every denoiser module and its load/init functions take."""
+        return {
+            "dtype": self.dtype,
+            "param_dtype": self.param_dtype,
+            "attention": self.attention,
+            "remat_policy": self.remat_policy,
+        }

@@ -302,6 +302,44 @@ def load_params(
     return _unflatten(placed)
 
 
+def load_placed(
+    reader: SafetensorsReader | str | os.PathLike,
+    weight_map: WeightMap,
+    boxed_params: Mapping,
+    *,
+    mesh=None,
+    rules=None,
+    dtype=None,
+    ignore_unused: Iterable[str] = (),
+) -> dict:
+    """:func:`load_params` for a model: each parameter placed by the logical partitioning its
+    boxed abstract (``nn.Partitioned`` from ``eval_shape``) carries, on ``mesh`` under the
+    logical axis ``rules`` (default ``jaxcore.sharding.LOGICAL_AXIS_RULES``); without a mesh
+    on the first device. ``reader``: a SafetensorsReader or a model directory."""
+    from flax import linen as nn
+
+    from jaxcore import sharding
+
+    if not isinstance(reader, SafetensorsReader):
+        reader = SafetensorsReader(reader)
+    shardings = sharding.param_shardings(mesh, boxed_params, rules) if mesh is not None else None
+    return load_params(
+        reader,
+        weight_map,
+        nn.meta.unbox(boxed_params),
+        shardings=shardings,
+        dtype=dtype,
+        ignore_unused=ignore_unused,
+    )
+
+
+def count_elements(tree) -> int:
+    """Number of elements in a (possibly boxed) tree of arrays or ShapeDtypeStructs."""
+    from flax import linen as nn
+
+    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(nn.meta.unbox(tree)))
+
+
 def _place(value: np.ndarray, sharding, dtype) -> jax.Array:
     def shard(index):
         return np.ascontiguousarray(value[index]).astype(dtype, copy=False)

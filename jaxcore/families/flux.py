@@ -201,40 +201,20 @@ class FluxFamily(Family):
 
     # --- the denoiser -----------------------------------------------------------------------
     def make_denoiser(self, config, compute: ComputeConfig, mesh=None):
-        return flux_transformer.FluxTransformer(
-            config,
-            dtype=compute.dtype,
-            param_dtype=compute.param_dtype,
-            attention=compute.attention,
-            mesh=mesh,
-            remat_policy=compute.remat_policy,
-        )
+        return flux_transformer.FluxTransformer(config, mesh=mesh, **compute.denoiser_kwargs)
 
     def abstract_params(self, module):
         return flux_transformer.abstract_params(module)
 
     def init_denoiser(self, config, rng, compute: ComputeConfig, mesh=None, rules=None):
         return flux_transformer.init_flux_transformer(
-            config,
-            rng,
-            dtype=compute.dtype,
-            param_dtype=compute.param_dtype,
-            attention=compute.attention,
-            mesh=mesh,
-            rules=rules,
-            remat_policy=compute.remat_policy,
+            config, rng, mesh=mesh, rules=rules, **compute.denoiser_kwargs
         )
 
     def load_denoiser(self, directory, compute: ComputeConfig, mesh=None, rules=None):
         try:
             return flux_transformer.load_flux_transformer(
-                directory,
-                dtype=compute.dtype,
-                param_dtype=compute.param_dtype,
-                attention=compute.attention,
-                mesh=mesh,
-                rules=rules,
-                remat_policy=compute.remat_policy,
+                directory, mesh=mesh, rules=rules, **compute.denoiser_kwargs
             )
         except flux_transformer.FluxConfigError as err:
             raise FamilyError(f"{directory}/config.json: {err}") from None

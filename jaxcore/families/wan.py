@@ -125,40 +125,20 @@ class WanFamily(Family):
 
     # --- the denoiser ---------------------------------------------------------------------
     def make_denoiser(self, config, compute: ComputeConfig, mesh=None):
-        return wan_transformer.WanTransformer(
-            config,
-            dtype=compute.dtype,
-            param_dtype=compute.param_dtype,
-            attention=compute.attention,
-            mesh=mesh,
-            remat_policy=compute.remat_policy,
-        )
+        return wan_transformer.WanTransformer(config, mesh=mesh, **compute.denoiser_kwargs)
 
     def abstract_params(self, module):
         return wan_transformer.abstract_params(module)
 
     def init_denoiser(self, config, rng, compute: ComputeConfig, mesh=None, rules=None):
         return wan_transformer.init_wan_transformer(
-            config,
-            rng,
-            dtype=compute.dtype,
-            param_dtype=compute.param_dtype,
-            attention=compute.attention,
-            mesh=mesh,
-            rules=rules,
-            remat_policy=compute.remat_policy,
+            config, rng, mesh=mesh, rules=rules, **compute.denoiser_kwargs
         )
 
     def load_denoiser(self, directory, compute: ComputeConfig, mesh=None, rules=None):
         try:
             return wan_transformer.load_wan_transformer(
-                directory,
-                dtype=compute.dtype,
-                param_dtype=compute.param_dtype,
-                attention=compute.attention,
-                mesh=mesh,
-                rules=rules,
-                remat_policy=compute.remat_policy,
+                directory, mesh=mesh, rules=rules, **compute.denoiser_kwargs
             )
         except wan_transformer.WanConfigError as err:
             raise FamilyError(f"{directory}/config.json: {err}") from None

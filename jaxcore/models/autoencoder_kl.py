@@ -754,8 +754,7 @@ def weight_map(config: AutoencoderKLConfig) -> dict:
 
 def count_params(config: AutoencoderKLConfig) -> int:
     """Number of parameters, from eval_shape (nothing is allocated)."""
-    boxed = abstract_params(AutoencoderKL(config))
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(nn.meta.unbox(boxed)))
+    return weights.count_elements(abstract_params(AutoencoderKL(config)))
 
 
 def load_autoencoder_kl(
@@ -779,15 +778,9 @@ def load_autoencoder_kl(
     module = AutoencoderKL(
         config, dtype=dtype, param_dtype=param_dtype, attention=attention, mesh=mesh
     )
-    reader = weights.SafetensorsReader(directory)
     boxed = abstract_params(module)
-    shardings = sharding.param_shardings(mesh, boxed, rules) if mesh is not None else None
-    params = weights.load_params(
-        reader,
-        _weight_map_for(boxed),
-        nn.meta.unbox(boxed),
-        shardings=shardings,
-        dtype=param_dtype,
+    params = weights.load_placed(
+        directory, _weight_map_for(boxed), boxed, mesh=mesh, rules=rules, dtype=param_dtype
     )
     return module, params
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from collections.abc import Mapping
 
@@ -568,8 +567,7 @@ def _abstract_variables(module: CLIPTextEncoder):
 def count_params(config: CLIPTextConfig, with_projection: bool = False) -> int:
     """Number of parameters, from shapes only (nothing is allocated)."""
     module = CLIPTextEncoder(config, with_projection=with_projection)
-    abstract = nn.meta.unbox(_abstract_variables(module))["params"]
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract))
+    return weights.count_elements(_abstract_variables(module)["params"])
 
 
 def init_clip_text(
@@ -661,17 +659,14 @@ def load_clip_text(
         with_projection=with_projection,
         mesh=mesh,
     )
-    abstract = _abstract_variables(module)
-    shardings = None
-    if mesh is not None:
-        shardings = sharding.param_shardings(mesh, abstract, rules)["params"]
     prefix = _checkpoint_prefix(reader)
     unused = (f"{prefix}{POSITION_IDS_KEY}",) + (() if with_projection else (PROJECTION_KEY,))
-    params = weights.load_params(
+    params = weights.load_placed(
         reader,
         weight_map(config, with_projection, prefix),
-        nn.meta.unbox(abstract)["params"],
-        shardings=shardings,
+        _abstract_variables(module)["params"],
+        mesh=mesh,
+        rules=rules,
         dtype=param_dtype or dtype,
         ignore_unused=unused,
     )

@@ -910,11 +910,13 @@ def load_flux_transformer(
         mesh=mesh,
         remat_policy=remat_policy,
     )
-    reader = weights.SafetensorsReader(directory)
-    boxed = abstract_params(module)
-    shardings = sharding.param_shardings(mesh, boxed, rules) if mesh is not None else None
-    params = weights.load_params(
-        reader, weight_map(config), _unbox(boxed), shardings=shardings, dtype=param_dtype
+    params = weights.load_placed(
+        directory,
+        weight_map(config),
+        abstract_params(module),
+        mesh=mesh,
+        rules=rules,
+        dtype=param_dtype,
     )
     return module, params
 
@@ -953,8 +955,7 @@ def init_flux_transformer(
 
 def count_params(config: FluxTransformerConfig) -> int:
     """Number of parameters, from eval_shape (nothing is allocated)."""
-    boxed = abstract_params(FluxTransformer(config))
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(_unbox(boxed)))
+    return weights.count_elements(abstract_params(FluxTransformer(config)))
 
 
 def flops_per_forward(

@@ -583,8 +583,7 @@ def _abstract_variables(module: T5Encoder):
 
 def count_params(config: T5Config) -> int:
     """Number of encoder parameters (the tied embedding once), from shapes only."""
-    abstract = nn.meta.unbox(_abstract_variables(T5Encoder(config)))["params"]
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract))
+    return weights.count_elements(_abstract_variables(T5Encoder(config))["params"])
 
 
 def init_t5_encoder(
@@ -631,18 +630,15 @@ def load_t5_encoder(
     if config is None:
         config = T5Config.from_dict(weights.read_config(directory))
     module = T5Encoder(config, dtype=dtype, param_dtype=param_dtype or dtype, mesh=mesh)
-    abstract = _abstract_variables(module)
-    shardings = None
-    if mesh is not None:
-        shardings = sharding.param_shardings(mesh, abstract, rules)["params"]
     reader = weights.SafetensorsReader(directory)
     embedding_key = _embedding_key(reader)
     tied_twins = tuple(k for k in EMBEDDING_KEYS if k != embedding_key)
-    params = weights.load_params(
+    params = weights.load_placed(
         reader,
         weight_map(config, embedding_key),
-        nn.meta.unbox(abstract)["params"],
-        shardings=shardings,
+        _abstract_variables(module)["params"],
+        mesh=mesh,
+        rules=rules,
         dtype=param_dtype or dtype,
         ignore_unused=(*tied_twins, *UNUSED_PREFIXES),
     )

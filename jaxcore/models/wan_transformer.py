@@ -631,11 +631,13 @@ def load_wan_transformer(
         mesh=mesh,
         remat_policy=remat_policy,
     )
-    reader = weights.SafetensorsReader(directory)
-    boxed = abstract_params(module)
-    shardings = sharding.param_shardings(mesh, boxed, rules) if mesh is not None else None
-    params = weights.load_params(
-        reader, weight_map(config), _unbox(boxed), shardings=shardings, dtype=param_dtype
+    params = weights.load_placed(
+        directory,
+        weight_map(config),
+        abstract_params(module),
+        mesh=mesh,
+        rules=rules,
+        dtype=param_dtype,
     )
     return module, params
 
@@ -674,8 +676,7 @@ def init_wan_transformer(
 
 def count_params(config: WanTransformerConfig) -> int:
     """Number of parameters, from eval_shape (nothing is allocated)."""
-    boxed = abstract_params(WanTransformer(config))
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(_unbox(boxed)))
+    return weights.count_elements(abstract_params(WanTransformer(config)))
 
 
 def flops_per_forward(

@@ -849,13 +849,8 @@ def load_wan_vae(
     config = WanVAEConfig.from_dict(weights.read_config(directory))
     module = WanVAE(config, dtype=dtype, param_dtype=dtype, attention=attention, mesh=mesh)
     boxed = abstract_params(module)
-    shardings = sharding.param_shardings(mesh, boxed, rules) if mesh is not None else None
-    params = weights.load_params(
-        weights.SafetensorsReader(directory),
-        _weight_map_for(boxed),
-        nn.meta.unbox(boxed),
-        shardings=shardings,
-        dtype=dtype,
+    params = weights.load_placed(
+        directory, _weight_map_for(boxed), boxed, mesh=mesh, rules=rules, dtype=dtype
     )
     return module, params
 
