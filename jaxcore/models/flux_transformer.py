@@ -40,7 +40,6 @@ implemented.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -54,7 +53,14 @@ from jaxcore import sharding, weights
 from jaxcore.attention import attention as attention_fn
 from jaxcore.compute import remat_block
 from jaxcore.config import config_json_kwargs
-from jaxcore.models.layers import MLP2, apply_rope, dense, gelu_tanh, layer_norm
+from jaxcore.models.layers import (
+    MLP2,
+    apply_rope,
+    dense,
+    gelu_tanh,
+    layer_norm,
+    timestep_embedding,
+)
 
 Dtype = Any
 
@@ -204,32 +210,6 @@ def latent_image_ids(latent_height: int, latent_width: int) -> np.ndarray:
     ids[..., 1] = np.arange(hp, dtype=np.float32)[:, None]
     ids[..., 2] = np.arange(wp, dtype=np.float32)[None, :]
     return ids.reshape(hp * wp, 3)
-
-
-def timestep_frequencies(dim: int, max_period: float = 10000.0) -> np.ndarray:
-    """The float32 frequencies [dim // 2] of diffusers' ``get_timestep_embedding``.
-
-    torch rounds the exponent ``-ln(max_period) * i / half`` to float32 before ``exp``; doing
-    the same, then a correctly rounded exp (float64, rounded), gives torch's table up to its
-    float32 exp, which is not correctly rounded: 3 of Flux's 128 entries differ by 1 ulp on a
-    CPU (rounding the float64 exponent instead would differ in 87). An ulp matters here: Flux
-    embeds sigma * 1000, so it moves the argument of sin/cos by ~3e-5.
-    """
-    half = dim // 2
-    exponent = np.float32(-math.log(max_period)) * np.arange(half, dtype=np.float32)
-    exponent = exponent / np.float32(half)
-    return np.exp(exponent.astype(np.float64)).astype(np.float32)
-
-
-def timestep_embedding(timestep: jax.Array, dim: int, max_period: float = 10000.0) -> jax.Array:
-    """Sinusoidal embedding [B] -> [B, dim] float32, cos half first (diffusers
-    ``get_timestep_embedding(t, dim, flip_sin_to_cos=True, downscale_freq_shift=0)``)."""
-    freqs = jnp.asarray(timestep_frequencies(dim, max_period))
-    args = timestep.astype(jnp.float32)[:, None] * freqs[None, :]
-    emb = jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
-    if dim % 2:
-        emb = jnp.pad(emb, ((0, 0), (0, 1)))
-    return emb
 
 
 def rope_inv_freq(dim: int, theta: float = ROPE_THETA) -> np.ndarray:

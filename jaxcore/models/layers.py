@@ -7,16 +7,20 @@
   PixArtAlphaTextProjection), params ``linear_1`` / ``linear_2``;
 - :func:`apply_rope`: rotary embedding on interleaved pairs (diffusers' ``apply_rotary_emb``
   with ``use_real_unbind_dim=-1``), in float32;
+- :func:`timestep_embedding`: diffusers' sinusoidal ``get_timestep_embedding`` (cos first)
+  with torch's float32 frequency table (:func:`timestep_frequencies`);
 - :func:`gelu_tanh`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 Dtype = Any
@@ -80,3 +84,29 @@ def apply_rope(x_blhd: jax.Array, cos_lk: jax.Array, sin_lk: jax.Array) -> jax.A
     sin = sin_lk[None, :, None, :]
     rotated = jnp.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], axis=-1)
     return rotated.reshape(x_blhd.shape).astype(x_blhd.dtype)
+
+
+def timestep_frequencies(dim: int, max_period: float = 10000.0) -> np.ndarray:
+    """The float32 frequencies [dim // 2] of diffusers' ``get_timestep_embedding``.
+
+    torch rounds the exponent ``-ln(max_period) * i / half`` to float32 before ``exp``; doing
+    the same, then a correctly rounded exp (float64, rounded), gives torch's table up to its
+    float32 exp, which is not correctly rounded: 3 of Flux's 128 entries differ by 1 ulp on a
+    CPU (rounding the float64 exponent instead would differ in 87). An ulp matters: the
+    timesteps are up to 1000 (Flux embeds sigma * 1000), so it moves sin/cos arguments by ~3e-5.
+    """
+    half = dim // 2
+    exponent = np.float32(-math.log(max_period)) * np.arange(half, dtype=np.float32)
+    exponent = exponent / np.float32(half)
+    return np.exp(exponent.astype(np.float64)).astype(np.float32)
+
+
+def timestep_embedding(timestep: jax.Array, dim: int, max_period: float = 10000.0) -> jax.Array:
+    """Sinusoidal embedding [B] -> [B, dim] float32, cos half first (diffusers
+    ``get_timestep_embedding(t, dim, flip_sin_to_cos=True, downscale_freq_shift=0)``)."""
+    freqs = jnp.asarray(timestep_frequencies(dim, max_period))
+    args = timestep.astype(jnp.float32)[:, None] * freqs[None, :]
+    emb = jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+    if dim % 2:
+        emb = jnp.pad(emb, ((0, 0), (0, 1)))
+    return emb

@@ -38,7 +38,14 @@ from jaxcore import sharding, weights
 from jaxcore.attention import attention as attention_fn
 from jaxcore.compute import remat_block
 from jaxcore.config import config_json_kwargs
-from jaxcore.models.layers import MLP2, apply_rope, dense, gelu_tanh, layer_norm
+from jaxcore.models.layers import (
+    MLP2,
+    apply_rope,
+    dense,
+    gelu_tanh,
+    layer_norm,
+    timestep_embedding,
+)
 
 Dtype = Any
 
@@ -138,22 +145,6 @@ class WanTransformerConfig:
 # ----------------------------------------------------------------------------------------------
 # Pure helpers: time embedding, rotary embedding, patchify
 # ----------------------------------------------------------------------------------------------
-
-
-def timestep_embedding(timestep: jax.Array, dim: int, max_period: float = 10000.0) -> jax.Array:
-    """Sinusoidal embedding [B] -> [B, dim], cos half first.
-
-    Same as diffusers ``get_timestep_embedding(t, dim, flip_sin_to_cos=True,
-    downscale_freq_shift=0)``. The frequency table is a float32 constant rounded from float64
-    so it matches torch's float32 values (timesteps up to 1000 amplify any ulp difference).
-    """
-    half = dim // 2
-    freqs = np.exp(-math.log(max_period) * np.arange(half, dtype=np.float64) / half)
-    args = timestep.astype(jnp.float32)[:, None] * jnp.asarray(freqs, jnp.float32)[None, :]
-    emb = jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
-    if dim % 2:
-        emb = jnp.pad(emb, ((0, 0), (0, 1)))
-    return emb
 
 
 def rope_axis_dims(head_dim: int) -> tuple[int, int, int]:

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec
 
 from jaxcore import sharding, weights
 from jaxcore.models import flux_transformer as ft
+from jaxcore.models.layers import timestep_frequencies
 
 PARITY_ATOL = 2e-5
 
@@ -227,7 +228,7 @@ def test_timestep_frequencies_vs_torch():
     differs from it by at most 1 ulp in a few entries (the reason for _correctly_rounded_exp)."""
     half = ft.TIMESTEP_CHANNELS // 2
     exponent = -np.log(10000.0) * torch.arange(0, half, dtype=torch.float32) / half
-    ours = ft.timestep_frequencies(ft.TIMESTEP_CHANNELS)
+    ours = timestep_frequencies(ft.TIMESTEP_CHANNELS)
     np.testing.assert_array_equal(ours, torch.exp(exponent.double()).float().numpy())
     torch_f32 = torch.exp(exponent).numpy()
     ulps = np.abs(ours.view(np.int32) - torch_f32.view(np.int32))

@@ -150,11 +150,12 @@ def test_timestep_embedding_matches_diffusers():
         (np.array([0.0, 0.25, 1.5, 7.0], np.float32), 1e-6),
         (np.array([500.0, 999.0, 1000.0], np.float32), 1e-4),
     ):
-        ref = get_timestep_embedding(
-            torch.from_numpy(t), 64, flip_sin_to_cos=True, downscale_freq_shift=0
-        )
-        got = np.asarray(wt.timestep_embedding(t, 64))
-        np.testing.assert_allclose(got, ref.numpy(), rtol=0, atol=atol)
+        for dim in (64, 256):  # 256: Wan 2.1's freq_dim
+            ref = get_timestep_embedding(
+                torch.from_numpy(t), dim, flip_sin_to_cos=True, downscale_freq_shift=0
+            )
+            got = np.asarray(wt.timestep_embedding(t, dim))
+            np.testing.assert_allclose(got, ref.numpy(), rtol=0, atol=atol)
 
 
 # --- loading errors -----------------------------------------------------------------------
