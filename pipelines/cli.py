@@ -69,7 +69,7 @@ STAGES: dict[str, StageEntry] = {
 STAGE_NAMES = ("convert", "train", "evaluate", "generate")  # the stages proper
 
 
-def _load(path: str):
+def load_entry(path: str):
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -87,7 +87,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
         "pipelines.demo.run:DemoCheckError",
     ):
         with contextlib.suppress(ImportError, AttributeError):
-            types.append(_load(path))
+            types.append(load_entry(path))
     try:
         from stages.common.errors import StageInputError
 
@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from jaxcore.config import load_config, to_yaml
 
-        config = load_config(_load(entry.config_class), config_path, overrides)
+        config = load_config(load_entry(entry.config_class), config_path, overrides)
         if args.dry_run:
             sys.stdout.write(to_yaml(config))
             return 0
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pipelines.demo.embedded import resolve
 
             config = resolve(config)  # "tiny" models, "synthetic:" datasets -> local paths
-        run = _load(entry.run)
+        run = load_entry(entry.run)
         kwargs = {"force": args.force}
         if args.stage == "run":
             kwargs["from_stage"] = args.from_stage

@@ -102,9 +102,9 @@ def step_output(pipeline: PipelineConfig, step_name: str) -> str:
 
 def resolve_step(pipeline: PipelineConfig, step: StepConfig) -> ResolvedStep:
     """The step's stage config: base YAML + ``set`` + input artifact URIs + output_dir."""
-    from pipelines.cli import STAGES, _load
+    from pipelines.cli import STAGES, load_entry
 
-    cls = _load(STAGES[step.stage].config_class)
+    cls = load_entry(STAGES[step.stage].config_class)
     data = read_yaml(step.config) if step.config else {}
     values = substitute_root(dict(step.set), pipeline.root)
     for key, source in step.inputs.items():

@@ -12,7 +12,7 @@ import time
 
 from jaxcore import artifacts, storage
 from jaxcore.config import ConfigError
-from pipelines.cli import STAGES, _load
+from pipelines.cli import STAGES, load_entry
 from pipelines.config import PipelineConfig, load_pipeline_spec
 from pipelines.demo import embedded
 
@@ -51,7 +51,9 @@ def run(config: PipelineConfig, *, force: bool = False, from_stage: str | None =
             resolved.output_dir,
         )
         began = time.monotonic()
-        manifest = _load(STAGES[step.stage].run)(embedded.resolve(resolved.config), force=force)
+        manifest = load_entry(STAGES[step.stage].run)(
+            embedded.resolve(resolved.config), force=force
+        )
         manifests[step.name] = manifest
         log.info("[%s] done in %.1f s", step.name, time.monotonic() - began)
     return _record_chain(config, manifests)

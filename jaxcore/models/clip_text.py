@@ -559,7 +559,7 @@ def weight_map(
     return mapping
 
 
-def _abstract_variables(module: CLIPTextEncoder):
+def abstract_variables(module: CLIPTextEncoder):
     ids = jnp.zeros((1, 1), jnp.int32)
     return jax.eval_shape(module.init, jax.random.key(0), ids, jnp.ones((1, 1), jnp.int32))
 
@@ -567,7 +567,7 @@ def _abstract_variables(module: CLIPTextEncoder):
 def count_params(config: CLIPTextConfig, with_projection: bool = False) -> int:
     """Number of parameters, from shapes only (nothing is allocated)."""
     module = CLIPTextEncoder(config, with_projection=with_projection)
-    return weights.count_elements(_abstract_variables(module)["params"])
+    return weights.count_elements(abstract_variables(module)["params"])
 
 
 def init_clip_text(
@@ -664,7 +664,7 @@ def load_clip_text(
     params = weights.load_placed(
         reader,
         weight_map(config, with_projection, prefix),
-        _abstract_variables(module)["params"],
+        abstract_variables(module)["params"],
         mesh=mesh,
         rules=rules,
         dtype=param_dtype or dtype,

@@ -576,14 +576,14 @@ def weight_map(config: T5Config, embedding_key: str = "shared.weight") -> dict:
     return mapping
 
 
-def _abstract_variables(module: T5Encoder):
+def abstract_variables(module: T5Encoder):
     ids = jnp.zeros((1, 1), jnp.int32)
     return jax.eval_shape(module.init, jax.random.key(0), ids, jnp.ones((1, 1), jnp.int32))
 
 
 def count_params(config: T5Config) -> int:
     """Number of encoder parameters (the tied embedding once), from shapes only."""
-    return weights.count_elements(_abstract_variables(T5Encoder(config))["params"])
+    return weights.count_elements(abstract_variables(T5Encoder(config))["params"])
 
 
 def init_t5_encoder(
@@ -636,7 +636,7 @@ def load_t5_encoder(
     params = weights.load_placed(
         reader,
         weight_map(config, embedding_key),
-        _abstract_variables(module)["params"],
+        abstract_variables(module)["params"],
         mesh=mesh,
         rules=rules,
         dtype=param_dtype or dtype,

@@ -24,7 +24,7 @@ from jaxcore.models.t5 import (  # noqa: F401 - re-exported
     HeadsProjection,
     RMSNorm,
     SelfAttention,
-    _abstract_variables,
+    abstract_variables,
     relative_position_buckets,
     weight_map,
 )

@@ -5,14 +5,14 @@ from pathlib import Path
 import pytest
 
 from jaxcore.config import load_config, read_yaml
-from pipelines.cli import STAGES, _load
+from pipelines.cli import STAGES, load_entry
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("stages/*.yml")), ids=lambda p: p.name)
 def test_stage_configs(path):
-    cls = _load(STAGES[path.stem].config_class)
+    cls = load_entry(STAGES[path.stem].config_class)
     assert load_config(cls, path) is not None
 
 

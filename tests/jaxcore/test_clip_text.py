@@ -313,7 +313,7 @@ def test_init_weight_map_logical_axes_and_export(tmp_path):
     config = clip_text.CLIPTextConfig(**ODD_GELU)
     module, params = clip_text.init_clip_text(config, jax.random.key(1), with_projection=True)
     assert set(weights._flatten(params)) == set(clip_text.weight_map(config, True))
-    abstract = clip_text._abstract_variables(module)
+    abstract = clip_text.abstract_variables(module)
     names = jax.tree.leaves(
         jax.tree.map(lambda x: x.names, abstract["params"], is_leaf=lambda x: hasattr(x, "names"))
     )

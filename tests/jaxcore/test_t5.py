@@ -220,7 +220,7 @@ def test_weight_map_logical_axes_and_count():
     """Shapes only (eval_shape): the param tree equals the weight map for both variants."""
     for model_type in ("t5", "umt5"):
         config = t5.T5Config(**ODD_RELU, model_type=model_type)
-        abstract = t5._abstract_variables(t5.T5Encoder(config))
+        abstract = t5.abstract_variables(t5.T5Encoder(config))
         flat = weights._flatten(nn.meta.unbox(abstract)["params"])
         assert set(flat) == set(t5.weight_map(config))
         names = jax.tree.leaves(

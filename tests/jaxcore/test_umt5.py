@@ -165,7 +165,7 @@ def test_init_and_logical_axes():
     assert out.shape == (2, 5, 32) and bool(jnp.isfinite(out).all())
     flat = weights._flatten(params)
     assert set(flat) == set(umt5.weight_map(config))
-    abstract = umt5._abstract_variables(module)
+    abstract = umt5.abstract_variables(module)
     specs = jax.tree.leaves(
         jax.tree.map(
             lambda x: x.names,

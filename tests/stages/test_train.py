@@ -464,3 +464,32 @@ def test_relative_output_dir_checkpoints_and_resumes(one_layer_model, tmp_path, 
     assert (tmp_path / out / "checkpoints" / "2").is_dir()
     again = loop.train(_config(out, *common, "max_train_steps=3", "checkpoint_every=1"), out)
     assert again.checkpoints[-1] == 3
+
+
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ("attention=nope", "compute: attention: unknown attention backend 'nope'"),
+        ("remat_policy=sometimes", "unknown remat_policy 'sometimes'"),
+        ("weights_dtype=float8", "compute.weights_dtype"),
+    ],
+)
+def test_compute_section_is_checked_when_the_config_is_read(tmp_path, override, names):
+    """A typo in the attention backend or remat policy fails before any weights load."""
+    from jaxcore.config import ConfigError
+
+    with pytest.raises(ConfigError, match=names):
+        _config(tmp_path, override)
+
+
+def test_records_of_another_family_are_refused_naming_both(tmp_path, flux_data, one_layer_model):
+    from stages.train import loop
+
+    config = _config(
+        tmp_path / "out",
+        f"data={flux_data}",
+        "dataset_type=tfrecord",
+        f"model.model_config={one_layer_model}",
+    )
+    with pytest.raises(StageInputError, match="records of the 'flux' family.*a 'wan' model"):
+        loop.train(config, str(tmp_path / "out"), _open(flux_data))
