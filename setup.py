@@ -29,6 +29,7 @@ TEST = [
     "torch==2.13.0",  # numerical oracle only (diffusers/transformers PyTorch models)
     "diffusers>=0.42",
     "accelerate",
+    "peft",  # diffusers' load_lora_weights: the LoRA oracle
     "gcp-storage-emulator",
     "ruff==0.17.6",
 ]

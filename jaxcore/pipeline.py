@@ -53,6 +53,10 @@ class Pipeline:
     mesh: jax.sharding.Mesh | None = None
     rules: tuple = sharding.LOGICAL_AXIS_RULES
     source: str = ""
+    # LoRA state (apply_loras): the weights without LoRAs, the files read, the set merged now
+    base_denoiser_params: Any = dataclasses.field(default=None, repr=False)
+    lora_files: dict = dataclasses.field(default_factory=dict, repr=False)
+    active_loras: tuple = ()
 
     # shapes and defaults ----------------------------------------------------------------------
     @property
@@ -77,9 +81,58 @@ class Pipeline:
         return 1 if self.mesh is None else sharding.batch_axis_size(self.mesh, self.rules)
 
     def with_denoiser(self, module, params) -> Pipeline:
-        """The same pipeline with another denoiser (e.g. a trained checkpoint)."""
+        """The same pipeline with another denoiser (e.g. a trained checkpoint), no LoRAs."""
         configs = {**self.configs, self.family.denoiser_component: module.config}
-        return dataclasses.replace(self, denoiser=module, denoiser_params=params, configs=configs)
+        return dataclasses.replace(
+            self,
+            denoiser=module,
+            denoiser_params=params,
+            configs=configs,
+            base_denoiser_params=None,
+            active_loras=(),
+        )
+
+    def apply_loras(self, loras: Sequence[tuple[str, float]], *, strict: bool = True) -> list:
+        """Make the denoiser ``base + sum(scale x LoRA)`` for these ``(path, scale)`` pairs.
+
+        Merged from the base weights each time the set changes (files are read once, nothing
+        recompiles: shapes, dtypes and shardings stay); an empty set restores the base
+        weights exactly. Returns ``[{path, scale, sha256}]`` for records and manifests.
+        """
+        wanted = tuple((str(path), float(scale)) for path, scale in loras)
+        if wanted != self.active_loras:
+            loaded = self._loaded(wanted)
+            params = self.base_denoiser_params
+            if wanted:
+                params = self._lora_merger().merged(loaded, strict=strict)
+            self.denoiser_params = params
+            self.active_loras = wanted
+        return [{"path": p, "scale": s, "sha256": self.lora_files[p].checksum} for p, s in wanted]
+
+    def check_loras(self, lora_sets, *, strict: bool = True) -> None:
+        """Read every LoRA of these sets and check it fits the denoiser, merging nothing (so
+        a bad file fails before anything renders)."""
+        for loras in lora_sets:
+            wanted = tuple((str(path), float(scale)) for path, scale in loras)
+            if wanted:
+                loaded = self._loaded(wanted)  # first: it keeps the base weights
+                self._lora_merger().plan(loaded, strict=strict)
+
+    def _loaded(self, wanted):
+        from jaxcore.lora.merge import load_lora
+
+        if self.base_denoiser_params is None:
+            self.base_denoiser_params = self.denoiser_params
+        for path, _ in wanted:
+            if path not in self.lora_files:
+                self.lora_files[path] = load_lora(path, self.family, self.denoiser.config)
+        return [(self.lora_files[p], s) for p, s in wanted]
+
+    def _lora_merger(self):
+        from jaxcore.lora.merge import LoraMerger
+
+        weight_map = self.family.lora_weight_map(self.denoiser.config)
+        return LoraMerger(self.base_denoiser_params, weight_map)
 
     # placement --------------------------------------------------------------------------------
     def context(self):

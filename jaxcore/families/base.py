@@ -215,6 +215,15 @@ class Family(abc.ABC):
     def tokens_per_example(self, config, latent_shape) -> int:
         """Sequence positions the denoiser processes per example (for tokens/s)."""
 
+    def lora_to_diffusers(self, state_dict: Mapping, denoiser_config, where: str):
+        """A LoRA file's tensors -> ``jaxcore.lora.base.Converted`` for this family's denoiser
+        (the formats the family's LoRAs come in). The default: the family takes no LoRA."""
+        raise FamilyError(f"{where}: LoRAs are not supported for the {self.name} family")
+
+    def lora_weight_map(self, denoiser_config) -> Mapping:
+        """The denoiser's weight map (diffusers key -> our parameter) LoRA deltas merge through."""
+        raise FamilyError(f"LoRAs are not supported for the {self.name} family")
+
     @abc.abstractmethod
     def check_heads(self, config, mesh) -> None:
         """Raise ShardingError when the denoiser's heads do not split over the mesh."""

@@ -252,6 +252,15 @@ class FluxFamily(Family):
         _, h, w = latent_shape
         return (h // PACK) * (w // PACK)
 
+    def lora_to_diffusers(self, state_dict, denoiser_config, where: str):
+        from jaxcore.lora import flux
+
+        return flux.to_diffusers(state_dict, denoiser_config, where)
+
+    def lora_weight_map(self, denoiser_config):
+        """diffusers weight keys of the denoiser -> our parameters (where LoRA deltas go)."""
+        return flux_transformer.weight_map(denoiser_config)
+
     def check_heads(self, config, mesh) -> None:
         sharding.check_divisible(mesh, heads=config.num_attention_heads)
 

@@ -161,6 +161,15 @@ class WanFamily(Family):
         pt, ph, pw = config.patch_size
         return (f // pt) * (h // ph) * (w // pw)
 
+    def lora_to_diffusers(self, state_dict, denoiser_config, where: str):
+        from jaxcore.lora import wan
+
+        return wan.to_diffusers(state_dict, denoiser_config, where)
+
+    def lora_weight_map(self, denoiser_config):
+        """diffusers weight keys of the denoiser -> our parameters (where LoRA deltas go)."""
+        return wan_transformer.weight_map(denoiser_config)
+
     def check_heads(self, config, mesh) -> None:
         sharding.check_divisible(mesh, heads=config.num_attention_heads)
 

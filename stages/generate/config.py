@@ -55,14 +55,32 @@ class SamplingSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """One LoRA: a ``.safetensors`` file, a folder holding one, ``gs://`` or a hub id; and the
+    multiplier of its delta (on top of the file's own alpha / rank)."""
+
+    path: str
+    scale: float = 1.0
+
+    def __post_init__(self):
+        if not self.path:
+            raise ValueError("a LoRA needs a path")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSection:
-    """Which checkpoint of a train artifact renders. The source is
-    ``pretrained_model_name_or_path`` (top level); how models compute is ``compute``."""
+    """Which checkpoint of a train artifact renders, and the LoRAs every prompt gets. The
+    source is ``pretrained_model_name_or_path`` (top level); how models compute is
+    ``compute``."""
 
     checkpoint: str = "best"  # for a train artifact: "best", "final" or a step number
     # For a train artifact: the diffusers pipeline that supplies the other components (VAE,
     # text encoders, tokenizers, scheduler; default: the pipeline the run was fine-tuned from).
     base_pipeline: str | None = None
+    # LoRAs merged into the denoiser for every prompt without its own ``loras`` list.
+    loras: tuple[LoraSpec, ...] = ()
+    # A LoRA key that names no layer of the model: an error (true) or a warning (false).
+    lora_strict: bool = True
 
     def __post_init__(self):
         ck = self.checkpoint

@@ -5,7 +5,9 @@ Formats (local path or ``gs://``):
 - ``.jsonl``: one JSON object per line (blank and ``#`` lines ignored) with ``prompt`` and
   optionally ``id``, ``negative_prompt``, ``seed``, ``height``, ``width``, ``num_frames``,
   ``num_inference_steps``, ``guidance_scale``, ``true_cfg_scale``, ``flow_shift`` and
-  ``latents`` (a ``.npy`` of the initial noise, relative to the prompt file or absolute/gs://).
+  ``latents`` (a ``.npy`` of the initial noise, relative to the prompt file or absolute/gs://)
+  and ``loras`` (a list of ``{"path", "scale"}``: the LoRAs of this prompt instead of the
+  config's ``model.loras``; prompts are grouped by LoRA set).
   Values a line leaves out come from the config's ``sampling`` section, then from the
   pipeline's own defaults; sizes are checked against the model.
 
@@ -33,7 +35,8 @@ from stages.generate.config import SamplingSection
 FIELDS_INT = ("seed", "height", "width", "num_frames", "num_inference_steps")
 FIELDS_FLOAT = ("guidance_scale", "true_cfg_scale", "flow_shift")
 FIELDS_STR = ("id", "prompt", "negative_prompt", "latents")
-KNOWN_FIELDS = frozenset((*FIELDS_INT, *FIELDS_FLOAT, *FIELDS_STR))
+FIELDS_LIST = ("loras",)
+KNOWN_FIELDS = frozenset((*FIELDS_INT, *FIELDS_FLOAT, *FIELDS_STR, *FIELDS_LIST))
 
 # Per-prompt values that fall back to the config's sampling section (then the model's).
 PER_PROMPT_DEFAULTS = (
@@ -69,6 +72,7 @@ class PromptSpec:
     true_cfg_scale: float
     flow_shift: float | None
     latents: str | None  # URI of a .npy of initial noise, or None
+    loras: tuple[tuple[str, float], ...] = ()  # (path, scale) merged into the denoiser
 
     @property
     def group_key(self) -> tuple:
@@ -81,6 +85,7 @@ class PromptSpec:
             self.guidance_scale > 1.0,
             self.true_cfg_scale > 1.0,
             self.flow_shift,
+            self.loras,
         )
 
     def params(self) -> dict:
@@ -97,6 +102,7 @@ class PromptSpec:
             "true_cfg_scale": self.true_cfg_scale,
             "flow_shift": self.flow_shift,
             "latents": self.latents,
+            "loras": [{"path": path, "scale": scale} for path, scale in self.loras],
         }
 
 
@@ -129,8 +135,26 @@ def _where(uri: str, line: int) -> str:
     return f"{uri} line {line}"
 
 
+def _check_loras(value, where: str) -> list[dict]:
+    """A line's ``loras``: a list of ``{"path": str, "scale": number}`` objects."""
+    if not isinstance(value, list):
+        raise StageInputError(f"{where}: loras must be a list of {{path, scale}}, got {value!r}")
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or not isinstance(item.get("path"), str) or not item["path"]:
+            raise StageInputError(f'{where}: loras[{i}] must be {{"path": ..., "scale": ...}}')
+        unknown = sorted(set(item) - {"path", "scale"})
+        if unknown:
+            raise StageInputError(f"{where}: loras[{i}] has unknown field(s) {unknown}")
+        scale = item.get("scale", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, int | float):
+            raise StageInputError(f"{where}: loras[{i}].scale must be a number, got {scale!r}")
+    return value
+
+
 def _check_type(value, field: str, where: str):
     """Validate one field's JSON type; ints are accepted for float fields."""
+    if field in FIELDS_LIST:
+        return _check_loras(value, where)
     if field in FIELDS_INT:
         if isinstance(value, bool) or not isinstance(value, int):
             raise StageInputError(f"{where}: {field} must be an integer, got {value!r}")
@@ -169,6 +193,19 @@ def _resolve_latents(path: str, prompt_file: str) -> str:
         return path
     folder = prompt_file.rsplit("/", 1)[0] if "/" in prompt_file else "."
     return storage.join(folder, path)
+
+
+def _resolve_loras(given: list[dict], prompt_file: str) -> tuple[tuple[str, float], ...]:
+    """(path, scale) pairs; a relative path that exists beside the prompt file is taken there."""
+    out = []
+    for item in given:
+        path = item["path"]
+        if not (storage.is_gcs(path) or path.startswith("/")):
+            beside = _resolve_latents(path, prompt_file)
+            if storage.exists(beside):
+                path = beside
+        out.append((path, float(item.get("scale", 1.0))))
+    return tuple(out)
 
 
 def _check_values(fields: dict, where: str, geometry: Geometry | None) -> None:
@@ -238,11 +275,13 @@ def resolve_prompts(
     defaults: SamplingSection,
     model_defaults: dict | None = None,
     geometry: Geometry | None = None,
+    loras: tuple[tuple[str, float], ...] = (),
 ) -> list[PromptSpec]:
     """Prompt entries -> PromptSpecs; raises StageInputError naming the line.
 
     ``model_defaults`` fill the config's ``None`` values (the pipeline's own defaults);
-    ``geometry`` checks each prompt's size against the model.
+    ``geometry`` checks each prompt's size against the model; ``loras`` are the (path, scale)
+    pairs of every prompt without its own ``loras`` list.
     """
     base = resolved_defaults(defaults, model_defaults)
     specs: list[PromptSpec] = []
@@ -279,8 +318,17 @@ def resolve_prompts(
             if not latents.endswith(".npy"):
                 raise StageInputError(f"{where}: latents must name a .npy file, got {latents!r}")
             latents = _resolve_latents(latents, uri)
+        own = _resolve_loras(given["loras"], uri) if "loras" in given else tuple(loras)
         specs.append(
-            PromptSpec(index=index, line=number, id=prompt_id, name=name, latents=latents, **fields)
+            PromptSpec(
+                index=index,
+                line=number,
+                id=prompt_id,
+                name=name,
+                latents=latents,
+                loras=own,
+                **fields,
+            )
         )
     return specs
 

@@ -1,6 +1,7 @@
 """Bulk rendering: group prompts by shape, batch, shard, render, hand results to writers.
 
-- Prompts are grouped by :attr:`PromptSpec.group_key` (size, frames, steps, CFG on/off, shift)
+- Prompts are grouped by :attr:`PromptSpec.group_key` (size, frames, steps, CFG on/off, shift,
+  LoRA set; the LoRAs are merged from the base weights when the set changes)
   in file order, so each group compiles once; a group is cut into global batches of
   ``batch_size`` prompts, each padded (by repeating its last prompt) to a multiple of the
   mesh's batch ways.
@@ -123,10 +124,14 @@ class _InFlight:
     started: float
 
 
-def _dispatch(pipe, batch: Batch, scheduler: str | None, max_sequence_length: int) -> _InFlight:
-    """Host prep (noise, conditioning) for this process's rows, then queue the device work."""
+def _dispatch(
+    pipe, batch: Batch, scheduler: str | None, max_sequence_length: int, lora_strict: bool
+) -> _InFlight:
+    """Host prep (LoRAs, noise, conditioning) for this process's rows, then queue the device
+    work. A batch shares one LoRA set (prompts are grouped by it)."""
     started = time.perf_counter()
     first = batch.specs[0]
+    pipe.apply_loras(first.loras, strict=lora_strict)
     shape = pipe.latent_shape(first.height, first.width, first.num_frames)
     rows = [batch.row_spec(r) for r in batch.local_rows]
     latents = np.stack([initial_noise(s, shape) for s in rows])
@@ -172,6 +177,7 @@ def render_batches(
     on_result: Callable[[PromptSpec, np.ndarray, float, int], dict],
     writer_threads: int = 4,
     progress=None,
+    lora_strict: bool = True,
 ) -> list[dict]:
     """Render every batch; ``on_result(spec, video_fhwc, seconds, batch_size)`` runs in the
     writer pool for each real prompt of this process. Returns the records it produced."""
@@ -192,7 +198,7 @@ def render_batches(
 
         pending: _InFlight | None = None
         for batch in batches:
-            current = _dispatch(pipe, batch, scheduler, max_sequence_length)
+            current = _dispatch(pipe, batch, scheduler, max_sequence_length, lora_strict)
             if pending is not None:
                 collect(pending)
             pending = current

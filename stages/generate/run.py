@@ -21,7 +21,8 @@ def _run_fingerprint(config: GenerateConfig, scheduler: str) -> str:
     """What, besides a prompt's own parameters, decides its pixels."""
     payload = {
         "model": config.pretrained_model_name_or_path,
-        "model_section": to_dict(config.model),
+        "checkpoint": config.model.checkpoint,
+        "base_pipeline": config.model.base_pipeline,
         "compute": to_dict(config.compute),
         "scheduler": scheduler,
         "max_sequence_length": config.sampling.max_sequence_length,
@@ -31,8 +32,14 @@ def _run_fingerprint(config: GenerateConfig, scheduler: str) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _fingerprint(spec: PromptSpec, run_fingerprint: str) -> str:
-    blob = json.dumps({"run": run_fingerprint, "params": spec.params()}, sort_keys=True)
+def _fingerprint(spec: PromptSpec, run_fingerprint: str, lora_checksums: dict) -> str:
+    """The prompt's own parameters, its LoRA files' contents and the run's settings."""
+    payload = {
+        "run": run_fingerprint,
+        "params": spec.params(),
+        "lora_sha256": [lora_checksums[path] for path, _ in spec.loras],
+    }
+    blob = json.dumps(payload, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -52,7 +59,10 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     source = model.describe(config)  # the family and its sizes, no weights
     defaults = source.sampling_defaults()
     # every line is checked against the model before any work
-    specs = resolve_prompts(config.prompt_file, entries, config.sampling, defaults, source.geometry)
+    default_loras = tuple((lora.path, lora.scale) for lora in config.model.loras)
+    specs = resolve_prompts(
+        config.prompt_file, entries, config.sampling, defaults, source.geometry, default_loras
+    )
     scheduler = config.sampling.scheduler or defaults["scheduler"]
     prompt_sha = _prompt_file_sha256(config.prompt_file)
     writer = ArtifactWriter(config.output_dir, "generate", config, source.inputs)
@@ -69,6 +79,9 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     render.check_latent_files(specs, source.latent_shape)  # also before any rendering
     mesh = make_mesh(config.mesh)
     pipe = model.load(source, config.compute, mesh)
+    # every LoRA set is read and checked against the model before anything renders
+    pipe.check_loras({s.loras for s in specs}, strict=config.model.lora_strict)
+    lora_sha = {path: lora.checksum for path, lora in pipe.lora_files.items()}
     provenance = source.provenance
     run_fp = _run_fingerprint(config, scheduler)
     if jax.process_index() == 0:
@@ -76,7 +89,9 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     _barrier("generate-start")
     finished = outputs.load_records(writer.uri)
     todo = [
-        s for s in specs if finished.get(s.name, {}).get("fingerprint") != _fingerprint(s, run_fp)
+        s
+        for s in specs
+        if finished.get(s.name, {}).get("fingerprint") != _fingerprint(s, run_fp, lora_sha)
     ]
     log.info("generate: %d prompts, %d to render", len(specs), len(todo))
 
@@ -88,7 +103,8 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
             "line": spec.line,
             "params": spec.params(),
             "scheduler": scheduler,
-            "fingerprint": _fingerprint(spec, run_fp),
+            "loras": [{"path": p, "scale": w, "sha256": lora_sha[p]} for p, w in spec.loras],
+            "fingerprint": _fingerprint(spec, run_fp, lora_sha),
             "seconds": seconds,
             "batch_size": batch_size,
             "process_index": jax.process_index(),
@@ -117,12 +133,14 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
             on_result=write,
             writer_threads=config.output.writer_threads,
             progress=progress,
+            lora_strict=config.model.lora_strict,
         )
     elapsed = time.perf_counter() - started
     _barrier("generate-rendered")
     if jax.process_index() != 0:
         return None  # process 0 writes the gallery and the manifest
-    return _finish(config, writer, specs, run_fp, prompt_sha, provenance, len(todo), elapsed)
+    lora_info = (run_fp, lora_sha)
+    return _finish(config, writer, specs, lora_info, prompt_sha, provenance, len(todo), elapsed)
 
 
 def _barrier(name: str) -> None:
@@ -134,13 +152,14 @@ def _barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def _finish(config, writer, specs, run_fp, prompt_sha, provenance, rendered, elapsed) -> Manifest:
+def _finish(config, writer, specs, fingerprints, prompt_sha, provenance, rendered, elapsed):
     """Check every prompt has its record, write the contact sheet and gallery, commit."""
+    run_fp, lora_sha = fingerprints
     records = outputs.load_records(writer.uri)
     ordered = []
     for spec in specs:
         record = records.get(spec.name)
-        if record is None or record.get("fingerprint") != _fingerprint(spec, run_fp):
+        if record is None or record.get("fingerprint") != _fingerprint(spec, run_fp, lora_sha):
             raise ArtifactError(
                 f"{writer.uri}: prompt {spec.id!r} (line {spec.line}) has no finished output"
             )
@@ -155,6 +174,7 @@ def _finish(config, writer, specs, run_fp, prompt_sha, provenance, rendered, ela
         "prompt_file": config.prompt_file,
         "prompt_file_sha256": prompt_sha,
         "model": provenance,
+        "loras": [{"path": p, "sha256": sha} for p, sha in sorted(lora_sha.items())],
         "num_prompts": len(specs),
         "rendered_this_run": rendered,
         "reused": len(specs) - rendered,
@@ -169,6 +189,7 @@ def _finish(config, writer, specs, run_fp, prompt_sha, provenance, rendered, ela
                 "array": r["array"],
                 "seed": r["params"]["seed"],
                 "params": r["params"],
+                "loras": r.get("loras", []),
                 "seconds": round(r["seconds"], 4),
             }
             for r in ordered

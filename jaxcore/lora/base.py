@@ -1,0 +1,206 @@
+"""LoRA weights in one canonical form: low-rank deltas of a denoiser's Linear layers, named by
+their diffusers module path.
+
+Every file format (diffusers/PEFT, kohya / sd-scripts, ComfyUI, AI-Toolkit, XLabs, ...) is
+converted by its family's converter (``jaxcore/lora/<family>.py``) into a :class:`LoraWeights`:
+``{diffusers module name: LoraLayer}`` where the module name is the denoiser's own diffusers
+name without the pipeline prefix (``transformer_blocks.0.attn.to_q``, ``blocks.3.ffn.net.2``),
+``down`` is ``[rank, in_features]`` (PEFT ``lora_A``, kohya ``lora_down``), ``up`` is
+``[out_features, rank]`` (``lora_B`` / ``lora_up``) and ``scale`` is what the format multiplies
+``up @ down`` by (kohya / PEFT: ``alpha / rank``; 1 when the file gives no alpha, as diffusers
+loads such files). The delta of a torch ``Linear`` weight ``[out, in]`` is then
+``scale * up @ down`` (:meth:`LoraLayer.delta`); merging it into our parameters goes through the
+family's weight map (:mod:`jaxcore.lora.merge`).
+
+Only ``.safetensors`` files are read (:func:`read_lora_file`): a pickle is refused with an error
+naming the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from jaxcore import weights
+
+
+class LoraError(weights.WeightsError):
+    """A LoRA file that cannot be used; the message names the file and the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraLayer:
+    """One Linear layer's low-rank update: ``delta = scale * up @ down`` in torch layout."""
+
+    down: np.ndarray  # [rank, in_features]
+    up: np.ndarray  # [out_features, rank]
+    scale: float = 1.0
+
+    def __post_init__(self):
+        if self.down.ndim != 2 or self.up.ndim != 2 or self.up.shape[1] != self.down.shape[0]:
+            raise ValueError(
+                f"LoRA up {self.up.shape} and down {self.down.shape} are not [out, r] and [r, in]"
+            )
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0])
+
+    def delta(self) -> np.ndarray:
+        """``scale * up @ down`` as float32 ``[out_features, in_features]``."""
+        up = np.asarray(self.up, np.float32)
+        down = np.asarray(self.down, np.float32)
+        return (np.float32(self.scale) * up) @ down
+
+
+LoraWeights = dict[str, LoraLayer]
+
+
+def alpha_scale(alpha, rank: int) -> float:
+    """kohya / PEFT scaling: ``alpha / rank``; no alpha means 1 (diffusers' default)."""
+    if alpha is None:
+        return 1.0
+    value = float(np.asarray(alpha, np.float64).reshape(-1)[0])
+    return value / rank
+
+
+LORA_FILE_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' load_lora_weights looks for
+
+
+def resolve_lora_file(source: str) -> Path:
+    """A local ``.safetensors`` file for a LoRA given as a file, a folder, ``gs://`` or a hub id.
+
+    A folder (or a hub repository) must hold ``pytorch_lora_weights.safetensors`` or exactly
+    one ``.safetensors`` file, as diffusers' ``load_lora_weights`` finds it; ``gs://`` objects
+    are copied into the local cache; hub ids resolve from the local cache when offline.
+    """
+    from jaxcore import storage
+
+    if storage.is_gcs(source):
+        local = storage.local_copy(source)
+    else:
+        local = Path(source).expanduser()
+        if not local.exists() and source.count("/") == 1 and not source.startswith((".", "/")):
+            from huggingface_hub import snapshot_download
+
+            try:
+                local = Path(snapshot_download(source, allow_patterns=["*.safetensors"]))
+            except Exception as err:  # offline and not cached, unknown repo, ...
+                raise LoraError(
+                    f"LoRA {source}: not a local path, and the Hugging Face snapshot could not "
+                    f"be resolved ({type(err).__name__}: {err})"
+                ) from None
+    if local.is_dir():
+        if (local / LORA_FILE_NAME).is_file():
+            return local / LORA_FILE_NAME
+        found = sorted(local.glob("*.safetensors"))
+        if len(found) != 1:
+            raise LoraError(
+                f"LoRA {source}: the folder holds {len(found)} .safetensors files and no "
+                f"{LORA_FILE_NAME}; name the file"
+            )
+        return found[0]
+    return local
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+METADATA_KEY = "lora_adapter_metadata"  # diffusers' save_lora_weights: the PEFT LoraConfig
+
+
+def lora_metadata(path: str | os.PathLike, component: str) -> dict | None:
+    """The PEFT ``LoraConfig`` diffusers stored for ``component`` in the file's header
+    (``lora_adapter_metadata``: ``{"<component>.r": ..., "<component>.lora_alpha": ...}``), or
+    None when the file carries none."""
+    import json
+
+    raw = weights.SafetensorsFile(path).metadata.get(METADATA_KEY)
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise LoraError(f"{path}: malformed {METADATA_KEY} header: {err}") from None
+    prefix = f"{component}."
+    config = {k.removeprefix(prefix): v for k, v in data.items() if k.startswith(prefix)}
+    return config or None
+
+
+def _pattern_value(patterns: Mapping, module: str, default):
+    r"""PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the module's
+    name or a dotted suffix of it (``re.match(rf"(.*\.)?({key})$", module)``)."""
+    import re
+
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def apply_peft_config(converted: Converted, config: Mapping, where: str) -> Converted:
+    """Scales of a diffusers/PEFT file from its stored ``LoraConfig``: ``lora_alpha / r`` per
+    module (``alpha_pattern`` / ``rank_pattern`` overrides; ``use_rslora``: ``/ sqrt(r)``),
+    as PEFT computes them when diffusers loads the file."""
+    layers = {}
+    for module, layer in converted.layers.items():
+        rank = _pattern_value(config.get("rank_pattern"), module, config.get("r", layer.rank))
+        alpha = _pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", rank))
+        if int(rank) != layer.rank:
+            raise LoraError(
+                f"{where}: {module} has rank {layer.rank}, its stored LoRA config says {rank}"
+            )
+        denominator = float(np.sqrt(rank)) if config.get("use_rslora") else float(rank)
+        layers[module] = dataclasses.replace(layer, scale=layer.scale * float(alpha) / denominator)
+    return dataclasses.replace(converted, layers=layers)
+
+
+def read_lora_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of one ``.safetensors`` LoRA file (float arrays, bf16 read as float32)."""
+    path = Path(path)
+    if path.suffix in weights.PICKLE_SUFFIXES:
+        raise LoraError(
+            f"{path}: a pickle checkpoint; difforge loads LoRAs from .safetensors only, since "
+            "unpickling can run arbitrary code"
+        )
+    if not path.is_file():
+        raise LoraError(f"LoRA file {path} does not exist")
+    try:
+        file = weights.SafetensorsFile(path)
+    except weights.WeightsError as err:
+        raise LoraError(f"{path}: not a safetensors file ({err})") from None
+    out = {}
+    for key in file.keys():  # noqa: SIM118 (not a dict)
+        value = np.asarray(file.get(key))
+        out[key] = value.astype(np.float32) if value.dtype != np.float32 else value
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Converted:
+    """What a family's converter made of one file.
+
+    ``layers``: the denoiser's LoRA layers by diffusers module name. ``unmatched``: the file's
+    keys no rule placed (text-encoder LoRAs, unknown modules); the caller decides whether that
+    is an error (``lora_strict``) or a warning. ``format``: the detected format's name.
+    """
+
+    layers: LoraWeights
+    unmatched: tuple[str, ...]
+    format: str
+
+
+def unused_keys(used: set[str], state_dict: Mapping[str, np.ndarray]) -> tuple[str, ...]:
+    """The keys of a file no converter rule read, sorted."""
+    return tuple(sorted(set(state_dict) - used))
