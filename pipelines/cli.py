@@ -130,9 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may also follow flags (`... -q key=value`), which argparse leaves over.
+    late = [token for token in extra if "=" in token and not token.startswith("-")]
+    if len(late) != len(extra):
+        parser.error(f"unrecognized arguments: {' '.join(t for t in extra if t not in late)}")
     # A first positional of the form key=value is an override, not a config file.
-    overrides = list(args.overrides)
+    overrides = list(args.overrides) + late
     config_path = args.config
     if config_path and "=" in config_path and not config_path.endswith((".yml", ".yaml")):
         overrides.insert(0, config_path)

@@ -143,6 +143,8 @@ class Family(abc.ABC):
     denoiser_classes: tuple[str, ...] = ()  # the denoiser's config.json _class_name values
     denoiser_component: str = "transformer"  # its folder in a pipeline / section in a YAML
     objective: str = "flow_matching"
+    # PEFT-style target_modules a LoRA trains when the config names none
+    lora_default_targets: tuple[str, ...] = ()
 
     # --- recognition, components -----------------------------------------------------------
     def __hash__(self) -> int:  # singletons; hashable so jitted functions can be cached on them

@@ -190,6 +190,21 @@ class FluxFamily(Family):
     denoiser_classes = ("FluxTransformer2DModel",)
     denoiser_component = "transformer"
     objective = "flow_matching"
+    # diffusers' train_dreambooth_lora_flux.py defaults: attention and feed-forward layers
+    lora_default_targets = (
+        "attn.to_k",
+        "attn.to_q",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_k_proj",
+        "attn.add_q_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    )
 
     def component_config_classes(self) -> dict[str, type]:
         return {

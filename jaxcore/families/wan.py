@@ -108,6 +108,8 @@ class WanFamily(Family):
     denoiser_classes = ("WanTransformer3DModel",)
     denoiser_component = "transformer"
     objective = "flow_matching"
+    # the attention projections (self- and cross-attention), as diffusers' Wan LoRA scripts
+    lora_default_targets = ("to_q", "to_k", "to_v", "to_out.0")
 
     def component_config_classes(self) -> dict[str, type]:
         return {

@@ -98,12 +98,17 @@ def abstract_params_with_shardings(family, module, mesh):
 
 def restore_params(directory: str, step: int, family, module, mesh):
     """The params of checkpoint ``step`` in ``directory``, placed for ``module`` on ``mesh``."""
+    return restore_tree(directory, step, abstract_params_with_shardings(family, module, mesh))
+
+
+def restore_tree(directory: str, step: int, target):
+    """The ``params`` item of checkpoint ``step``, restored onto ``target``'s structure,
+    shapes and shardings (ShapeDtypeStructs)."""
     mngr = manager(directory, read_only=True)
     if step not in mngr.all_steps():
         raise ArtifactError(
             f"{directory}: no checkpoint at step {step} (have {sorted(mngr.all_steps())})"
         )
-    target = abstract_params_with_shardings(family, module, mesh)
     restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
     mngr.close()
     return restored["params"]
@@ -204,8 +209,77 @@ def denoiser_of(train_manifest: Manifest, compute: ComputeConfig, mesh):
     return family, family.make_denoiser(config, compute, mesh)
 
 
+class DenoiserRestorer:
+    """The denoiser of a train artifact, and its parameters at any of its checkpoints.
+
+    A LoRA run's checkpoints hold only its adapters: the base it trained on is rebuilt once
+    from the train artifact's ``model_source`` and each checkpoint's adapters are merged into
+    it (the same numbers the run trained against).
+    """
+
+    def __init__(self, train: Manifest, compute: ComputeConfig, mesh):
+        self.train, self.compute, self.mesh = train, compute, mesh
+        self.family, self.module = denoiser_of(train, compute, mesh)
+        self.lora = train.summary.get("lora")
+        self._base = None
+
+    def params(self, step: int):
+        """The denoiser parameters of checkpoint ``step``, placed on the mesh."""
+        source = CheckpointSource(self.train, step, {})
+        if self.lora is None:
+            return restore_params(source.directory, step, self.family, self.module, self.mesh)
+        if self._base is None:
+            self._base = _restore_base(
+                self.train, self.family, self.module, self.compute, self.mesh
+            )
+        return _merge_adapters(source, self.lora, self.family, self.module, self._base, self.mesh)
+
+
 def restore_denoiser(source: CheckpointSource, compute: ComputeConfig, mesh):
-    """(family, module, params) of the named checkpoint, placed on ``mesh``."""
-    family, module = denoiser_of(source.train, compute, mesh)
-    params = restore_params(source.directory, source.step, family, module, mesh)
-    return family, module, params
+    """(family, module, params) of the named checkpoint, placed on ``mesh`` (LoRA runs: the
+    rebuilt base plus the checkpoint's adapters, see :class:`DenoiserRestorer`)."""
+    restorer = DenoiserRestorer(source.train, compute, mesh)
+    return restorer.family, restorer.module, restorer.params(source.step)
+
+
+def _restore_base(train: Manifest, family, module, compute: ComputeConfig, mesh):
+    """The denoiser a LoRA run trained on, rebuilt as the run built it."""
+    import jax
+
+    origin = train.summary.get("model_source") or {}
+    kind = origin.get("source")
+    if kind == "pretrained":
+        _, params = family.load_denoiser(origin["path"], compute, mesh)
+        return params
+    if kind == "config":  # random init from the run's seed: the same numbers on any mesh
+        _, params = family.init_denoiser(
+            module.config, jax.random.key(int(origin["seed"])), compute, mesh
+        )
+        return params
+    if kind == "train_artifact":
+        parent = CheckpointSource(open_artifact(origin["path"], "train"), int(origin["step"]), {})
+        return restore_denoiser(parent, compute, mesh)[2]
+    raise StageInputError(f"{train.uri}: cannot rebuild the LoRA's base model from {origin}")
+
+
+def _merge_adapters(source: CheckpointSource, lora: dict, family, module, base, mesh):
+    """Restore a LoRA run's adapters at ``source.step`` and merge them into ``base``."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxcore.lora.base import Converted
+    from jaxcore.lora.merge import LoadedLora, LoraMerger
+    from jaxcore.lora.training import adapter_layers, find_targets, init_adapters
+
+    abstract = nn.meta.unbox(family.abstract_params(module))
+    weight_map = family.lora_weight_map(module.config)
+    targets = find_targets(weight_map, abstract, lora["targets"])
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shapes = jax.eval_shape(lambda: init_adapters(targets, int(lora["rank"]), jax.random.key(0)))
+    target_tree = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), shapes
+    )
+    adapters = restore_tree(source.directory, source.step, target_tree)
+    layers = adapter_layers(adapters, targets, float(lora["scale"]))
+    loaded = LoadedLora(source.train.uri, "", Converted(layers, (), "difforge"))
+    return LoraMerger(base, weight_map).merged([(loaded, 1.0)])

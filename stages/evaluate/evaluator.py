@@ -19,7 +19,8 @@ def evaluate_checkpoints(
     """{step: EvalResult.to_dict()} for each checkpoint step."""
     mesh = sharding.make_mesh(config.mesh)
     spec = data.split_spec(data_manifest, config.split)
-    family, module = checkpoints.denoiser_of(train_manifest, config.compute, mesh)
+    restorer = checkpoints.DenoiserRestorer(train_manifest, config.compute, mesh)
+    family, module = restorer.family, restorer.module
     if spec.family != family.name:
         raise StageInputError(
             f"{data_manifest.uri} holds {spec.family!r} records, but {train_manifest.uri} "
@@ -32,10 +33,9 @@ def evaluate_checkpoints(
     eval_fn = scoring.make_eval_fn(family, module, mesh, param_sh, spec, config.eval_seed, embedded)
     ways = sharding.batch_axis_size(mesh)
     batch = -(-config.eval_batch_size // ways) * ways
-    directory = checkpoints.checkpoint_dir(train_manifest)
     results = {}
     for step in steps:
-        params = checkpoints.restore_params(directory, step, family, module, mesh)
+        params = restorer.params(step)
         result = scoring.score(
             eval_fn, params, spec, batch_size=batch, max_records=config.max_eval_records
         )

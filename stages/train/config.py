@@ -98,6 +98,38 @@ class OptimizerSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSection:
+    """LoRA training: ``rank > 0`` trains only low-rank adapters on the frozen denoiser.
+
+    ``alpha``: the scale is ``alpha / rank`` (None: alpha = rank, scale 1); ``target_modules``:
+    PEFT-style names of the Linear layers to adapt (a name or a dotted suffix of one; empty:
+    the model family's defaults). The train artifact then holds the adapters in diffusers'
+    layout, ``lora/pytorch_lora_weights.safetensors``, which ``load_lora_weights`` reads.
+    """
+
+    rank: int = 0
+    alpha: float | None = None
+    target_modules: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        from jaxcore.lora.training import check_target_patterns
+
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0 (0: full fine-tuning), got {self.rank}")
+        if self.alpha is not None and self.alpha <= 0:
+            raise ValueError(f"alpha must be > 0, got {self.alpha}")
+        check_target_patterns(self.target_modules)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointSection:
     """orbax checkpoints inside the artifact (``checkpoints/<step>``)."""
 
@@ -152,6 +184,7 @@ class TrainConfig:
     export_diffusers: bool = False
     jax_cache_dir: str | None = None
     compute: ComputeConfig = dataclasses.field(default_factory=ComputeConfig)
+    lora: LoraSection = dataclasses.field(default_factory=LoraSection)
     input: DataSection = dataclasses.field(default_factory=DataSection)
     optimizer: OptimizerSection = dataclasses.field(default_factory=OptimizerSection)
     objective: ObjectiveSection = dataclasses.field(default_factory=ObjectiveSection)

@@ -33,6 +33,7 @@ from stages.train.config import TrainConfig, global_batch_size
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
+LORA_DIR = "lora"
 
 
 def maybe_initialize_distributed() -> bool:
@@ -90,6 +91,7 @@ class TrainResult:
     model_source: dict
     embedded_inputs: dict  # the denoiser's scalar inputs training used (Flux dev: guidance)
     exported_denoiser: str | None = None  # folder of the diffusers export, if any
+    lora: dict | None = None  # rank, alpha, targets and the exported file of a LoRA run
 
 
 @dataclasses.dataclass
@@ -104,6 +106,7 @@ class Run:
     features: tuple[TensorSpec, ...]
     train_spec: data.DataSpec | None
     eval_spec: data.DataSpec | None
+    trainable: model.Trainable
     opt_state: Any
     step_fn: trainer.TrainStep
     param_shardings: Any
@@ -118,7 +121,29 @@ class Run:
 
     @property
     def params(self):
-        return self.model.params
+        """What the optimiser updates (the denoiser's params, or the LoRA adapters)."""
+        return self.trainable.params
+
+    def denoiser_params(self):
+        """The denoiser's parameters now (with a LoRA: the base plus the adapters)."""
+        if not self.trainable.is_lora:
+            return self.trainable.params
+        merge = jax.jit(self.trainable.effective, out_shardings=self.param_shardings)
+        with sharding.mesh_context(self.mesh):
+            return merge(self.trainable.params, self.trainable.frozen)
+
+    @property
+    def lora_info(self) -> dict | None:
+        """What the artifact records of a LoRA run (None for full fine-tuning)."""
+        if not self.trainable.is_lora:
+            return None
+        lora = self.config.lora
+        return {
+            "rank": lora.rank,
+            "alpha": lora.alpha if lora.alpha is not None else float(lora.rank),
+            "scale": lora.scale,
+            "targets": sorted(self.trainable.targets),
+        }
 
     @property
     def embedded_inputs(self) -> dict[str, float]:
@@ -185,8 +210,9 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
 
     tx, schedule = trainer.make_optimizer(config.optimizer, config.max_train_steps)
     param_sh = checkpoints.param_shardings(built.family, built.module, mesh)
-    opt_sh = trainer.opt_state_shardings(tx, built.params, param_sh, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(built.params)
+    trainable = model.make_trainable(built, config.lora, mesh, jax.random.key(config.seed + 1))
+    opt_sh = trainer.opt_state_shardings(tx, trainable.params, trainable.shardings, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(trainable.params)
     step_fn = trainer.make_train_step(
         built.family,
         built.module,
@@ -194,10 +220,12 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
         schedule,
         config.objective,
         mesh,
-        param_sh,
+        trainable.shardings,
         opt_sh,
         features,
         config.seed,
+        frozen_shardings=trainable.frozen_shardings,
+        effective=trainable.effective,
     )
     ckpt = config.checkpointing
     mngr = checkpoints.manager(
@@ -217,6 +245,7 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
         features=features,
         train_spec=train_spec,
         eval_spec=eval_spec,
+        trainable=trainable,
         opt_state=opt_state,
         step_fn=step_fn,
         param_shardings=param_sh,
@@ -246,10 +275,9 @@ def resume(run: Run) -> None:
     if latest is None:
         return
     log.info("resuming from the checkpoint at step %d", latest)
-    params, run.opt_state, saved = checkpoints.restore_state(
-        run.mngr, latest, run.model.params, run.opt_state
+    run.trainable.params, run.opt_state, saved = checkpoints.restore_state(
+        run.mngr, latest, run.trainable.params, run.opt_state
     )
-    run.model.params = params
     run.eval_history = [e for e in saved.get("eval_history", []) if e["step"] <= latest]
     run.start = latest
     run.log_book.resume_from(latest)
@@ -280,7 +308,7 @@ def run_eval(run: Run, step: int) -> None:
     size = _round_up(run.config.evaluation.eval_batch_size, sharding.batch_axis_size(run.mesh))
     result = scoring.score(
         run.eval_fn,
-        run.params,
+        run.denoiser_params(),
         run.eval_spec,
         batch_size=size,
         max_records=run.config.evaluation.max_eval_records,
@@ -296,6 +324,7 @@ def save(run: Run, step: int, force: bool = False) -> None:
     meta = {
         "family": run.model.family.name,
         "model_config": run.model.module.config.to_dict(),
+        "lora": run.lora_info,
         "seed": run.config.seed,
         "step": step,
         "eval_history": run.eval_history,
@@ -373,8 +402,8 @@ def run_steps(run: Run) -> tuple[bool, float | None]:
             profiler.before(step)
             global_batch = data.to_global(next(source), run.mesh, run.batch, keys=keys)
             t0 = time.perf_counter()
-            run.model.params, run.opt_state, m = run.step_fn(
-                run.params, run.opt_state, global_batch, step
+            run.trainable.params, run.opt_state, m = run.step_fn(
+                run.params, run.opt_state, global_batch, step, run.trainable.frozen
             )
             m = jax.device_get(m)
             seconds = time.perf_counter() - t0
@@ -416,13 +445,18 @@ def finish(run: Run, preempted: bool, final_loss: float | None) -> TrainResult:
         final_loss = run.log_book.rows[-1].get("loss")
     history = run.eval_history
     best = min(history, key=lambda e: e["eval_loss"])["step"] if history else None
-    exported = None
+    exported = exported_lora = None
     if not preempted:
         metrics.plot_loss_curve(run.log_book.rows, storage.join(run.output_dir, "loss_curve.png"))
+        if run.trainable.is_lora:  # the adapters, as diffusers' load_lora_weights reads them
+            file = model.export_lora(
+                run.trainable, run.params, run.model.family, storage.join(run.output_dir, LORA_DIR)
+            )
+            exported_lora = f"{LORA_DIR}/{file}"
         if run.config.export_diffusers:
             exported = run.model.family.denoiser_component
             uri = storage.join(run.output_dir, exported)
-            model.export_diffusers(run.model, jax.device_get(run.params), uri)
+            model.export_diffusers(run.model, jax.device_get(run.denoiser_params()), uri)
     return TrainResult(
         final_step=steps[-1] if steps else run.start,
         final_loss=final_loss,
@@ -432,9 +466,10 @@ def finish(run: Run, preempted: bool, final_loss: float | None) -> TrainResult:
         eval_history=history,
         best_checkpoint_step=best if best in steps else None,
         preempted=preempted,
-        model_source=run.model.provenance,
+        model_source={**run.model.provenance, "seed": run.config.seed},
         embedded_inputs=run.embedded_inputs,
         exported_denoiser=exported,
+        lora=None if run.lora_info is None else {**run.lora_info, "file": exported_lora},
     )
 
 

@@ -10,6 +10,8 @@ import logging
 import tempfile
 from pathlib import Path
 
+import jax
+
 from jaxcore import families, storage, weights
 from jaxcore.compute import ComputeConfig
 from jaxcore.config import ConfigError
@@ -86,3 +88,72 @@ def export_diffusers(model: Model, params, uri: str) -> None:
         (local / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name in ("diffusion_pytorch_model.safetensors", "config.json"):
             storage.upload_file(local / name, storage.join(uri, name))
+
+
+@dataclasses.dataclass
+class Trainable:
+    """What the optimiser updates, and how the denoiser's parameters follow from it.
+
+    Full fine-tuning: ``params`` are the denoiser's, nothing is frozen. LoRA: ``params`` are
+    the adapters (:mod:`jaxcore.lora.training`), ``frozen`` the base denoiser, and the
+    parameters the loss sees are ``base + scale * up @ down`` at every target.
+    """
+
+    params: object
+    shardings: object
+    frozen: object = dataclasses.field(default_factory=dict)
+    frozen_shardings: object = dataclasses.field(default_factory=dict)
+    targets: dict | None = None
+    scale: float = 1.0
+
+    @property
+    def is_lora(self) -> bool:
+        return self.targets is not None
+
+    def effective(self, params, frozen):
+        """The denoiser parameters for ``params`` (traceable)."""
+        if self.targets is None:
+            return params
+        from jaxcore.lora.training import merge_traced
+
+        return merge_traced(frozen, params, self.targets, self.scale)
+
+
+def make_trainable(built: Model, lora, mesh, rng) -> Trainable:
+    """Full fine-tuning, or adapters on the frozen base when ``lora.rank > 0``."""
+    from flax import linen as nn
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxcore.lora.training import find_targets, init_adapters
+
+    base_shardings = checkpoints.param_shardings(built.family, built.module, mesh)
+    if not lora.enabled:
+        return Trainable(built.params, base_shardings)
+    family, config = built.family, built.module.config
+    patterns = lora.target_modules or family.lora_default_targets
+    abstract = nn.meta.unbox(family.abstract_params(built.module))
+    targets = find_targets(family.lora_weight_map(config), abstract, patterns)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    adapters = jax.device_put(init_adapters(targets, lora.rank, rng), replicated)
+    return Trainable(
+        params=adapters,
+        shardings=jax.tree.map(lambda _: replicated, adapters),
+        frozen=built.params,
+        frozen_shardings=base_shardings,
+        targets=targets,
+        scale=lora.scale,
+    )
+
+
+def export_lora(trainable: Trainable, params, family, uri: str) -> str:
+    """Write the adapters as ``<uri>/pytorch_lora_weights.safetensors`` (diffusers/PEFT)."""
+    from jaxcore.lora.base import LORA_FILE_NAME
+    from jaxcore.lora.training import adapter_layers, export_peft
+
+    layers = adapter_layers(params, trainable.targets, trainable.scale)
+    tensors = export_peft(layers, family.denoiser_component)
+    with tempfile.TemporaryDirectory() as tmp:
+        local = Path(tmp) / LORA_FILE_NAME
+        weights.save_safetensors(tensors, local, {"format": "pt"})
+        storage.upload_file(local, storage.join(uri, LORA_FILE_NAME))
+    return LORA_FILE_NAME

@@ -48,5 +48,6 @@ def run(config: TrainConfig, *, force: bool = False) -> Manifest | None:
             "eval_history": result.eval_history,
             "best_checkpoint_step": result.best_checkpoint_step,
             "exported_denoiser": result.exported_denoiser,
+            "lora": result.lora,
         }
     )

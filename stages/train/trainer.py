@@ -76,9 +76,10 @@ class TrainStep:
     fn: Callable
     mesh: Mesh
 
-    def __call__(self, params, opt_state, batch, step: int):
+    def __call__(self, params, opt_state, batch, step: int, frozen=None):
         with sharding.mesh_context(self.mesh):
-            return self.fn(params, opt_state, batch, jnp.asarray(step, jnp.int32))
+            frozen = {} if frozen is None else frozen
+            return self.fn(params, opt_state, frozen, batch, jnp.asarray(step, jnp.int32))
 
 
 def make_train_step(
@@ -92,20 +93,26 @@ def make_train_step(
     opt_shardings,
     features,
     seed: int,
+    *,
+    frozen_shardings=None,
+    effective=None,
 ) -> TrainStep:
     """Jit the step with explicit in/out shardings; params and opt_state buffers are donated.
 
     ``features``: the batch's tensors (TensorSpecs); each is sharded on its batch axis.
+    ``effective(params, frozen)``: the denoiser parameters the loss sees (default: ``params``;
+    LoRA: the frozen base plus the adapters); only ``params`` are differentiated and updated.
     """
+    effective = effective or (lambda params, frozen: params)
     batch_shardings = {f.name: batch_sharding(mesh, 1 + len(f.shape)) for f in features}
     rep = replicated(mesh)
     embedded = objective.embedded_inputs(family, module.config, objective_cfg)
 
-    def step_fn(params, opt_state, batch, step):
+    def step_fn(params, opt_state, frozen, batch, step):
         key = jax.random.fold_in(jax.random.key(seed), step)
         loss, grads = jax.value_and_grad(
             lambda p: objective.training_loss(
-                family, module, p, batch, key, objective_cfg, embedded
+                family, module, effective(p, frozen), batch, key, objective_cfg, embedded
             )
         )(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -117,9 +124,10 @@ def make_train_step(
         }
         return params, opt_state, metrics
 
+    frozen_shardings = {} if frozen_shardings is None else frozen_shardings
     jitted = jax.jit(
         step_fn,
-        in_shardings=(param_shardings, opt_shardings, batch_shardings, rep),
+        in_shardings=(param_shardings, opt_shardings, frozen_shardings, batch_shardings, rep),
         out_shardings=(param_shardings, opt_shardings, rep),
         donate_argnums=(0, 1),
     )

@@ -59,3 +59,13 @@ def test_dry_run_prints_resolved_config(capsys):
     assert cli.main(["train", "configs/stages/train.yml", "seed=7", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "seed: 7" in out
+
+
+def test_overrides_may_follow_flags(capsys):
+    """`difforge train cfg.yml -q key=value` works as `... key=value -q` does."""
+    argv = ["train", "configs/stages/train.yml", "learning_rate=2e-4", "--dry-run"]
+    assert cli.main([*argv, "max_train_steps=7", "seed=3"]) == 0
+    printed = capsys.readouterr().out
+    assert "max_train_steps: 7" in printed and "seed: 3" in printed and "learning_rate: 0.0002" in printed
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--no-such-flag"])
