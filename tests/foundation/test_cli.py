@@ -66,6 +66,10 @@ def test_overrides_may_follow_flags(capsys):
     argv = ["train", "configs/stages/train.yml", "learning_rate=2e-4", "--dry-run"]
     assert cli.main([*argv, "max_train_steps=7", "seed=3"]) == 0
     printed = capsys.readouterr().out
-    assert "max_train_steps: 7" in printed and "seed: 3" in printed and "learning_rate: 0.0002" in printed
+    assert (
+        "max_train_steps: 7" in printed
+        and "seed: 3" in printed
+        and "learning_rate: 0.0002" in printed
+    )
     with pytest.raises(SystemExit):
         cli.main([*argv, "--no-such-flag"])
