@@ -195,6 +195,38 @@ def test_switching_sets_remerges_from_the_base_and_unmerging_is_exact(wan_dir, t
         np.testing.assert_array_equal(np.asarray(v), base[k], err_msg=k)  # bit-identical
 
 
+def test_switching_sets_does_not_recompile(wan_dir, tmp_path):
+    from jaxcore import sampling
+
+    a, b = _lora_pair(wan_dir, tmp_path / "loras")
+    pipe = load_pipeline(wan_dir)
+    cond = pipe.encode_prompts(["a red circle"], 16)
+    latents = initial_latents(0, pipe.latent_shape(16, 16, 1))[None]
+    for loras in ([(a, 0.8)], [(a, 0.8), (b, 0.5)], [], [(b, 1.0)]):
+        pipe.apply_loras(loras)
+        pipe.sample(latents, cond, num_inference_steps=2)
+    _, step_fn = pipe.family.make_schedule(pipe, "unipc", 2, 3.0, latents.shape)
+    jitted = sampling.denoise_fn(pipe.family, pipe.denoiser, step_fn, False)  # the cached one
+    assert jitted._cache_size() == 1  # one program for every LoRA set
+
+
+def test_unmatched_keys_fail_strictly_and_warn_otherwise(wan_dir, tmp_path, caplog):
+    from jaxcore.lora.base import LoraError
+
+    lora = write_peft_lora(tmp_path / "a.safetensors", wan_dir, seed=5)
+    file = weights.SafetensorsFile(lora)
+    tensors = {k: np.array(file.get(k)) for k in file.keys()}  # noqa: SIM118
+    tensors["transformer.blocks.9.attn1.to_q.lora_A.weight"] = np.zeros((1, 32), np.float32)
+    tensors["transformer.blocks.9.attn1.to_q.lora_B.weight"] = np.zeros((32, 1), np.float32)
+    weights.save_safetensors(tensors, lora)
+    pipe = load_pipeline(wan_dir)
+    with pytest.raises(LoraError, match=r"a.safetensors: 2 key\(s\) match no layer: .*blocks.9"):
+        pipe.apply_loras([(lora, 1.0)])
+    pipe.apply_loras([(lora, 1.0)], strict=False)
+    assert "2 key(s) match no layer" in caplog.text and "lora_strict=false" in caplog.text
+    assert pipe.active_loras == ((str(lora), 1.0),)
+
+
 def _flat(tree, prefix=()):
     out = {}
     for k, v in tree.items():
