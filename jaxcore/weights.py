@@ -333,6 +333,43 @@ def load_placed(
     )
 
 
+def _zeros_like(spec):
+    import jax.numpy as jnp
+
+    return None if spec is None else jnp.zeros(spec.shape, spec.dtype)
+
+
+def abstract_from_inputs(module, dummy_inputs) -> Mapping:
+    """A module's ``params`` collection as boxed ShapeDtypeStructs (``nn.Partitioned`` kept),
+    traced on ``dummy_inputs`` (ShapeDtypeStructs or None); nothing is allocated. The mesh is
+    dropped for tracing: parameters do not depend on it."""
+    shapes_only = module.clone(mesh=None)
+
+    def init(rng):
+        return shapes_only.init(rng, *(_zeros_like(s) for s in dummy_inputs))
+
+    return jax.eval_shape(init, jax.random.key(0))["params"]
+
+
+def init_placed(module, dummy_inputs, rng, *, mesh=None, rules=None) -> dict:
+    """Random-init ``params`` of ``module`` (its own initialisers), created already placed by
+    their logical partitioning on ``mesh`` (else on the default device), unboxed."""
+    from flax import linen as nn
+
+    from jaxcore import sharding
+
+    unmeshed = module.clone(mesh=None)  # a dummy batch of 1 need not divide the mesh
+
+    def init(key):
+        return nn.meta.unbox(unmeshed.init(key, *(_zeros_like(s) for s in dummy_inputs))["params"])
+
+    if mesh is None:
+        return jax.jit(init)(rng)
+    boxed = abstract_from_inputs(module, dummy_inputs)
+    shardings = nn.meta.unbox(sharding.param_shardings(mesh, boxed, rules))
+    return jax.jit(init, out_shardings=shardings)(rng)
+
+
 def count_elements(tree) -> int:
     """Number of elements in a (possibly boxed) tree of arrays or ShapeDtypeStructs."""
     from flax import linen as nn

@@ -577,23 +577,9 @@ def _dummy_inputs(config: WanTransformerConfig, batch: int = 1):
     return video, timestep, text
 
 
-def _zeros(spec: jax.ShapeDtypeStruct) -> jax.Array:
-    return jnp.zeros(spec.shape, spec.dtype)
-
-
 def abstract_params(module: WanTransformer) -> dict:
     """The ``params`` collection as boxed ShapeDtypeStructs (nn.Partitioned kept), no allocation."""
-    inputs = _dummy_inputs(module.config)
-    shapes_only = module.clone(mesh=None)  # parameters do not depend on the mesh
-
-    def init(rng):
-        return shapes_only.init(rng, *(_zeros(s) for s in inputs))
-
-    return jax.eval_shape(init, jax.random.key(0))["params"]
-
-
-def _unbox(tree):
-    return nn.meta.unbox(tree)
+    return weights.abstract_from_inputs(module, _dummy_inputs(module.config))
 
 
 def load_wan_transformer(
@@ -653,16 +639,7 @@ def init_wan_transformer(
         mesh=mesh,
         remat_policy=remat_policy,
     )
-    inputs = _dummy_inputs(config)
-    unmeshed = module.clone(mesh=None)  # a dummy batch of 1 need not divide the mesh
-
-    def init(key):
-        return _unbox(unmeshed.init(key, *(_zeros(s) for s in inputs))["params"])
-
-    if mesh is None:
-        return module, jax.jit(init)(rng)
-    shardings = _unbox(sharding.param_shardings(mesh, abstract_params(module), rules))
-    return module, jax.jit(init, out_shardings=shardings)(rng)
+    return module, weights.init_placed(module, _dummy_inputs(config), rng, mesh=mesh, rules=rules)
 
 
 def count_params(config: WanTransformerConfig) -> int:
