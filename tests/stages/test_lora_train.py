@@ -125,8 +125,8 @@ def test_lora_trains_evaluates_and_loads_in_diffusers(family, request, tmp_path,
 
 
 def _diffusers_renders(family, pipeline, lora_dir, latents, caplog):
-    """(diffusers with the LoRA, diffusers without) frames [H, W, 3]; the load logs nothing
-    above INFO (diffusers warns about keys it cannot place)."""
+    """(diffusers with the LoRA, diffusers without) frames [H, W, 3]; the load warns about
+    nothing of the transformer (diffusers warns about keys it cannot place)."""
     import torch
 
     if family == "wan":
@@ -155,7 +155,15 @@ def _diffusers_renders(family, pipeline, lora_dir, latents, caplog):
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         pipe.load_lora_weights(str(lora_dir))
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    # FluxPipeline also looks for CLIP keys and says their absence "is safe to ignore": it
+    # says so for every transformer-only LoRA, diffusers' own training scripts' included.
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING
+        and not r.getMessage().startswith("No LoRA keys associated to CLIPTextModel")
+    ]
+    assert not warnings, warnings
     with_lora = pipe(latents=latents_in.clone(), **common)
 
     def frame(out):
