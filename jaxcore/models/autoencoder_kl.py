@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -60,7 +59,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import linen as nn
 
 from jaxcore import sharding, weights
@@ -239,9 +237,6 @@ class AutoencoderKLConfig:
 # ----------------------------------------------------------------------------------------------
 # Layers (channel-last)
 # ----------------------------------------------------------------------------------------------
-
-# Std of a unit normal truncated to [-2, 2] (flax's variance_scaling divides by it).
-_TRUNCATED_NORMAL_STD = 0.87962566103423978
 
 # Parameters are annotated with logical names only; under the default rules the whole VAE is
 # replicated (conv_in / conv_out / norm map to no mesh axis). The 1x1 attention projections
@@ -805,26 +800,11 @@ def init_autoencoder_kl(
     module = AutoencoderKL(
         config, dtype=dtype, param_dtype=param_dtype, attention=attention, mesh=mesh
     )
-    boxed = abstract_params(module)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(boxed))
-    kernel_sizes = [math.prod(leaf.shape) for path, leaf in flat if path[-1].key == "kernel"]
 
-    def init(key):
-        noise = jax.random.truncated_normal(key, -2.0, 2.0, (sum(kernel_sizes),), param_dtype)
-        pieces = iter(jnp.split(noise, np.cumsum(kernel_sizes)[:-1]))
-        leaves = []
-        for path, leaf in flat:
-            name = path[-1].key
-            if name == "kernel":
-                fan_in = math.prod(leaf.shape[:-1])
-                scale = math.sqrt(1.0 / fan_in) / _TRUNCATED_NORMAL_STD
-                leaves.append(next(pieces).reshape(leaf.shape) * scale)
-            else:
-                fill = 1.0 if name == "scale" else 0.0
-                leaves.append(jnp.full(leaf.shape, fill, param_dtype))
-        return jax.tree_util.tree_unflatten(treedef, leaves)
+    def fill(name, shape, dtype):  # norm scales one, biases zero
+        return jnp.full(shape, 1.0 if name == "scale" else 0.0, dtype)
 
-    if mesh is None:
-        return module, jax.jit(init)(rng)
-    shardings = nn.meta.unbox(sharding.param_shardings(mesh, boxed, rules))
-    return module, jax.jit(init, out_shardings=shardings)(rng)
+    params = weights.init_kernels_fan_in(
+        abstract_params(module), rng, param_dtype, fill, mesh=mesh, rules=rules
+    )
+    return module, params

@@ -192,8 +192,6 @@ class WanVAEConfig:
 # ----------------------------------------------------------------------------------------------
 
 
-# Std of a unit normal truncated to [-2, 2] (flax variance_scaling divides by it).
-_TRUNCATED_NORMAL_STD = 0.87962566103423978
 # Initializer per parameter leaf name; the layers and init_wan_vae both use this table.
 PARAM_INITIALIZERS = {
     "kernel": nn.initializers.lecun_normal(),
@@ -873,24 +871,11 @@ def init_wan_vae(
     so shapes come from ``eval_shape`` and all kernels share one truncated-normal draw.
     """
     module = WanVAE(config, dtype=dtype, param_dtype=dtype, attention=attention, mesh=mesh)
-    boxed = abstract_params(module)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(boxed))
-    kernel_sizes = [math.prod(leaf.shape) for path, leaf in flat if path[-1].key == "kernel"]
 
-    def init(key):
-        noise = jax.random.truncated_normal(key, -2.0, 2.0, (sum(kernel_sizes),), dtype)
-        pieces = iter(jnp.split(noise, np.cumsum(kernel_sizes)[:-1]))
-        leaves = []
-        for path, leaf in flat:
-            if path[-1].key == "kernel":
-                fan_in = math.prod(leaf.shape[:-1])
-                scale = math.sqrt(1.0 / fan_in) / _TRUNCATED_NORMAL_STD
-                leaves.append(next(pieces).reshape(leaf.shape) * scale)
-            else:
-                leaves.append(PARAM_INITIALIZERS[path[-1].key](key, leaf.shape, dtype))
-        return jax.tree_util.tree_unflatten(treedef, leaves)
+    def fill(name, shape, dtype_):  # biases zero, gammas one: the layers' declared inits
+        return PARAM_INITIALIZERS[name](None, shape, dtype_)
 
-    if mesh is None:
-        return module, jax.jit(init)(rng)
-    shardings = nn.meta.unbox(sharding.param_shardings(mesh, boxed, rules))
-    return module, jax.jit(init, out_shardings=shardings)(rng)
+    params = weights.init_kernels_fan_in(
+        abstract_params(module), rng, dtype, fill, mesh=mesh, rules=rules
+    )
+    return module, params

@@ -27,6 +27,7 @@ import numpy as np
 from jaxcore import sharding, storage
 from jaxcore.families import TensorSpec
 from stages.common import checkpoints, data, objective, records, scoring
+from stages.common.errors import StageInputError
 from stages.train import metrics, model, trainer
 from stages.train.config import TrainConfig, global_batch_size
 
@@ -178,7 +179,7 @@ def batch_features(config: TrainConfig, built: model.Model, train_spec) -> tuple
     else:
         features, where = train_spec.features, train_spec.artifact_uri
         if train_spec.family != family.name:
-            raise data.StageInputError(
+            raise StageInputError(
                 f"{where} holds records of the {train_spec.family!r} family, but the model is "
                 f"a {family.name!r} model"
             )

@@ -203,12 +203,15 @@ def test_switching_sets_does_not_recompile(wan_dir, tmp_path):
     pipe = load_pipeline(wan_dir)
     cond = pipe.encode_prompts(["a red circle"], 16)
     latents = initial_latents(0, pipe.latent_shape(16, 16, 1))[None]
-    for loras in ([(a, 0.8)], [(a, 0.8), (b, 0.5)], [], [(b, 1.0)]):
-        pipe.apply_loras(loras)
-        pipe.sample(latents, cond, num_inference_steps=2)
     _, step_fn = pipe.family.make_schedule(pipe, "unipc", 2, 3.0, latents.shape)
     jitted = sampling.denoise_fn(pipe.family, pipe.denoiser, step_fn, False)  # the cached one
-    assert jitted._cache_size() == 1  # one program for every LoRA set
+    pipe.apply_loras([(a, 0.8)])
+    pipe.sample(latents, cond, num_inference_steps=2)
+    compiled = jitted._cache_size()  # (other tests may have compiled other shapes before)
+    for loras in ([(a, 0.8), (b, 0.5)], [], [(b, 1.0)]):
+        pipe.apply_loras(loras)
+        pipe.sample(latents, cond, num_inference_steps=2)
+    assert jitted._cache_size() == compiled  # the same program for every LoRA set
 
 
 def test_unmatched_keys_fail_strictly_and_warn_otherwise(wan_dir, tmp_path, caplog):
