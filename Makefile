@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/difforge demo root=outputs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
