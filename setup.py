@@ -22,6 +22,7 @@ BASE = [
     "pyyaml",
     "matplotlib",
     "ml_dtypes",
+    "ftfy",  # Wan prompt cleaning, as diffusers does it when ftfy is installed (I2V needs it)
 ]
 
 TEST = [

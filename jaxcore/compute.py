@@ -59,16 +59,22 @@ class ComputeConfig:
 
     ``attention`` is a name of ``jaxcore.attention.BACKENDS``; ``remat_policy`` one of
     :data:`REMAT_POLICIES` (it applies to the denoiser's blocks when training).
+    ``idle_expert``: where a two-expert model (Wan 2.2 A14B) keeps the weights of the expert
+    that is not predicting: ``"device"`` (both experts resident; the switch is free) or
+    ``"host"`` (one expert's weights on the devices at a time, swapped at the boundary).
     """
 
     weights_dtype: DtypeName = "float32"
     activations_dtype: DtypeName = "float32"
     attention: str = "dot_product"
     remat_policy: str = "none"
+    idle_expert: Literal["device", "host"] = "device"
 
     def __post_init__(self):
         check_backend(self.attention)
         check_remat_policy(self.remat_policy)
+        if self.idle_expert not in ("device", "host"):
+            raise ValueError(f"idle_expert must be 'device' or 'host', got {self.idle_expert!r}")
 
     @property
     def dtype(self):

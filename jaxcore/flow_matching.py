@@ -44,8 +44,13 @@ def sample_timesteps(
     shift: float = 3.0,
     logit_mean: float = 0.0,
     logit_std: float = 1.0,
+    t_range: tuple[float, float] = (0.0, 1.0),
 ) -> jax.Array:
     """Samples ``[batch]`` float32 training times ``t`` in [0, 1) (1 is pure noise).
+
+    ``t_range = (lo, hi)``: the method's distribution truncated to ``lo <= t < hi`` (exactly:
+    each method draws its underlying variable from the matching interval), e.g. the timesteps
+    one expert of a two-expert model (Wan 2.2) handles.
 
     Methods:
       ``"uniform"``: ``t ~ U[0, 1)``.
@@ -59,15 +64,44 @@ def sample_timesteps(
         raise ValueError(f"shift must be > 0, got {shift}")
     if logit_std <= 0:
         raise ValueError(f"logit_std must be > 0, got {logit_std}")
+    lo, hi = (float(v) for v in t_range)
+    if not 0.0 <= lo < hi <= 1.0:
+        raise ValueError(f"t_range must satisfy 0 <= lo < hi <= 1, got {t_range}")
     if method == "logit_normal":
-        normal = jax.random.normal(rng, (batch,), jnp.float32)
+        # t = sigmoid(mean + std n) is monotone in n: truncate n to the matching interval
+        if (lo, hi) == (0.0, 1.0):
+            normal = jax.random.normal(rng, (batch,), jnp.float32)
+        else:
+            bound = [(_logit(v) - logit_mean) / logit_std for v in (lo, hi)]
+            normal = jax.random.truncated_normal(rng, bound[0], bound[1], (batch,), jnp.float32)
         t = jax.nn.sigmoid(logit_mean + logit_std * normal)
     else:
-        t = jax.random.uniform(rng, (batch,), jnp.float32)
+        if method == "shifted":  # the shift is monotone: draw u where shift(u) lands in range
+            lo, hi = unshift_timesteps(lo, shift), unshift_timesteps(hi, shift)
+        t = jax.random.uniform(rng, (batch,), jnp.float32, minval=lo, maxval=hi)
         if method == "shifted":
             t = shift_timesteps(t, shift)
-    # sigmoid of a large value, or the shift of a t just below 1, can round up to exactly 1.
-    return jnp.minimum(t, _BELOW_ONE)
+    low, high = (float(v) for v in t_range)
+    # rounding (sigmoid of a large value, the shift of a t near 1) must not leave the range
+    return jnp.clip(t, low, min(_below(high), _BELOW_ONE))
+
+
+def _logit(p: float) -> float:
+    if p <= 0.0:
+        return -np.inf
+    if p >= 1.0:
+        return np.inf
+    return float(np.log(p) - np.log1p(-p))
+
+
+def _below(value: float) -> float:
+    """The largest float32 below ``value``."""
+    return float(np.nextafter(np.float32(value), np.float32(0)))
+
+
+def unshift_timesteps(t: float, shift: float) -> float:
+    """The inverse of :func:`shift_timesteps`: ``u = t / (s - (s - 1) t)``."""
+    return t / (shift - (shift - 1) * t)
 
 
 def model_timesteps(t: jax.Array, num_train_timesteps: int = 1000) -> jax.Array:

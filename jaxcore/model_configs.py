@@ -30,7 +30,7 @@ def read_model_yaml(path: str | Path, sections: tuple[str, ...] | None = None):
         family = families.get(name)
     except families.FamilyError as err:
         raise ConfigError(f"{path}: {err}") from None
-    classes = family.component_config_classes()
+    classes = {**family.component_config_classes(), **family.optional_config_classes()}
     out = {}
     for section, values in data.items():
         if section not in classes:

@@ -4,8 +4,10 @@
 other components, the component configs, the scheduler config) and runs
 
 1. :meth:`Pipeline.conditioning`: prompts (and negative prompts, where CFG is on) -> the
-   family's conditioning tensors, with each prompt's embedded guidance inputs;
-2. :meth:`Pipeline.sample`: the shared jitted denoising loop (:mod:`jaxcore.sampling`);
+   family's conditioning tensors, with each prompt's embedded guidance inputs and, for
+   image-to-video models, its conditioning images;
+2. :meth:`Pipeline.sample`: the shared jitted denoising loop (:mod:`jaxcore.sampling`), with the
+   second expert of a two-expert model (:class:`SecondExpert`) where there is one;
 3. :meth:`Pipeline.decode`: latents -> frames ``[B, F, H, W, 3]`` in [0, 1].
 
 Everything model-specific is a call into ``self.family``; nothing here knows a model.
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcore import sampling, sharding, storage
-from jaxcore.families.base import FamilyError, Geometry, Guidance
+from jaxcore.families.base import FamilyError, Geometry, Guidance, ImageInputs
 
 # What a Hugging Face snapshot of a pipeline needs (no pickles, no code).
 HUB_ALLOW_PATTERNS = [
@@ -38,6 +40,32 @@ HUB_ALLOW_PATTERNS = [
     "tokenizer*/*.model",
     "tokenizer*/*.txt",
 ]
+
+
+@dataclasses.dataclass
+class SecondExpert:
+    """The low-noise expert of a two-expert pipeline (Wan 2.2 A14B's ``transformer_2``).
+
+    It predicts while the scheduler timestep is below ``boundary`` (diffusers:
+    ``boundary_ratio * num_train_timesteps``); the first denoiser predicts at and above it.
+    ``placement``: ``"device"`` keeps both experts' weights on the devices (the switch is a
+    branch inside the one jitted loop); ``"host"`` keeps whichever expert is idle in host
+    memory and swaps the weights at the boundary (half the device memory for weights, two
+    host-to-device copies and one host sync per render).
+    """
+
+    denoiser: Any
+    params: Any
+    boundary: float
+    placement: str = "device"
+
+
+def to_host(params):
+    """(host copy, shardings) of a placed parameter tree (the device copy is released)."""
+    shardings = jax.tree.map(lambda a: a.sharding, params)
+    host = jax.device_get(params)
+    jax.tree.map(lambda a: a.delete(), params)
+    return host, shardings
 
 
 @dataclasses.dataclass
@@ -57,6 +85,9 @@ class Pipeline:
     base_denoiser_params: Any = dataclasses.field(default=None, repr=False)
     lora_files: dict = dataclasses.field(default_factory=dict, repr=False)
     active_loras: tuple = ()
+    second_expert: SecondExpert | None = None
+    # placement="host": (host copy, shardings) of each expert's weights
+    _host_experts: tuple | None = dataclasses.field(default=None, repr=False)
 
     # shapes and defaults ----------------------------------------------------------------------
     @property
@@ -74,6 +105,11 @@ class Pipeline:
     @property
     def default_scheduler(self) -> str:
         return self.family.default_scheduler(self.scheduler_config)
+
+    @property
+    def image_inputs(self) -> ImageInputs:
+        """The conditioning images this pipeline takes (none for text-to-video models)."""
+        return self.family.image_inputs(self.configs)
 
     @property
     def batch_ways(self) -> int:
@@ -100,6 +136,11 @@ class Pipeline:
         weights exactly. Returns ``[{path, scale, sha256}]`` for records and manifests.
         """
         wanted = tuple((str(path), float(scale)) for path, scale in loras)
+        if wanted and self.second_expert is not None and self.second_expert.placement == "host":
+            raise FamilyError(
+                "LoRAs are not supported with compute.idle_expert=host (the weights they merge "
+                "into live on the host); use idle_expert=device"
+            )
         if wanted != self.active_loras:
             loaded = self._loaded(wanted)
             params = self.base_denoiser_params
@@ -153,9 +194,17 @@ class Pipeline:
         return jax.make_array_from_process_local_data(target, np.asarray(x))
 
     # phases -----------------------------------------------------------------------------------
-    def guidance(self, guidance_scale: float, true_cfg_scale: float = 1.0) -> Guidance:
+    def guidance(
+        self,
+        guidance_scale: float,
+        true_cfg_scale: float = 1.0,
+        guidance_scale_2: float | None = None,
+    ) -> Guidance:
         return self.family.guidance(
-            self.configs, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale
+            self.configs,
+            guidance_scale=guidance_scale,
+            true_cfg_scale=true_cfg_scale,
+            guidance_scale_2=guidance_scale_2,
         )
 
     def encode_prompts(self, prompts: Sequence[str], max_sequence_length: int) -> dict:
@@ -168,11 +217,17 @@ class Pipeline:
         negative_prompts: Sequence[str],
         guidances: Sequence[Guidance],
         max_sequence_length: int,
+        images: Sequence | None = None,
+        size: tuple[int, int, int] | None = None,
     ) -> tuple[dict, dict | None, np.ndarray]:
-        """(cond, uncond or None, cfg scales [B]) for one batch of prompts.
+        """(cond, uncond or None, cfg scales) for one batch of prompts.
 
-        The negative prompts are encoded only when some prompt uses CFG; each prompt's embedded
-        guidance inputs (``Guidance.embedded``) join both conditionings as ``[B]`` arrays.
+        The scales are ``[B]``, or ``[B, 2]`` (first expert, second expert) for a two-expert
+        pipeline. The negative prompts are encoded only when some prompt uses CFG; each
+        prompt's embedded guidance inputs (``Guidance.embedded``) join both conditionings as
+        ``[B]`` arrays. ``images``: per prompt ``(image, last_image)`` (PIL images or None) for
+        image-to-video models, with ``size`` = (height, width, num_frames) of the render; their
+        tensors join both conditionings (diffusers gives the negative branch the same image).
         """
         prompts = list(prompts)
         if len(guidances) != len(prompts) or len(negative_prompts) != len(prompts):
@@ -187,7 +242,17 @@ class Pipeline:
             cond[name] = values
             if uncond is not None:
                 uncond[name] = values
+        images = list(images) if images is not None else [(None, None)] * len(prompts)
+        if len(images) != len(prompts):
+            raise ValueError("images must have one (image, last_image) pair per prompt")
+        encoded_images = self.family.encode_images(self, images, *(size or (0, 0, 0)))
+        cond.update(encoded_images)
+        if uncond is not None:
+            uncond.update(encoded_images)
         scales = np.asarray([g.cfg_scale for g in guidances], np.float32)
+        if self.second_expert is not None:
+            second = [g.cfg_scale if g.cfg_scale_2 is None else g.cfg_scale_2 for g in guidances]
+            scales = np.stack([scales, np.asarray(second, np.float32)], axis=1)
         return cond, uncond, scales
 
     def sample(
@@ -203,13 +268,20 @@ class Pipeline:
     ) -> jax.Array:
         """Run the whole denoising loop (one jitted call); returns the final latents.
 
-        ``cfg_scale`` may be one value or one per sample; CFG runs when any is > 1 (then
-        ``uncond`` is required) and applies only to samples whose scale is > 1. ``shift`` and
-        ``scheduler`` default to the pipeline's scheduler config.
+        ``cfg_scale`` may be one value or one per sample, or ``[B, 2]`` (first, second expert)
+        for a two-expert pipeline (one column: both experts use it). CFG runs when any first
+        scale is > 1 (then ``uncond`` is required) and applies only to samples whose first
+        scale is > 1. ``shift`` and ``scheduler`` default to the pipeline's scheduler config.
         """
         latents = self.shard_batch(latents)
         batch = latents.shape[0]
-        scales = np.broadcast_to(np.asarray(cfg_scale, np.float32), (batch,))
+        given = np.asarray(cfg_scale, np.float32)
+        if given.ndim == 2:
+            scales, scales_2 = given[:, 0], given[:, 1]
+        else:
+            scales = scales_2 = np.broadcast_to(given, (batch,))
+        scales = np.broadcast_to(scales, (batch,))
+        scales_2 = np.broadcast_to(scales_2, (batch,))
         use_cfg = bool((scales > 1.0).any())
         if use_cfg and uncond is None:
             raise ValueError("a cfg_scale > 1 needs the negative conditioning (uncond)")
@@ -222,16 +294,59 @@ class Pipeline:
             self.default_shift if shift is None else float(shift),
             latents.shape,
         )
-        fn = sampling.denoise_fn(self.family, self.denoiser, step_fn, use_cfg)
+        latents = latents.astype(jnp.float32)
+        scales, scales_2 = self.shard_batch(np.array(scales)), self.shard_batch(np.array(scales_2))
+        steps = int(state.timesteps.shape[0])
+        expert = self.second_expert
         with self.context():
-            return fn(
-                self.denoiser_params,
-                latents.astype(jnp.float32),
-                cond,
-                uncond,
-                self.shard_batch(scales),
-                state,
-            )
+            if expert is None:
+                fn = sampling.denoise_fn(self.family, self.denoiser, step_fn, use_cfg)
+                args = (cond, uncond, scales, state, 0, steps, None)
+                x, _ = fn(self.denoiser_params, latents, *args)
+            elif expert.placement == "device":
+                fn = sampling.denoise_fn(
+                    self.family, self.denoiser, step_fn, use_cfg, expert.denoiser
+                )
+                second = (expert.params, jnp.float32(expert.boundary), scales_2)
+                x, _ = fn(
+                    self.denoiser_params, latents, cond, uncond, scales, state, 0, steps, second
+                )
+            else:
+                x = self._sample_swapping(
+                    latents, cond, uncond, scales, scales_2, state, step_fn, use_cfg
+                )
+            return self.family.finish_latents(x, cond)
+
+    def _sample_swapping(self, latents, cond, uncond, scales, scales_2, state, step_fn, use_cfg):
+        """Two experts, one on the devices at a time: the first for the steps at or above the
+        boundary, then (its weights released) the second for the rest."""
+        expert = self.second_expert
+        split = sampling.first_expert_steps(state.timesteps, expert.boundary)
+        steps = int(state.timesteps.shape[0])
+        x, phases = (
+            latents,
+            ((self.denoiser, 0, 0, split, scales), (expert.denoiser, 1, split, steps, scales_2)),
+        )
+        for module, which, start, stop, scale in phases:
+            if start == stop:
+                continue
+            host, shardings = self.host_experts()[which]
+            params = jax.device_put(host, shardings)
+            fn = sampling.denoise_fn(self.family, module, step_fn, use_cfg)
+            x, state = fn(params, x, cond, uncond, scale, state, start, stop, None)
+            jax.block_until_ready(x)  # the weights may go only once the steps are done
+            del params
+        return x
+
+    def host_experts(self) -> tuple:
+        """``((host params, shardings) of the first expert, ... of the second)``: the weights
+        ``placement="host"`` swaps in, taken off the devices on first use."""
+        if self._host_experts is None:
+            first = to_host(self.denoiser_params)
+            second = to_host(self.second_expert.params)
+            self._host_experts = (first, second)
+            self.denoiser_params = self.second_expert.params = None
+        return self._host_experts
 
     def decode(self, latents) -> jax.Array:
         """Latents -> frames ``[B, F, H, W, 3]`` float32 in [0, 1]."""
@@ -250,20 +365,29 @@ class Pipeline:
         num_inference_steps: int,
         guidance_scale: float,
         true_cfg_scale: float = 1.0,
+        guidance_scale_2: float | None = None,
+        images: Sequence | None = None,
         shift: float | None = None,
         scheduler: str | None = None,
         max_sequence_length: int = 512,
     ) -> np.ndarray:
-        """Convenience: prompts -> float frames ``[B, F, H, W, 3]`` (batch must fit the mesh)."""
+        """Convenience: prompts -> float frames ``[B, F, H, W, 3]`` (batch must fit the mesh).
+
+        ``images``: per prompt ``(image, last_image)`` for image-to-video models."""
         prompts = list(prompts)
         seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
         self.geometry.check(height, width, num_frames)
         shape = self.latent_shape(height, width, num_frames)
         latents = np.stack([sampling.initial_latents(s, shape) for s in seeds])
-        guidance = self.guidance(guidance_scale, true_cfg_scale)
+        guidance = self.guidance(guidance_scale, true_cfg_scale, guidance_scale_2)
         negatives = list(negative_prompts or [""] * len(prompts))
         cond, uncond, scales = self.conditioning(
-            prompts, negatives, [guidance] * len(prompts), max_sequence_length
+            prompts,
+            negatives,
+            [guidance] * len(prompts),
+            max_sequence_length,
+            images=images,
+            size=(height, width, num_frames),
         )
         z = self.sample(
             latents,

@@ -5,7 +5,15 @@ classifier-free guidance a second pass on the negative conditioning gives
 ``uncond + scale * (cond - uncond)`` (diffusers' formula for Wan's ``guidance_scale`` and
 Flux's ``true_cfg_scale``), applied per sample only where its scale is > 1; the scheduler steps
 the latents. The whole loop is ONE jitted function (``lax.fori_loop`` with the scheduler state
-in the carry), compiled once per (family, denoiser module, scheduler, CFG on/off, shapes).
+in the carry), compiled once per (family, denoiser module(s), scheduler, CFG on/off, shapes).
+
+Two experts (Wan 2.2 A14B, diffusers' ``transformer`` + ``transformer_2``): the first expert
+predicts while the timestep is ``>= boundary`` (high noise), the second below it, each with its
+own guidance scale; the switch is a ``lax.cond`` inside the same loop (no recompilation, no
+host sync). Whether CFG runs at all follows the first scale, as in diffusers
+(``do_classifier_free_guidance`` reads ``guidance_scale`` only). The loop can also run a range
+of steps (``start``, ``stop``), which is how the idle expert's weights can stay on the host: one
+range per expert, the weights swapped in between (:meth:`jaxcore.pipeline.Pipeline.sample`).
 
 Initial noise is drawn per prompt from its seed alone (:func:`initial_latents`), never from a
 batch-level key, so outputs do not depend on batch composition, batch size or device count.
@@ -37,33 +45,65 @@ def to_uint8(video: np.ndarray) -> np.ndarray:
     return np.clip(np.round(np.asarray(video) * 255.0), 0, 255).astype(np.uint8)
 
 
+def boundary_timestep(boundary_ratio: float, num_train_timesteps: int) -> np.float32:
+    """diffusers' ``boundary_ratio * num_train_timesteps`` as the comparison sees it.
+
+    diffusers compares a scheduler timestep tensor (int64 or float32) with this Python float,
+    and torch's type promotion does it in float32: 0.9 * 1000 = 900.0000000000001 becomes 900.0,
+    so t = 900 goes to the first expert. Rounding to float32 here keeps that.
+    """
+    return np.float32(boundary_ratio * num_train_timesteps)
+
+
+def first_expert_steps(timesteps, boundary: float) -> int:
+    """How many leading steps the first (high-noise) expert runs (timesteps decrease)."""
+    t = np.asarray(timesteps, np.float32)
+    return int(np.sum(t >= np.float32(boundary)))
+
+
 @functools.lru_cache(maxsize=32)
-def denoise_fn(family, module, step_fn, use_cfg: bool):
-    """jit(params, latents, cond, uncond, cfg_scale[B], state) -> final latents.
+def denoise_fn(family, module, step_fn, use_cfg: bool, second_module=None):
+    """jit(params, latents, cond, uncond, cfg_scale[B], state, start, stop, second) -> (latents,
+    state) after the steps ``start <= i < stop``.
 
     ``cond``/``uncond`` are dicts of conditioning tensors (``uncond`` is ignored without CFG);
-    ``state`` is a scheduler state whose ``timesteps`` the loop walks.
+    ``state`` is a scheduler state whose ``timesteps`` the loop walks. ``second`` is ``None``
+    for one denoiser, else ``(params_2, boundary, cfg_scale_2[B])`` for ``second_module``.
     """
 
-    def predict(params, x, t, conditioning):
-        return family.apply(module, params, x, t, conditioning).astype(jnp.float32)
+    def predict(mod, params, x, t, conditioning):
+        return family.apply(mod, params, x, t, conditioning).astype(jnp.float32)
 
-    def denoise(params, latents, cond, uncond, cfg_scale_b, state):
+    def guided(mod, params, x, t, cond, uncond, cfg_on, scale):
+        prediction = predict(mod, params, x, t, cond)
+        if not use_cfg:
+            return prediction
+        negative = predict(mod, params, x, t, uncond)
+        # diffusers applies CFG only when the (first) scale is > 1; keep that per sample.
+        return jnp.where(cfg_on, negative + scale * (prediction - negative), prediction)
+
+    def denoise(params, latents, cond, uncond, cfg_scale_b, state, start, stop, second):
         batch = latents.shape[0]
-        scale = cfg_scale_b.reshape((batch,) + (1,) * (latents.ndim - 1))
+        per_sample = (batch,) + (1,) * (latents.ndim - 1)
+        scale = cfg_scale_b.reshape(per_sample)
+        cfg_on = scale > 1.0
 
         def body(i, carry):
             x, st = carry
-            t = jnp.broadcast_to(st.timesteps[i].astype(jnp.float32), (batch,))
-            prediction = predict(params, x, t, cond)
-            if use_cfg:
-                negative = predict(params, x, t, uncond)
-                # diffusers applies CFG only when the scale is > 1; keep that per sample.
-                guided = negative + scale * (prediction - negative)
-                prediction = jnp.where(scale > 1.0, guided, prediction)
+            t_now = st.timesteps[i].astype(jnp.float32)
+            t = jnp.broadcast_to(t_now, (batch,))
+            if second is None:
+                prediction = guided(module, params, x, t, cond, uncond, cfg_on, scale)
+            else:
+                params_2, boundary, cfg_scale_2_b = second
+                scale_2 = cfg_scale_2_b.reshape(per_sample)
+                prediction = jax.lax.cond(
+                    t_now >= boundary,
+                    lambda: guided(module, params, x, t, cond, uncond, cfg_on, scale),
+                    lambda: guided(second_module, params_2, x, t, cond, uncond, cfg_on, scale_2),
+                )
             return step_fn(st, prediction, x)
 
-        x, _ = jax.lax.fori_loop(0, state.timesteps.shape[0], body, (latents, state))
-        return x
+        return jax.lax.fori_loop(start, stop, body, (latents, state))
 
     return jax.jit(denoise)

@@ -20,6 +20,12 @@ What a family tells the stages:
 - **sampling defaults**: scheduler and shift from the pipeline's scheduler config, and how the
   user's guidance settings become a CFG scale and the denoiser's own inputs
   (:meth:`Family.guidance`).
+- **image conditioning** (image-to-video): which image inputs a pipeline takes
+  (:meth:`Family.image_inputs`), how they become conditioning tensors
+  (:meth:`Family.encode_images`), and what the loop's result needs before decoding
+  (:meth:`Family.finish_latents`).
+- **two experts** (Wan 2.2 A14B): :meth:`Family.load_pipeline` may give the pipeline a second
+  denoiser and the timestep where it takes over (:class:`jaxcore.pipeline.SecondExpert`).
 - **the training target**: :attr:`Family.objective` ("flow_matching" for every family so far;
   "epsilon" / "v_prediction" are the seam for UNet families).
 
@@ -105,15 +111,38 @@ class Guidance:
 
     ``cfg_scale``: ``uncond + cfg_scale * (cond - uncond)`` when > 1 (Wan's ``guidance_scale``,
     Flux's ``true_cfg_scale``). ``embedded``: extra per-sample conditioning scalars the denoiser
-    takes as input (Flux dev's guidance embedding), by name.
+    takes as input (Flux dev's guidance embedding), by name. ``cfg_scale_2``: the scale while
+    the second expert predicts (Wan 2.2's ``guidance_scale_2``); None without a second expert.
     """
 
     cfg_scale: float = 1.0
     embedded: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    cfg_scale_2: float | None = None
 
     @property
     def uses_cfg(self) -> bool:
         return self.cfg_scale > 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageInputs:
+    """Which conditioning images a pipeline takes: ``"none"``, ``"optional"`` (a text-and-image
+    model such as Wan 2.2 TI2V) or ``"required"`` (an image-to-video model); and whether it also
+    takes a ``last_image`` (first-last-frame to video)."""
+
+    image: str = "none"
+    last_image: bool = False
+
+    def check(self, has_image: bool, has_last_image: bool, where: str) -> None:
+        """Raise ValueError naming ``where`` when a prompt's images do not fit the model."""
+        if self.image == "required" and not has_image:
+            raise ValueError(f"{where}: this model is image-to-video: the prompt needs an 'image'")
+        if self.image == "none" and (has_image or has_last_image):
+            raise ValueError(f"{where}: this model takes no conditioning image")
+        if has_last_image and not self.last_image:
+            raise ValueError(f"{where}: this model takes no 'last_image'")
+        if has_last_image and not has_image:
+            raise ValueError(f"{where}: a 'last_image' needs an 'image'")
 
 
 class Encoders(abc.ABC):
@@ -160,6 +189,21 @@ class Family(abc.ABC):
     def component_config_classes(self) -> dict[str, type]:
         """{component name: its config dataclass} (sections of a model YAML, folders of a
         pipeline). Each class has ``from_dict(config.json dict)`` and ``to_dict()``."""
+
+    def optional_config_classes(self) -> dict[str, type]:
+        """Sections a model YAML may add to :meth:`component_config_classes` (components only
+        some pipelines of the family have, pipeline-level options)."""
+        return {}
+
+    def expert_component(self, configs: Mapping[str, Any], expert: str) -> str:
+        """The component holding one expert (``high`` / ``low``) of a two-expert pipeline with
+        these configs; an error naming the pipeline's shape when it has no such expert."""
+        del configs
+        raise FamilyError(f"the {self.name} family has no experts (model.expert={expert})")
+
+    def expert_boundary_ratio(self, configs: Mapping[str, Any]) -> float:
+        """Where the experts split, as a fraction of the training timesteps."""
+        raise FamilyError(f"the {self.name} family has no experts")
 
     def check_model_index(self, index: Mapping, where: str) -> None:
         """Refuse a ``model_index.json`` this family recognises but cannot run (naming the key).
@@ -337,9 +381,37 @@ class Family(abc.ABC):
         """(scheduler state, step_fn) for one sampling run (see :mod:`jaxcore.schedulers`)."""
 
     @abc.abstractmethod
-    def guidance(self, configs, *, guidance_scale: float, true_cfg_scale: float) -> Guidance:
+    def guidance(
+        self,
+        configs,
+        *,
+        guidance_scale: float,
+        true_cfg_scale: float,
+        guidance_scale_2: float | None = None,
+    ) -> Guidance:
         """The user's guidance settings -> this family's :class:`Guidance` for a pipeline with
         these component configs; a setting the family does not have is an error naming it."""
+
+    # --- image conditioning and experts (defaults: text-only, one denoiser) ---------------------
+    def image_inputs(self, configs: Mapping[str, Any]) -> ImageInputs:
+        """The conditioning images a pipeline with these component configs takes."""
+        del configs
+        return ImageInputs()
+
+    def encode_images(
+        self, pipe, images: Sequence, height: int, width: int, num_frames: int
+    ) -> dict[str, np.ndarray]:
+        """Per row ``(image, last_image)`` (PIL images or None) -> conditioning tensors
+        ``{name: [B, ...]}`` that join both the conditional and the negative branch."""
+        del pipe, height, width, num_frames
+        if any(image is not None or last is not None for image, last in images):
+            raise FamilyError(f"the {self.name} family takes no conditioning image")
+        return {}
+
+    def finish_latents(self, latents, conditioning: Mapping[str, Any]):
+        """The sampling loop's result -> the latents to decode (jittable). Default: as is."""
+        del conditioning
+        return latents
 
 
 # --- helpers ----------------------------------------------------------------------------------

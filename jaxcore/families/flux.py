@@ -418,7 +418,19 @@ class FluxFamily(Family):
             mu=mu,
         )
 
-    def guidance(self, configs, *, guidance_scale: float, true_cfg_scale: float) -> Guidance:
+    def guidance(
+        self,
+        configs,
+        *,
+        guidance_scale: float,
+        true_cfg_scale: float,
+        guidance_scale_2: float | None = None,
+    ) -> Guidance:
+        if guidance_scale_2 is not None:
+            raise FamilyError(
+                f"guidance_scale_2={guidance_scale_2}: Flux has one denoiser; guidance_scale_2 is "
+                "the second expert's scale of two-expert models (Wan 2.2 A14B)"
+            )
         embedded = {}
         if configs["transformer"].guidance_embeds:
             embedded[GUIDANCE] = float(guidance_scale)

@@ -1,6 +1,8 @@
-"""Wan 2.1 text-to-video as a family: the twin of diffusers' ``WanPipeline``.
+"""Wan 2.1 / 2.2 as a family: the twin of diffusers' ``WanPipeline`` and
+``WanImageToVideoPipeline``.
 
-Reference: ``diffusers/pipelines/wan/pipeline_wan.py`` (``WanPipeline.__call__``):
+Reference: ``diffusers/pipelines/wan/pipeline_wan.py`` (``WanPipeline.__call__``) and
+``pipeline_wan_i2v.py`` (diffusers 0.42). Text-to-video:
 
 - prompts -> UMT5 embeddings, trimmed to each prompt's length and zero-padded to
   ``max_sequence_length`` (:mod:`jaxcore.text`): the conditioning ``encoder_hidden_states``;
@@ -11,11 +13,23 @@ Reference: ``diffusers/pipelines/wan/pipeline_wan.py`` (``WanPipeline.__call__``
 - the scheduler is the pipeline's (UniPC with flow sigmas for Wan 2.1; flow-match Euler too);
 - latents ``* latents_std + latents_mean`` -> VAE decode -> ``video / 2 + 0.5`` in [0, 1].
 
-Wan 2.2 (``transformer_2``, ``expand_timesteps``) and image-to-video are refused with an error.
+Variants, all read from ``model_index.json`` and the component configs:
+
+- two experts (Wan 2.2 A14B): ``transformer_2`` + ``boundary_ratio``; the first expert predicts
+  while ``t >= boundary_ratio * num_train_timesteps``, then the second, with
+  ``guidance_scale_2`` (default ``guidance_scale``); see :mod:`jaxcore.sampling`.
+- image-to-video by channel concatenation (Wan 2.1 I2V, Wan 2.2 I2V A14B): the image (and a
+  ``last_image``) placed in an otherwise black clip, VAE-encoded (posterior mode, normalised),
+  with 4 mask channels marking the given frames: the denoiser takes
+  ``[latents, mask, condition]`` (``in_channels = 2 z + 4``). Wan 2.1 I2V also feeds the CLIP
+  vision encoder's penultimate hidden states to its image cross-attention.
+- Wan 2.2 TI2V (``expand_timesteps``): the image's latent replaces the first latent frame at
+  every step, whose tokens get timestep 0; text-to-video and image-to-video from one model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -25,7 +39,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcore import sharding, weights
+from jaxcore import sampling, sharding, weights
 from jaxcore.compute import ComputeConfig
 from jaxcore.families.base import (
     Encoders,
@@ -33,7 +47,9 @@ from jaxcore.families.base import (
     FamilyError,
     Geometry,
     Guidance,
+    ImageInputs,
     TensorSpec,
+    read_model_index,
     read_scheduler_config,
 )
 from jaxcore.models import umt5, wan_transformer, wan_vae
@@ -41,6 +57,44 @@ from jaxcore.models import umt5, wan_transformer, wan_vae
 log = logging.getLogger(__name__)
 
 TEXT = "encoder_hidden_states"
+# image-to-video conditioning tensors (see the module docstring)
+IMAGE_CONDITION = "image_condition"  # [T + z, F', H', W']: T mask channels + encoded clip
+IMAGE_EMBEDS = "image_embeds"  # [tokens, image_dim]: CLIP vision penultimate hidden states
+FIRST_FRAME = "first_frame_latents"  # [z, 1, H', W']: TI2V's encoded conditioning image
+FIRST_FRAME_WEIGHT = "first_frame_weight"  # []: 1 where an image conditions the row, else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class WanPipelineOptions:
+    """What ``model_index.json`` says beyond the components (diffusers' registered config)."""
+
+    pipeline_class: str = "WanPipeline"
+    boundary_ratio: float | None = None
+    expand_timesteps: bool = False
+    second_expert: bool = False  # a transformer_2 component
+    image_encoder: bool = False  # a CLIP vision image_encoder component
+
+    @classmethod
+    def from_index(cls, index: Mapping) -> WanPipelineOptions:
+        def present(key):
+            value = index.get(key)
+            return bool(value) and any(v is not None for v in value)
+
+        ratio = index.get("boundary_ratio")
+        return cls(
+            pipeline_class=str(index.get("_class_name", "WanPipeline")),
+            boundary_ratio=None if ratio is None else float(ratio),
+            expand_timesteps=bool(index.get("expand_timesteps", False)),
+            second_expert=present("transformer_2"),
+            image_encoder=present("image_encoder"),
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> WanPipelineOptions:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
 
 def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
@@ -49,6 +103,53 @@ def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
     if extra <= 0:
         return array
     return np.concatenate([array, np.repeat(array[-1:], extra, axis=0)], axis=0)
+
+
+def pixels(image, height: int, width: int) -> np.ndarray:
+    """A PIL image -> ``[3, height, width]`` float32 in [-1, 1], as diffusers' VideoProcessor
+    preprocesses a conditioning image (PIL Lanczos resize to the render size, then /255, x2-1).
+    Images that are not RGB are converted (diffusers would fail on them)."""
+    from PIL import Image
+
+    resized = image.resize((width, height), resample=Image.LANCZOS, reducing_gap=None)
+    if resized.mode != "RGB":
+        resized = resized.convert("RGB")
+    array = np.asarray(resized, np.float32) / 255.0
+    return np.transpose(array * 2.0 - 1.0, (2, 0, 1))
+
+
+def i2v_mask(num_frames: int, latent_frames: int, folded: int, last_image: bool) -> np.ndarray:
+    """The mask channels of image-to-video, ``[folded, latent_frames]`` (``folded``: pixel
+    frames per latent frame, 4 for the real VAEs): per latent frame, which of the pixel frames
+    it folds are given (the first frame counts ``folded`` times, as diffusers'
+    ``prepare_latents`` repeats it to fill the first latent frame's group)."""
+    given = np.zeros(num_frames, np.float32)
+    given[0] = 1.0
+    if last_image:
+        given[-1] = 1.0
+    frames = np.concatenate([np.repeat(given[:1], folded), given[1:]])
+    return frames.reshape(latent_frames, folded).T
+
+
+def _first_frame_mask(shape, weight):
+    """``[B, 1, F, 1, 1]``: 1 - weight on the first latent frame, 1 elsewhere."""
+    frames = jnp.arange(shape[2])[None, None, :, None, None]
+    keep = (1.0 - weight.astype(jnp.float32)).reshape(-1, 1, 1, 1, 1)
+    return jnp.where(frames == 0, keep, 1.0)
+
+
+def _first_frame_inputs(config, latents, timestep, conditioning):
+    """TI2V (diffusers' ``expand_timesteps``): the conditioning image's latent in place of the
+    first frame, and per-token timesteps that are 0 on its tokens."""
+    mask = _first_frame_mask(latents.shape, conditioning[FIRST_FRAME_WEIGHT])
+    first = conditioning[FIRST_FRAME].astype(jnp.float32)
+    x = (1 - mask) * first + mask * latents.astype(jnp.float32)
+    b, _, f, h, w = latents.shape
+    pt, ph, pw = config.patch_size
+    # diffusers: (mask[0][0][:, ::2, ::2] * t).flatten() (its patch size is 2)
+    token_mask = jnp.broadcast_to(mask, (b, 1, f, h, w))[:, 0, ::pt, ::ph, ::pw]
+    per_token = token_mask * timestep.astype(jnp.float32).reshape(b, 1, 1, 1)
+    return x, per_token.reshape(b, -1)
 
 
 class WanEncoders(Encoders):
@@ -103,8 +204,10 @@ class WanEncoders(Encoders):
 
 class WanFamily(Family):
     name = "wan"
-    description = "Wan 2.1 text-to-video (WanPipeline)"
-    pipeline_classes = ("WanPipeline",)
+    description = (
+        "Wan 2.1 / 2.2 text-to-video and image-to-video (WanPipeline, WanImageToVideoPipeline)"
+    )
+    pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
     denoiser_classes = ("WanTransformer3DModel",)
     denoiser_component = "transformer"
     objective = "flow_matching"
@@ -118,12 +221,104 @@ class WanFamily(Family):
             "text_encoder": umt5.UMT5Config,
         }
 
+    def optional_config_classes(self) -> dict[str, type]:
+        from jaxcore.models import clip_vision
+
+        return {
+            "transformer_2": wan_transformer.WanTransformerConfig,
+            "image_encoder": clip_vision.CLIPVisionConfig,
+            "pipeline": WanPipelineOptions,
+        }
+
+    def expert_component(self, configs, expert: str) -> str:
+        if "transformer_2" not in configs:
+            raise FamilyError(
+                f"model.expert={expert}: not a two-expert pipeline (model_index.json with "
+                "transformer_2 and boundary_ratio)"
+            )
+        if expert not in ("high", "low"):
+            raise FamilyError(f"expert must be 'high' or 'low', got {expert!r}")
+        return "transformer" if expert == "high" else "transformer_2"
+
+    def expert_boundary_ratio(self, configs) -> float:
+        return float(configs["pipeline"].boundary_ratio)
+
     def check_model_index(self, index: Mapping, where: str) -> None:
-        second = index.get("transformer_2")
-        if second and any(second):
-            raise FamilyError(f"{where}: transformer_2 (Wan 2.2 two-stage) is not supported")
-        if index.get("expand_timesteps"):
-            raise FamilyError(f"{where}: expand_timesteps=true (Wan 2.2 TI2V) is not supported")
+        ratio = index.get("boundary_ratio")
+        if ratio is not None and not (
+            isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio < 1
+        ):
+            raise FamilyError(f"{where}: boundary_ratio must be a number in (0, 1), got {ratio!r}")
+        options = WanPipelineOptions.from_index(index)
+        if ratio is not None and not options.second_expert:
+            raise FamilyError(f"{where}: boundary_ratio={ratio} needs a transformer_2 component")
+
+    def component_configs(self, directory) -> dict:
+        """The transformer, VAE and UMT5 configs, with ``transformer_2`` / ``image_encoder``
+        where the pipeline has them and the model_index options as ``pipeline``."""
+        directory = Path(directory)
+        configs = super().component_configs(directory)
+        options = WanPipelineOptions.from_index(read_model_index(directory))
+        if options.second_expert and options.boundary_ratio is not None:
+            # diffusers runs transformer_2 only with a boundary_ratio; without one it is unused
+            path = directory / "transformer_2"
+            configs["transformer_2"] = self.denoiser_config(weights.read_config(path), path)
+        if options.image_encoder:
+            from jaxcore.models import clip_vision
+
+            path = directory / "image_encoder"
+            try:
+                configs["image_encoder"] = clip_vision.CLIPVisionConfig.from_dict(
+                    weights.read_config(path)
+                )
+            except (ValueError, TypeError, KeyError) as err:
+                raise FamilyError(f"{path}/config.json: {err}") from None
+        configs["pipeline"] = options
+        self._check_variant(configs, directory)
+        return configs
+
+    def _check_variant(self, configs, where) -> None:
+        """The components must agree on one of the Wan variants (see the module docstring)."""
+        options, transformer = configs["pipeline"], configs["transformer"]
+        z = configs["vae"].z_dim
+        # one mask channel per pixel frame a latent frame folds (4 for the real VAEs)
+        mask_channels = configs["vae"].temporal_compression
+        if transformer.out_channels != z:
+            raise FamilyError(
+                f"{where}: transformer out_channels {transformer.out_channels} != vae z_dim {z}"
+            )
+        if transformer.in_channels not in (z, 2 * z + mask_channels):
+            raise FamilyError(
+                f"{where}: transformer in_channels {transformer.in_channels} fits no Wan variant "
+                f"for vae z_dim {z}: {z} (text-to-video, TI2V) or {2 * z + mask_channels} "
+                "(image-to-video)"
+            )
+        concat = transformer.in_channels != z
+        if concat and options.pipeline_class != "WanImageToVideoPipeline":
+            raise FamilyError(
+                f"{where}: an image-to-video transformer (in_channels {transformer.in_channels}) "
+                f"in a {options.pipeline_class}; diffusers runs it as WanImageToVideoPipeline"
+            )
+        if concat and options.expand_timesteps:
+            raise FamilyError(f"{where}: expand_timesteps with an image-concatenating transformer")
+        if (transformer.image_dim is not None) != ("image_encoder" in configs):
+            raise FamilyError(
+                f"{where}: transformer image_dim={transformer.image_dim} but the pipeline "
+                + ("has no image_encoder" if transformer.image_dim else "has an image_encoder")
+            )
+        second = configs.get("transformer_2")
+        if second is not None and second.in_channels != transformer.in_channels:
+            raise FamilyError(
+                f"{where}: transformer_2 in_channels {second.in_channels} != transformer's "
+                f"{transformer.in_channels}"
+            )
+        if options.pipeline_class == "WanImageToVideoPipeline" and not (
+            concat or options.expand_timesteps
+        ):
+            raise FamilyError(
+                f"{where}: a WanImageToVideoPipeline needs an image-to-video transformer "
+                f"(in_channels {2 * z + mask_channels}) or expand_timesteps"
+            )
 
     # --- the denoiser ---------------------------------------------------------------------
     def make_denoiser(self, config, compute: ComputeConfig, mesh=None):
@@ -146,8 +341,23 @@ class WanFamily(Family):
             raise FamilyError(f"{directory}/config.json: {err}") from None
 
     def apply(self, module, params, latents, timestep, conditioning):
-        text = conditioning[TEXT].astype(module.dtype)
-        return module.apply({"params": params}, latents.astype(module.dtype), timestep, text)
+        x = latents
+        if FIRST_FRAME in conditioning:
+            x, timestep = _first_frame_inputs(module.config, x, timestep, conditioning)
+        if IMAGE_CONDITION in conditioning:
+            x = jnp.concatenate([x, conditioning[IMAGE_CONDITION].astype(x.dtype)], axis=1)
+        args = [x.astype(module.dtype), timestep, conditioning[TEXT].astype(module.dtype)]
+        if IMAGE_EMBEDS in conditioning:
+            args.append(conditioning[IMAGE_EMBEDS].astype(module.dtype))
+        return module.apply({"params": params}, *args)
+
+    def finish_latents(self, latents, conditioning):
+        """TI2V: the first latent frame is the conditioning image's (diffusers blends after
+        the loop too); other variants: as is."""
+        if FIRST_FRAME not in conditioning:
+            return latents
+        mask = _first_frame_mask(latents.shape, conditioning[FIRST_FRAME_WEIGHT])
+        return (1 - mask) * conditioning[FIRST_FRAME] + mask * latents
 
     def export_denoiser(self, module, params):
         state = weights.export_state_dict(params, wan_transformer.weight_map(module.config))
@@ -177,10 +387,18 @@ class WanFamily(Family):
 
     # --- conditioning and latents ---------------------------------------------------------
     def conditioning_specs(self, denoiser_config, text_length: int):
+        if denoiser_config.in_channels != denoiser_config.out_channels or (
+            denoiser_config.image_dim is not None
+        ):
+            raise FamilyError(
+                "records for an image-to-video Wan transformer (in_channels "
+                f"{denoiser_config.in_channels}, image_dim {denoiser_config.image_dim}) are not "
+                "implemented yet: convert and train take text-to-video Wan models"
+            )
         return (TensorSpec(TEXT, (text_length, denoiser_config.text_dim)),)
 
     def latent_channels(self, denoiser_config) -> int:
-        return denoiser_config.in_channels
+        return denoiser_config.out_channels
 
     def geometry(self, configs) -> Geometry:
         vae, transformer = configs["vae"], configs["transformer"]
@@ -207,10 +425,18 @@ class WanFamily(Family):
 
     # --- inference ------------------------------------------------------------------------
     def load_pipeline(
-        self, directory, compute: ComputeConfig, mesh=None, rules=None, denoiser=None
+        self,
+        directory,
+        compute: ComputeConfig,
+        mesh=None,
+        rules=None,
+        denoiser=None,
+        second_denoiser=None,
     ):
+        """See :meth:`Family.load_pipeline`; ``second_denoiser`` replaces ``transformer_2``
+        (a fine-tuned low-noise expert) as ``denoiser`` replaces ``transformer``."""
         from jaxcore import text
-        from jaxcore.pipeline import Pipeline
+        from jaxcore.pipeline import Pipeline, SecondExpert, to_host
 
         directory = Path(directory)
         rules = tuple(rules) if rules is not None else sharding.LOGICAL_AXIS_RULES
@@ -219,6 +445,45 @@ class WanFamily(Family):
             denoiser = self.load_denoiser(directory / "transformer", compute, mesh, rules)
         module, params = denoiser
         configs["transformer"] = module.config
+        self._check_variant(configs, directory)
+        host_experts = None
+        second = None
+        if "transformer_2" in configs:
+            # With idle_expert=host the first expert leaves the devices before the second
+            # loads, so the two never need device memory together.
+            first_host = to_host(params) if compute.idle_expert == "host" else None
+            if second_denoiser is None:
+                second_denoiser = self.load_denoiser(
+                    directory / "transformer_2", compute, mesh, rules
+                )
+            module_2, params_2 = second_denoiser
+            configs["transformer_2"] = module_2.config
+            boundary = sampling.boundary_timestep(
+                configs["pipeline"].boundary_ratio,
+                int(read_scheduler_config(directory).get("num_train_timesteps", 1000)),
+            )
+            second = SecondExpert(module_2, params_2, float(boundary), compute.idle_expert)
+            if first_host is not None:
+                host_experts = (first_host, to_host(params_2))
+                params = second.params = None
+        components = self._load_components(directory, configs, compute, mesh, rules)
+        components["tokenizer"] = text.load_tokenizer(directory / "tokenizer")
+        return Pipeline(
+            family=self,
+            denoiser=module,
+            denoiser_params=params,
+            components=components,
+            configs=configs,
+            scheduler_config=read_scheduler_config(directory),
+            mesh=mesh,
+            rules=rules,
+            source=str(directory),
+            second_expert=second,
+            _host_experts=host_experts,
+        )
+
+    def _load_components(self, directory, configs, compute, mesh, rules) -> dict:
+        """The VAE, UMT5 and (Wan 2.1 I2V) the CLIP vision encoder with its preprocessor."""
         try:
             vae, vae_params = wan_vae.load_wan_vae(
                 directory / "vae", dtype=compute.dtype, mesh=mesh, rules=rules
@@ -226,26 +491,28 @@ class WanFamily(Family):
             encoder, encoder_params = umt5.load_umt5(directory / "text_encoder", mesh=mesh)
         except (wan_vae.WanVAEConfigError, umt5.UMT5ConfigError) as err:
             raise FamilyError(f"{directory}: {err}") from None
-        if module.config.in_channels != vae.config.z_dim:
-            raise FamilyError(
-                f"{directory}: transformer in_channels {module.config.in_channels} != "
-                f"vae z_dim {vae.config.z_dim}"
-            )
-        return Pipeline(
-            family=self,
-            denoiser=module,
-            denoiser_params=params,
-            components={
-                "vae": (vae, vae_params),
-                "text_encoder": (encoder, encoder_params),
-                "tokenizer": text.load_tokenizer(directory / "tokenizer"),
-            },
-            configs=configs,
-            scheduler_config=read_scheduler_config(directory),
-            mesh=mesh,
-            rules=rules,
-            source=str(directory),
-        )
+        components = {"vae": (vae, vae_params), "text_encoder": (encoder, encoder_params)}
+        if "image_encoder" in configs:
+            from jaxcore.models import clip_image_processor, clip_vision
+
+            try:
+                # diffusers loads a CLIPVisionModel: no visual projection
+                module, params = clip_vision.load_clip_vision(
+                    directory / "image_encoder",
+                    dtype=compute.dtype,
+                    mesh=mesh,
+                    rules=rules,
+                    with_projection=False,
+                )
+                components["image_encoder"] = (clip_vision.encode_fn(module), params)
+                components["image_processor"] = (
+                    clip_image_processor.CLIPImageProcessorConfig.from_pretrained(
+                        directory / "image_processor"
+                    )
+                )
+            except ValueError as err:
+                raise FamilyError(f"{directory}: {err}") from None
+        return components
 
     def encode_prompts(self, pipe, prompts, max_sequence_length):
         from jaxcore import text
@@ -306,10 +573,110 @@ class WanFamily(Family):
         except ValueError as err:
             raise FamilyError(f"{where}: {err}") from None
 
-    def guidance(self, configs, *, guidance_scale: float, true_cfg_scale: float) -> Guidance:
+    def guidance(
+        self,
+        configs,
+        *,
+        guidance_scale: float,
+        true_cfg_scale: float,
+        guidance_scale_2: float | None = None,
+    ) -> Guidance:
         if true_cfg_scale != 1.0:
             raise FamilyError(
                 f"true_cfg_scale={true_cfg_scale}: Wan has no true CFG; its guidance_scale is "
                 "the classifier-free guidance scale"
             )
-        return Guidance(cfg_scale=float(guidance_scale))
+        if "transformer_2" not in configs:
+            if guidance_scale_2 is not None:
+                raise FamilyError(
+                    f"guidance_scale_2={guidance_scale_2}: the pipeline has one transformer "
+                    "(guidance_scale_2 is for two-expert Wan 2.2 models with a boundary_ratio)"
+                )
+            return Guidance(cfg_scale=float(guidance_scale))
+        second = guidance_scale if guidance_scale_2 is None else guidance_scale_2
+        return Guidance(cfg_scale=float(guidance_scale), cfg_scale_2=float(second))
+
+    # --- image-to-video -------------------------------------------------------------------
+    def image_inputs(self, configs) -> ImageInputs:
+        options, transformer = configs["pipeline"], configs["transformer"]
+        if options.expand_timesteps:
+            # TI2V: diffusers conditions on the first frame only (a last_image is ignored)
+            return ImageInputs("optional", last_image=False)
+        if transformer.in_channels == transformer.out_channels:
+            return ImageInputs("none")
+        if transformer.image_dim is None:  # Wan 2.2 I2V: the mask marks the last frame too
+            return ImageInputs("required", last_image=True)
+        # Wan 2.1: two CLIP embeddings fit only a transformer with FLF2V position embeddings
+        return ImageInputs("required", last_image=transformer.pos_embed_seq_len is not None)
+
+    def encode_images(self, pipe, images, height, width, num_frames):
+        inputs = self.image_inputs(pipe.configs)
+        for row, (image, last) in enumerate(images):
+            try:
+                inputs.check(image is not None, last is not None, f"row {row}")
+            except ValueError as err:
+                raise FamilyError(str(err)) from None
+        if inputs.image == "none":
+            return {}
+        if not height:
+            raise FamilyError("Wan image conditioning needs the render size")
+        shape = self.latent_shape(pipe.configs, height, width, num_frames)
+        if pipe.configs["pipeline"].expand_timesteps:
+            return self._first_frame_conditioning(pipe, images, height, width, shape)
+        out = self._concat_conditioning(pipe, images, height, width, num_frames, shape)
+        if "image_encoder" in pipe.configs:
+            out[IMAGE_EMBEDS] = self._image_embeddings(pipe, images)
+        return out
+
+    def _encode_pixels(self, pipe, video_bcfhw: np.ndarray) -> np.ndarray:
+        """Clips in [-1, 1] -> normalised posterior modes (diffusers' ``sample_mode="argmax"``)."""
+        vae, params = pipe.components["vae"]
+        posterior = wan_vae.encode(vae, params, jnp.asarray(video_bcfhw, vae.dtype))
+        z = wan_vae.normalize_latents(posterior.mean.astype(jnp.float32), vae.config)
+        return np.asarray(z, np.float32)
+
+    def _first_frame_conditioning(self, pipe, images, height, width, shape):
+        """TI2V: each row's image encoded alone (one latent frame), weight 1; rows without
+        an image get zeros and weight 0 (then the loop is plain text-to-video)."""
+        z, _, h, w = shape
+        latents = np.zeros((len(images), z, 1, h, w), np.float32)
+        weight = np.zeros((len(images),), np.float32)
+        for row, (image, _) in enumerate(images):
+            if image is not None:
+                clip = pixels(image, height, width)[None, :, None]
+                latents[row] = self._encode_pixels(pipe, clip)[0]
+                weight[row] = 1.0
+        return {FIRST_FRAME: latents, FIRST_FRAME_WEIGHT: weight}
+
+    def _concat_conditioning(self, pipe, images, height, width, num_frames, shape):
+        """I2V: per row the clip ``[image, black..., last_image?]`` encoded, behind the mask."""
+        rows = []
+        for image, last in images:
+            clip = np.zeros((3, num_frames, height, width), np.float32)
+            clip[:, 0] = pixels(image, height, width)
+            if last is not None:
+                clip[:, -1] = pixels(last, height, width)
+            rows.append(clip)
+        latents = np.concatenate([self._encode_pixels(pipe, clip[None]) for clip in rows])
+        _, frames, h, w = shape
+        folded = pipe.configs["vae"].temporal_compression
+        masks = np.stack(
+            [i2v_mask(num_frames, frames, folded, last is not None) for _, last in images]
+        )
+        masks = np.broadcast_to(masks[:, :, :, None, None], masks.shape + (h, w))
+        return {IMAGE_CONDITION: np.concatenate([masks, latents], axis=1).astype(np.float32)}
+
+    def _image_embeddings(self, pipe, images) -> np.ndarray:
+        """Wan 2.1 I2V: CLIP vision penultimate hidden states of the image (and last image,
+        concatenated along the tokens, as the FLF2V transformer takes them)."""
+        from jaxcore.models import clip_image_processor
+
+        encode, params = pipe.components["image_encoder"]  # -> hidden_states[-2]
+        processor = pipe.components["image_processor"]
+        rows = []
+        for image, last in images:
+            given = [image] if last is None else [image, last]
+            pixel_values = clip_image_processor.preprocess(given, processor)
+            states = encode(params, jnp.asarray(pixel_values))  # [n, tokens, D]
+            rows.append(np.asarray(states, np.float32).reshape(-1, states.shape[-1]))
+        return np.stack(rows)

@@ -20,6 +20,10 @@ Reference: transformers ``CLIPTextModel`` and ``CLIPTextModelWithProjection``
 Parameters use the logical axis names of :mod:`jaxcore.sharding`; :func:`weight_map` maps them
 from the transformers state-dict keys (``text_model.*``, or the same keys without the prefix
 as transformers 5 saves a ``CLIPTextModel``, and ``text_projection.weight``).
+
+The encoder layer (:class:`CLIPBlock`, with :class:`CLIPAttention` and :class:`CLIPMLP`), its
+weight map (:func:`encoder_layer_map`) and the config helpers are shared with the vision tower,
+:mod:`jaxcore.models.clip_vision`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping
+from typing import Protocol
 
 import flax.struct
 import jax
@@ -77,6 +82,81 @@ ACTIVATIONS = {
 }
 
 
+class EncoderConfig(Protocol):
+    """What the shared encoder layers read: ``CLIPTextConfig`` and
+    :class:`jaxcore.models.clip_vision.CLIPVisionConfig` both provide it."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    hidden_act: str
+    layer_norm_eps: float
+
+    @property
+    def head_dim(self) -> int: ...
+
+
+ENCODER_POSITIVE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+def check_encoder_config(config, error: type[ValueError], extra_positive=()) -> None:
+    """Validate the encoder fields shared by the CLIP towers; ``error`` names the field."""
+    name = type(config).__name__
+    for field in (*ENCODER_POSITIVE_FIELDS, *extra_positive):
+        value = getattr(config, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise error(f"{name}.{field} must be a positive int, got {value!r}")
+    if config.hidden_size % config.num_attention_heads:
+        raise error(
+            f"{name}.hidden_size {config.hidden_size} is not a multiple of "
+            f"num_attention_heads {config.num_attention_heads}"
+        )
+    if config.hidden_act not in ACTIVATIONS:
+        raise error(
+            f"{name}.hidden_act {config.hidden_act!r} is not supported; choose one of "
+            f"{sorted(ACTIVATIONS)}"
+        )
+
+
+def config_kwargs(
+    cls,
+    raw: Mapping[str, object],
+    *,
+    model_type: str,
+    sub_config: str,
+    ignored: frozenset[str],
+    error: type[ValueError],
+) -> dict[str, object]:
+    """The fields of the dataclass ``cls`` found in a transformers ``config.json`` dict.
+
+    ``model_type`` must match when present (a full ``CLIPModel`` config, model_type ``clip``,
+    is an error that points to its ``sub_config``). Keys starting with ``_`` and those in
+    ``ignored`` are skipped; any other unknown key is an ``error`` naming it.
+    """
+    found = raw.get("model_type", model_type)
+    if found != model_type:
+        hint = f" (a full CLIPModel config: use its {sub_config!r})" if found == "clip" else ""
+        raise error(f"config key 'model_type' is {found!r}, expected {model_type!r}{hint}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key in fields:
+            kwargs[key] = value
+        elif key == "model_type" or key.startswith("_") or key in ignored:
+            continue
+        else:
+            raise error(
+                f"unknown {cls.__name__} key {key!r}; known: {sorted(fields)} "
+                f"(ignored: model_type and {len(ignored)} bookkeeping keys)"
+            )
+    return kwargs
+
+
 class CLIPTextConfigError(ValueError):
     """A config.json that CLIPTextConfig cannot represent; the message names the key."""
 
@@ -106,24 +186,9 @@ class CLIPTextConfig:
     eos_token_id: int = 49407
 
     def __post_init__(self):
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise CLIPTextConfigError(
-                    f"CLIPTextConfig.{name} must be a positive int, got {value!r}"
-                )
-        if self.hidden_size % self.num_attention_heads:
-            raise CLIPTextConfigError(
-                f"CLIPTextConfig.hidden_size {self.hidden_size} is not a multiple of "
-                f"num_attention_heads {self.num_attention_heads}"
-            )
+        check_encoder_config(
+            self, CLIPTextConfigError, extra_positive=("vocab_size", "max_position_embeddings")
+        )
         if self.projection_dim is not None and (
             not isinstance(self.projection_dim, int) or self.projection_dim < 1
         ):
@@ -135,11 +200,6 @@ class CLIPTextConfig:
             raise CLIPTextConfigError(
                 f"CLIPTextConfig.eos_token_id must be one int (it picks the pooled position), "
                 f"got {self.eos_token_id!r}"
-            )
-        if self.hidden_act not in ACTIVATIONS:
-            raise CLIPTextConfigError(
-                f"CLIPTextConfig.hidden_act {self.hidden_act!r} is not supported; choose one of "
-                f"{sorted(ACTIVATIONS)}"
             )
 
     @property
@@ -159,26 +219,14 @@ class CLIPTextConfig:
         an error: pass its ``text_config``). Keys starting with ``_`` and those in
         ``IGNORED_CONFIG_KEYS`` are skipped; any other unknown key is an error naming it.
         """
-        model_type = raw.get("model_type", MODEL_TYPE)
-        if model_type != MODEL_TYPE:
-            hint = (
-                " (a full CLIPModel config: use its 'text_config')" if model_type == "clip" else ""
-            )
-            raise CLIPTextConfigError(
-                f"config key 'model_type' is {model_type!r}, expected {MODEL_TYPE!r}{hint}"
-            )
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {}
-        for key, value in raw.items():
-            if key in fields:
-                kwargs[key] = value
-            elif key == "model_type" or key.startswith("_") or key in IGNORED_CONFIG_KEYS:
-                continue
-            else:
-                raise CLIPTextConfigError(
-                    f"unknown CLIPTextConfig key {key!r}; known: {sorted(fields)} "
-                    f"(ignored: model_type and {len(IGNORED_CONFIG_KEYS)} bookkeeping keys)"
-                )
+        kwargs = config_kwargs(
+            cls,
+            raw,
+            model_type=MODEL_TYPE,
+            sub_config="text_config",
+            ignored=IGNORED_CONFIG_KEYS,
+            error=CLIPTextConfigError,
+        )
         if raw.get("is_decoder"):
             raise CLIPTextConfigError("config key 'is_decoder' is true; CLIP text is an encoder")
         return cls(**kwargs)
@@ -248,7 +296,7 @@ class HeadsDense(nn.Module):
         return out + bias.astype(self.dtype)
 
 
-def _layer_norm(eps: float, dtype, param_dtype, name: str) -> nn.LayerNorm:
+def layer_norm(eps: float, dtype, param_dtype, name: str) -> nn.LayerNorm:
     """torch LayerNorm: statistics in float32, two-pass variance (not E[x^2] - E[x]^2)."""
     return nn.LayerNorm(
         epsilon=eps,
@@ -284,9 +332,13 @@ def visibility_mask(attention_mask: jax.Array | None, batch: int, length: int) -
 
 
 class CLIPAttention(nn.Module):
-    """Multi-head self-attention with biases; softmax(q k^T / sqrt(d)) in float32."""
+    """Multi-head self-attention with biases; softmax(q k^T / sqrt(d)) in float32.
 
-    config: CLIPTextConfig
+    ``visible_bqk``: [B, Lq, Lk] bool (see :func:`visibility_mask`), or None for full
+    bidirectional attention (the vision tower).
+    """
+
+    config: EncoderConfig
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -304,7 +356,7 @@ class CLIPAttention(nn.Module):
         )
 
     @nn.compact
-    def __call__(self, x_ble: jax.Array, visible_bqk: jax.Array) -> jax.Array:
+    def __call__(self, x_ble: jax.Array, visible_bqk: jax.Array | None) -> jax.Array:
         c = self.config
         heads = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
         q_blhd, k_blhd, v_blhd = (
@@ -313,11 +365,14 @@ class CLIPAttention(nn.Module):
         scores_bhqk = jnp.einsum(
             "bqhd,bkhd->bhqk", q_blhd, k_blhd, preferred_element_type=jnp.float32
         ) * jnp.float32(c.head_dim**-0.5)
-        scores_bhqk = jnp.where(visible_bqk[:, None], scores_bhqk, jnp.finfo(jnp.float32).min)
-        probs_bhqk = jax.nn.softmax(scores_bhqk, axis=-1)
-        # A query with no visible key: zero output (torch SDPA), not a uniform average.
-        any_visible_bq = visible_bqk.any(axis=-1)
-        probs_bhqk = jnp.where(any_visible_bq[:, None, :, None], probs_bhqk, 0.0)
+        if visible_bqk is None:
+            probs_bhqk = jax.nn.softmax(scores_bhqk, axis=-1)
+        else:
+            scores_bhqk = jnp.where(visible_bqk[:, None], scores_bhqk, jnp.finfo(jnp.float32).min)
+            probs_bhqk = jax.nn.softmax(scores_bhqk, axis=-1)
+            # A query with no visible key: zero output (torch SDPA), not a uniform average.
+            any_visible_bq = visible_bqk.any(axis=-1)
+            probs_bhqk = jnp.where(any_visible_bq[:, None, :, None], probs_bhqk, 0.0)
         out_blhd = jnp.einsum(
             "bhqk,bkhd->bqhd",
             probs_bhqk.astype(self.dtype),
@@ -339,7 +394,7 @@ class CLIPAttention(nn.Module):
 class CLIPMLP(nn.Module):
     """fc2(act(fc1 x)), both with biases."""
 
-    config: CLIPTextConfig
+    config: EncoderConfig
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -360,19 +415,23 @@ class CLIPMLP(nn.Module):
 
 
 class CLIPBlock(nn.Module):
-    """Pre-LayerNorm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LayerNorm residual block: x + attn(ln(x)), then x + mlp(ln(x)).
 
-    config: CLIPTextConfig
+    transformers' ``CLIPEncoderLayer``, shared by the text and vision towers;
+    ``visible_bqk`` as in :class:`CLIPAttention` (None: no mask).
+    """
+
+    config: EncoderConfig
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_ble: jax.Array, visible_bqk: jax.Array) -> jax.Array:
+    def __call__(self, x_ble: jax.Array, visible_bqk: jax.Array | None) -> jax.Array:
         c = self.config
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        normed = _layer_norm(c.layer_norm_eps, **kw, name="attention_norm")(x_ble)
+        normed = layer_norm(c.layer_norm_eps, **kw, name="attention_norm")(x_ble)
         x_ble = x_ble + CLIPAttention(c, **kw, name="attention")(normed, visible_bqk)
-        normed = _layer_norm(c.layer_norm_eps, **kw, name="mlp_norm")(x_ble)
+        normed = layer_norm(c.layer_norm_eps, **kw, name="mlp_norm")(x_ble)
         x_ble = x_ble + CLIPMLP(c, **kw, name="mlp")(normed)
         return sharding.constrain(
             x_ble, ("activation_batch", "activation_length", "activation_embed")
@@ -455,7 +514,7 @@ class CLIPTextEncoder(nn.Module):
                 x_ble, visible_bqk
             )
             hidden_states.append(x_ble)
-        last_ble = _layer_norm(c.layer_norm_eps, self.dtype, self.param_dtype, "final_norm")(x_ble)
+        last_ble = layer_norm(c.layer_norm_eps, self.dtype, self.param_dtype, "final_norm")(x_ble)
 
         pooled_be = last_ble[jnp.arange(batch), pooled_positions(input_ids, c.eos_token_id)]
         text_embeds = None
@@ -507,11 +566,34 @@ def _heads_out(num_heads: int, head_dim: int):
     )
 
 
-def _norm_map(dst: tuple[str, ...], src: str) -> dict:
+def norm_map(dst: tuple[str, ...], src: str) -> dict:
     return {
         (*dst, "scale"): (f"{src}.weight", weights.identity),
         (*dst, "bias"): (f"{src}.bias", weights.identity),
     }
+
+
+def encoder_layer_map(config: EncoderConfig, src: str, dst: str) -> dict:
+    """Weight map of one :class:`CLIPBlock` named ``dst`` from the transformers
+    ``CLIPEncoderLayer`` keys under ``src`` (e.g. ``"text_model.encoder.layers.3"``)."""
+    heads_kernel, heads_bias = _heads_in(config.num_attention_heads, config.head_dim)
+    out_kernel = _heads_out(config.num_attention_heads, config.head_dim)
+    mapping = {}
+    for name in ("q", "k", "v"):
+        proj = f"{src}.self_attn.{name}_proj"
+        mapping[(dst, "attention", name, "kernel")] = (f"{proj}.weight", heads_kernel)
+        mapping[(dst, "attention", name, "bias")] = (f"{proj}.bias", heads_bias)
+    mapping[(dst, "attention", "o", "kernel")] = (f"{src}.self_attn.out_proj.weight", out_kernel)
+    mapping[(dst, "attention", "o", "bias")] = (
+        f"{src}.self_attn.out_proj.bias",
+        weights.identity,
+    )
+    mapping.update(norm_map((dst, "attention_norm"), f"{src}.layer_norm1"))
+    mapping.update(norm_map((dst, "mlp_norm"), f"{src}.layer_norm2"))
+    for name in ("fc1", "fc2"):
+        mapping[(dst, "mlp", name, "kernel")] = (f"{src}.mlp.{name}.weight", weights.linear)
+        mapping[(dst, "mlp", name, "bias")] = (f"{src}.mlp.{name}.bias", weights.identity)
+    return mapping
 
 
 def weight_map(
@@ -524,36 +606,16 @@ def weight_map(
     """
     if prefix not in PREFIXES:
         raise ValueError(f"prefix must be one of {PREFIXES}, got {prefix!r}")
-    heads_kernel, heads_bias = _heads_in(config.num_attention_heads, config.head_dim)
-    out_kernel = _heads_out(config.num_attention_heads, config.head_dim)
     mapping = {
         ("token_embedding",): (f"{prefix}embeddings.token_embedding.weight", weights.identity),
         ("position_embedding",): (
             f"{prefix}embeddings.position_embedding.weight",
             weights.identity,
         ),
-        **_norm_map(("final_norm",), f"{prefix}final_layer_norm"),
+        **norm_map(("final_norm",), f"{prefix}final_layer_norm"),
     }
     for i in range(config.num_hidden_layers):
-        src = f"{prefix}encoder.layers.{i}"
-        dst = f"block_{i}"
-        for name in ("q", "k", "v"):
-            proj = f"{src}.self_attn.{name}_proj"
-            mapping[(dst, "attention", name, "kernel")] = (f"{proj}.weight", heads_kernel)
-            mapping[(dst, "attention", name, "bias")] = (f"{proj}.bias", heads_bias)
-        mapping[(dst, "attention", "o", "kernel")] = (
-            f"{src}.self_attn.out_proj.weight",
-            out_kernel,
-        )
-        mapping[(dst, "attention", "o", "bias")] = (
-            f"{src}.self_attn.out_proj.bias",
-            weights.identity,
-        )
-        mapping.update(_norm_map((dst, "attention_norm"), f"{src}.layer_norm1"))
-        mapping.update(_norm_map((dst, "mlp_norm"), f"{src}.layer_norm2"))
-        for name in ("fc1", "fc2"):
-            mapping[(dst, "mlp", name, "kernel")] = (f"{src}.mlp.{name}.weight", weights.linear)
-            mapping[(dst, "mlp", name, "bias")] = (f"{src}.mlp.{name}.bias", weights.identity)
+        mapping.update(encoder_layer_map(config, f"{prefix}encoder.layers.{i}", f"block_{i}"))
     if with_projection:
         mapping[("text_projection", "kernel")] = (PROJECTION_KEY, weights.linear)
     return mapping
@@ -592,38 +654,50 @@ def init_clip_text(
     return module, nn.meta.unbox(variables)["params"]
 
 
-def _resolve_projection(
-    raw: Mapping[str, object], reader: weights.SafetensorsReader, with_projection: bool | None
+def resolve_projection(
+    raw: Mapping[str, object],
+    reader: weights.SafetensorsReader,
+    with_projection: bool | None,
+    projection_key: str = PROJECTION_KEY,
+    architectures: Mapping[str, bool] = ARCHITECTURES,
 ) -> bool:
-    """The checkpoint's keys decide unless the caller does; ``architectures`` only warns."""
-    has_key = PROJECTION_KEY in reader
+    """Whether to load the projection ``projection_key``: the checkpoint's keys decide unless
+    the caller does; ``architectures`` (class name -> has the projection) in config.json only
+    warns when it disagrees with the weights."""
+    has_key = projection_key in reader
     if with_projection is None:
         with_projection = has_key
     elif with_projection and not has_key:
+        plain, projected = sorted(architectures, key=architectures.get)[:2]
         raise weights.WeightsError(
             f"{reader.directory}: with_projection=True but the checkpoint has no "
-            f"{PROJECTION_KEY!r} (a CLIPTextModel, not CLIPTextModelWithProjection)"
+            f"{projection_key!r} (a {plain}, not {projected})"
         )
-    declared = {ARCHITECTURES[a] for a in raw.get("architectures") or () if a in ARCHITECTURES}
+    declared = {architectures[a] for a in raw.get("architectures") or () if a in architectures}
     if len(declared) == 1 and declared != {has_key}:
         log.warning(
             "%s: config.json architectures %s disagree with the weights (%s %s)",
             reader.directory,
             raw.get("architectures"),
-            PROJECTION_KEY,
+            projection_key,
             "present" if has_key else "absent",
         )
     return with_projection
 
 
-def _checkpoint_prefix(reader: weights.SafetensorsReader) -> str:
-    """``"text_model."`` or ``""``, whichever names the final layer norm in the checkpoint."""
-    for prefix in PREFIXES:
-        if f"{prefix}final_layer_norm.weight" in reader:
+def checkpoint_prefix(
+    reader: weights.SafetensorsReader,
+    prefixes: tuple[str, ...] = PREFIXES,
+    probe: str = "final_layer_norm.weight",
+    what: str = "CLIP text",
+) -> str:
+    """The first of ``prefixes`` under which ``probe`` is in the checkpoint."""
+    for prefix in prefixes:
+        if f"{prefix}{probe}" in reader:
             return prefix
     raise weights.WeightsError(
-        f"{reader.directory}: not a CLIP text checkpoint; expected one of "
-        f"{[p + 'final_layer_norm.weight' for p in PREFIXES]}"
+        f"{reader.directory}: not a {what} checkpoint; expected one of "
+        f"{[p + probe for p in prefixes]}"
     )
 
 
@@ -651,7 +725,7 @@ def load_clip_text(
     raw = weights.read_config(directory)
     config = CLIPTextConfig.from_dict(raw)
     reader = weights.SafetensorsReader(directory)
-    with_projection = _resolve_projection(raw, reader, with_projection)
+    with_projection = resolve_projection(raw, reader, with_projection)
     module = CLIPTextEncoder(
         config,
         dtype=dtype,
@@ -659,7 +733,7 @@ def load_clip_text(
         with_projection=with_projection,
         mesh=mesh,
     )
-    prefix = _checkpoint_prefix(reader)
+    prefix = checkpoint_prefix(reader)
     unused = (f"{prefix}{POSITION_IDS_KEY}",) + (() if with_projection else (PROJECTION_KEY,))
     params = weights.load_placed(
         reader,

@@ -1,4 +1,4 @@
-"""Wan 2.1 text-to-video diffusion transformer (DiT) in Flax linen.
+"""Wan 2.1 / 2.2 diffusion transformer (DiT) in Flax linen.
 
 Reference: diffusers ``WanTransformer3DModel`` (diffusers/models/transformers/transformer_wan.py,
 diffusers 0.42). Same function, same parameters (loaded from a diffusers checkpoint through
@@ -14,11 +14,31 @@ diffusers 0.42). Same function, same parameters (loaded from a diffusers checkpo
   modulated LayerNorm -> GELU-tanh FFN -> gated residual,
 - output LayerNorm modulated by the model's ``scale_shift_table``, ``proj_out``, unpatchify.
 
+Variants, all chosen by the config (diffusers' config.json names):
+
+- Wan 2.1 T2V, Wan 2.2 T2V/I2V A14B (one expert each): the above. Image-to-video models without
+  CLIP conditioning (Wan 2.2 I2V) only differ in ``in_channels`` (latents + mask + image latents).
+- Wan 2.1 I2V / FLF2V (``image_dim`` and ``added_kv_proj_dim``, both or neither): CLIP image
+  states ``encoder_hidden_states_image`` [B, 257, image_dim] go through ``WanImageEmbedding``
+  (FP32 LayerNorm -> Linear -> GELU (erf) -> Linear -> FP32 LayerNorm, eps 1e-5) and every
+  block's cross-attention attends to them with its own ``add_k_proj`` / ``add_v_proj`` /
+  ``norm_added_k`` and the text query; the two attention outputs are summed before ``to_out``.
+  FLF2V (``pos_embed_seq_len`` = 2 x 257) takes first- and last-frame states stacked along the
+  batch, [2B, 257, image_dim] (sample b's frames at rows 2b, 2b + 1, as diffusers' pipeline
+  repeats them), regroups them into [B, 514, image_dim] and adds a learnt position embedding;
+  the regrouped layout [B, 514, image_dim] (first frame's tokens, then the last frame's) is
+  accepted as input too (diffusers' forward rejects it).
+- Wan 2.2 TI2V 5B (``expand_timesteps``): ``timestep`` may be [B, L], one per patch token; the
+  time embedding, every block's modulation and the output modulation are then per token.
+
+Where this differs from diffusers: diffusers concatenates the image tokens before the text and
+``WanAttnProcessor`` splits them again assuming exactly 512 text tokens (the UMT5 length Wan's
+pipelines always pad to); here the two are kept apart, so the result equals diffusers' when the
+text has 512 tokens and stays the intended one (image tokens to the image projections, text to
+the text projections) for other lengths, where diffusers mixes them up.
+
 Public tensors use the diffusers layout (video ``[B, C, F, H, W]``); inside, tokens are
 ``[B, L, D]`` with L = F' * H' * W' in (frame, height, width) order.
-
-Only text-to-video (Wan 2.1 T2V) is implemented: image conditioning (``image_dim``,
-``added_kv_proj_dim``) and Wan 2.2 per-token timesteps are rejected with an error.
 """
 
 from __future__ import annotations
@@ -62,7 +82,7 @@ class WanConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class WanTransformerConfig:
-    """Architecture of a Wan 2.1 transformer; field names follow diffusers' config.json."""
+    """Architecture of a Wan 2.1 / 2.2 transformer; field names follow diffusers' config.json."""
 
     patch_size: tuple[int, int, int] = (1, 2, 2)
     num_attention_heads: int = 40
@@ -85,17 +105,6 @@ class WanTransformerConfig:
         object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
         if len(self.patch_size) != 3 or min(self.patch_size) < 1:
             raise WanConfigError(f"patch_size must be 3 positive ints, got {self.patch_size}")
-        unsupported = {
-            "image_dim": self.image_dim,
-            "added_kv_proj_dim": self.added_kv_proj_dim,
-            "pos_embed_seq_len": self.pos_embed_seq_len,
-        }
-        for key, value in unsupported.items():
-            if value is not None:
-                raise WanConfigError(
-                    f"{key}={value!r}: image conditioning (Wan I2V / FLF2V) is not implemented; "
-                    f"only text-to-video configs ({key}=None) are supported"
-                )
         if self.qk_norm != SUPPORTED_QK_NORM:
             raise WanConfigError(
                 f"qk_norm={self.qk_norm!r} is not supported; only {SUPPORTED_QK_NORM!r}"
@@ -117,6 +126,49 @@ class WanTransformerConfig:
         ):
             if int(getattr(self, key)) < 1:
                 raise WanConfigError(f"{key} must be >= 1, got {getattr(self, key)!r}")
+        self._check_image_conditioning()
+
+    def _check_image_conditioning(self) -> None:
+        """image_dim and added_kv_proj_dim come together (Wan 2.1 I2V / FLF2V), as in every
+        released checkpoint. diffusers builds a model with one of them, but then the image tokens
+        go through the text projections (image_dim alone) or the added projections get no
+        tokens (added_kv_proj_dim alone, 512 text tokens): refused here rather than copied."""
+        image, added = self.image_dim, self.added_kv_proj_dim
+        if (image is None) != (added is None):
+            given, missing = ("image_dim", "added_kv_proj_dim")
+            if image is None:
+                given, missing = missing, given
+            raise WanConfigError(
+                f"{given}={getattr(self, given)!r} needs {missing} too: image conditioning "
+                "(Wan 2.1 I2V / FLF2V) sets both image_dim and added_kv_proj_dim, "
+                "text-to-video neither"
+            )
+        if self.pos_embed_seq_len is not None:
+            if image is None:
+                raise WanConfigError(
+                    f"pos_embed_seq_len={self.pos_embed_seq_len!r} needs image conditioning "
+                    "(image_dim and added_kv_proj_dim): it is the FLF2V image position embedding"
+                )
+            if self.pos_embed_seq_len < 2 or self.pos_embed_seq_len % 2:
+                raise WanConfigError(
+                    f"pos_embed_seq_len={self.pos_embed_seq_len!r} must be a positive even "
+                    "number: the tokens of two images (first and last frame), 2 x 257 in Wan FLF2V"
+                )
+        if image is None:
+            return
+        if int(image) < 1:
+            raise WanConfigError(f"image_dim must be >= 1, got {image!r}")
+        if added != self.hidden_dim:
+            raise WanConfigError(
+                f"added_kv_proj_dim={added!r} must equal the model width num_attention_heads x "
+                f"attention_head_dim = {self.hidden_dim}: add_k_proj / add_v_proj read the "
+                "image embedder's output, which has the model width"
+            )
+
+    @property
+    def image_conditioning(self) -> bool:
+        """Wan 2.1 I2V / FLF2V: the model takes CLIP image states (``image_dim`` set)."""
+        return self.image_dim is not None
 
     @property
     def hidden_dim(self) -> int:
@@ -235,6 +287,11 @@ _BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embe
 _TEXT_EMBED = ("activation_batch", "activation_kv_length", "activation_embed")
 _BATCH_LENGTH_HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 _TEXT_HEADS = ("activation_batch", "activation_kv_length", "activation_heads", "activation_kv")
+# per-token modulation (Wan 2.2 TI2V): [B, L, 6, D]
+_BATCH_LENGTH_MOD_EMBED = ("activation_batch", "activation_length", None, "activation_embed")
+
+# diffusers' FP32LayerNorm default, used by WanImageEmbedding whatever the config's eps
+IMAGE_NORM_EPS = 1e-5
 
 
 def _modulation_table(module: nn.Module, rows: int, dim: int, param_dtype: Dtype) -> jax.Array:
@@ -248,12 +305,31 @@ def _modulation_table(module: nn.Module, rows: int, dim: int, param_dtype: Dtype
     )
 
 
-class ConditionEmbedder(nn.Module):
-    """Timestep -> (temb [B, D], 6-way projection [B, 6, D]); text -> [B, L, D].
+def _affine_layer_norm(name: str, eps: float, param_dtype: Dtype) -> nn.LayerNorm:
+    """LayerNorm with weight and bias, computed in float32 (diffusers' FP32LayerNorm)."""
+    return nn.LayerNorm(
+        epsilon=eps,
+        dtype=jnp.float32,
+        param_dtype=param_dtype,
+        use_fast_variance=False,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("norm",)),
+        name=name,
+    )
 
-    diffusers ``WanTimeTextImageEmbedding`` without the image branch. The time path runs in
-    float32 (diffusers keeps ``time_embedder`` in fp32; we keep ``time_proj`` there too since it
-    feeds every modulation).
+
+def _gelu_erf(x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x, approximate=False)
+
+
+class ImageEmbedder(nn.Module):
+    """CLIP image states -> image tokens [B, S', D] (diffusers ``WanImageEmbedding``).
+
+    FP32 LayerNorm -> Linear(image_dim, image_dim) -> GELU (erf) -> Linear(image_dim, D) ->
+    FP32 LayerNorm, both norms with eps 1e-5. With ``pos_embed_seq_len`` P (FLF2V) the input is
+    [2B, P/2, image_dim], consecutive rows (first frame, last frame) regrouped into
+    [B, P, image_dim] (diffusers' ``view(-1, 2 * seq_len, dim)``), or already [B, P, image_dim];
+    the learnt ``pos_embed`` is added first.
     """
 
     config: WanTransformerConfig
@@ -261,10 +337,55 @@ class ConditionEmbedder(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, timestep: jax.Array, text_blt: jax.Array):
+    def __call__(self, image_bse: jax.Array) -> jax.Array:
+        cfg = self.config
+        x = image_bse.astype(jnp.float32)
+        if cfg.pos_embed_seq_len is not None:
+            pos = self.param(
+                "pos_embed",
+                nn.with_logical_partitioning(nn.initializers.zeros_init(), (None, None, None)),
+                (1, cfg.pos_embed_seq_len, cfg.image_dim),
+                self.param_dtype,
+            )
+            x = x.reshape(-1, cfg.pos_embed_seq_len, x.shape[2]) + pos.astype(jnp.float32)
+        x = _affine_layer_norm("norm1", IMAGE_NORM_EPS, self.param_dtype)(x).astype(self.dtype)
+        x = MLP2(
+            cfg.image_dim,
+            cfg.hidden_dim,
+            _gelu_erf,
+            (None, "mlp"),
+            ("mlp", "embed"),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="ff",
+        )(x)
+        x = _affine_layer_norm("norm2", IMAGE_NORM_EPS, self.param_dtype)(x.astype(jnp.float32))
+        return sharding.constrain(x.astype(self.dtype), _TEXT_EMBED)
+
+
+class ConditionEmbedder(nn.Module):
+    """Timestep -> (temb, 6-way projection); text -> [B, L, D]; image -> [B, S', D] or None.
+
+    diffusers ``WanTimeTextImageEmbedding``. A timestep [B] gives temb [B, D] and the projection
+    [B, 6, D]; a per-token timestep [B, L] (Wan 2.2 TI2V) gives [B, L, D] and [B, L, 6, D]. The
+    time path runs in float32 (diffusers keeps ``time_embedder`` in fp32; we keep ``time_proj``
+    there too since it feeds every modulation).
+    """
+
+    config: WanTransformerConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, timestep: jax.Array, text_blt: jax.Array, image_bse=None):
         cfg = self.config
         dim = cfg.hidden_dim
-        t_freq = timestep_embedding(timestep, cfg.freq_dim)
+        per_token = timestep.ndim == 2
+        if per_token:  # diffusers: flatten, embed, unflatten to [B, L, freq_dim]
+            t_freq = timestep_embedding(timestep.reshape(-1), cfg.freq_dim)
+            t_freq = t_freq.reshape(*timestep.shape, cfg.freq_dim)
+        else:
+            t_freq = timestep_embedding(timestep, cfg.freq_dim)
         temb = MLP2(
             dim,
             dim,
@@ -276,7 +397,10 @@ class ConditionEmbedder(nn.Module):
             name="time_embedder",
         )(t_freq)
         proj = dense(6 * dim, ("embed", "modulation"), "time_proj", jnp.float32, self.param_dtype)
-        temb_6d = proj(nn.silu(temb)).reshape(temb.shape[0], 6, dim)
+        temb_6d = proj(nn.silu(temb)).reshape(*temb.shape[:-1], 6, dim)
+        if per_token:
+            temb = sharding.constrain(temb, _BATCH_LENGTH_EMBED)
+            temb_6d = sharding.constrain(temb_6d, _BATCH_LENGTH_MOD_EMBED)
         text = MLP2(
             dim,
             dim,
@@ -287,7 +411,12 @@ class ConditionEmbedder(nn.Module):
             param_dtype=self.param_dtype,
             name="text_embedder",
         )(text_blt.astype(self.dtype))
-        return temb, temb_6d, sharding.constrain(text, _TEXT_EMBED)
+        image = None
+        if image_bse is not None:
+            image = ImageEmbedder(cfg, self.dtype, self.param_dtype, name="image_embedder")(
+                image_bse
+            )
+        return temb, temb_6d, sharding.constrain(text, _TEXT_EMBED), image
 
 
 class WanAttention(nn.Module):
@@ -295,6 +424,9 @@ class WanAttention(nn.Module):
 
     Self-attention when ``context`` is None (RoPE applied to q and k), else cross-attention
     to ``context`` (no RoPE, no mask: diffusers passes none; Wan pads prompts with zeros).
+    With ``image`` (Wan 2.1 I2V / FLF2V cross-attention) the same query also attends to the
+    image tokens through ``add_k_proj`` / ``norm_added_k`` / ``add_v_proj``, and the two
+    attention outputs are summed before ``to_out`` (diffusers ``WanAttnProcessor``).
     """
 
     config: WanTransformerConfig
@@ -313,7 +445,7 @@ class WanAttention(nn.Module):
         )
 
     @nn.compact
-    def __call__(self, x_bld, context_bmd=None, rope=None):
+    def __call__(self, x_bld, context_bmd=None, rope=None, image_bsd=None):
         cfg = self.config
         dim, heads, head_dim = cfg.hidden_dim, cfg.num_attention_heads, cfg.attention_head_dim
         kv_source = x_bld if context_bmd is None else context_bmd
@@ -322,15 +454,23 @@ class WanAttention(nn.Module):
         def project(name, source):
             return dense(dim, ("embed", "heads"), name, self.dtype, self.param_dtype)(source)
 
+        def split_heads(t, axes):
+            return sharding.constrain(t.reshape(*t.shape[:2], heads, head_dim), axes)
+
         q = self._rms_norm("norm_q")(project("to_q", x_bld))
         k = self._rms_norm("norm_k")(project("to_k", kv_source))
         v = project("to_v", kv_source)
-        q = sharding.constrain(q.reshape(*q.shape[:2], heads, head_dim), _BATCH_LENGTH_HEADS)
-        k = sharding.constrain(k.reshape(*k.shape[:2], heads, head_dim), kv_axes)
-        v = sharding.constrain(v.reshape(*v.shape[:2], heads, head_dim), kv_axes)
+        q = split_heads(q, _BATCH_LENGTH_HEADS)
+        k, v = split_heads(k, kv_axes), split_heads(v, kv_axes)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = attention_fn(q, k, v, backend=self.attention, mesh=self.mesh)
+        if image_bsd is not None:
+            k_img = self._rms_norm("norm_added_k")(project("add_k_proj", image_bsd))
+            v_img = project("add_v_proj", image_bsd)
+            k_img, v_img = split_heads(k_img, _TEXT_HEADS), split_heads(v_img, _TEXT_HEADS)
+            out_img = attention_fn(q, k_img, v_img, backend=self.attention, mesh=self.mesh)
+            out = out + sharding.constrain(out_img, _BATCH_LENGTH_HEADS)
         out = sharding.constrain(out, _BATCH_LENGTH_HEADS).reshape(*out.shape[:2], dim)
         out = dense(dim, ("heads", "embed"), "to_out", self.dtype, self.param_dtype)(out)
         return sharding.constrain(out, _BATCH_LENGTH_EMBED)
@@ -355,12 +495,25 @@ class FeedForward(nn.Module):
 
 
 def _modulate(x_bld: jax.Array, eps: float, shift_b1d, scale_b1d, dtype: Dtype) -> jax.Array:
-    """LayerNorm(x) * (1 + scale) + shift, in float32, cast to the activation dtype."""
+    """LayerNorm(x) * (1 + scale) + shift, in float32, cast to the activation dtype.
+
+    shift/scale are [B, 1, D] (one timestep per sample) or [B, L, D] (one per token)."""
     return (layer_norm(x_bld, eps) * (1.0 + scale_b1d) + shift_b1d).astype(dtype)
 
 
+def _split_modulation(table_1nd: jax.Array, temb: jax.Array, n: int) -> list[jax.Array]:
+    """``scale_shift_table + temb`` in float32, split into n parts of [B, 1, D] or [B, L, D].
+
+    temb is [B, n, D] (timestep per sample) or [B, L, n, D] (per token, Wan 2.2 TI2V)."""
+    table = table_1nd.astype(jnp.float32)
+    if temb.ndim == 4:
+        mod = table[:, None] + temb.astype(jnp.float32)  # [B, L, n, D]
+        return [part[:, :, 0] for part in jnp.split(mod, n, axis=2)]
+    return jnp.split(table + temb.astype(jnp.float32), n, axis=1)
+
+
 class WanBlock(nn.Module):
-    """One transformer block (diffusers WanTransformerBlock, Wan 2.1 per-sample timestep)."""
+    """One transformer block (diffusers WanTransformerBlock)."""
 
     config: WanTransformerConfig
     dtype: Dtype = jnp.float32
@@ -369,11 +522,12 @@ class WanBlock(nn.Module):
     mesh: Any = None
 
     @nn.compact
-    def __call__(self, x_bld, context_bmd, temb_b6d, rope_cos, rope_sin):
+    def __call__(self, x_bld, context_bmd, temb_6d, rope_cos, rope_sin, image_bsd=None):
         cfg = self.config
         table = _modulation_table(self, 6, cfg.hidden_dim, self.param_dtype)
-        mod = table.astype(jnp.float32) + temb_b6d.astype(jnp.float32)  # [B, 6, D]
-        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = jnp.split(mod, 6, axis=1)
+        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = _split_modulation(
+            table, temb_6d, 6
+        )
         attn_kw = dict(
             config=cfg,
             dtype=self.dtype,
@@ -388,21 +542,13 @@ class WanBlock(nn.Module):
         x_bld = (x_bld.astype(jnp.float32) + h * gate_sa).astype(self.dtype)
         x_bld = sharding.constrain(x_bld, _BATCH_LENGTH_EMBED)
 
-        # 2. cross-attention to the text, ungated
+        # 2. cross-attention to the text (and the image tokens of I2V), ungated
         if cfg.cross_attn_norm:
-            norm2 = nn.LayerNorm(
-                epsilon=cfg.eps,
-                dtype=jnp.float32,
-                param_dtype=self.param_dtype,
-                use_fast_variance=False,
-                scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",)),
-                bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("norm",)),
-                name="norm2",
-            )
+            norm2 = _affine_layer_norm("norm2", cfg.eps, self.param_dtype)
             h = norm2(x_bld.astype(jnp.float32)).astype(self.dtype)
         else:
             h = x_bld
-        x_bld = x_bld + WanAttention(**attn_kw, name="attn2")(h, context_bmd)
+        x_bld = x_bld + WanAttention(**attn_kw, name="attn2")(h, context_bmd, image_bsd=image_bsd)
 
         # 3. feed-forward, modulated and gated
         h = _modulate(x_bld, cfg.eps, shift_ff, scale_ff, self.dtype)
@@ -444,8 +590,16 @@ class PatchEmbedding(nn.Module):
 
 
 class WanTransformer(nn.Module):
-    """Wan 2.1 T2V transformer: ``(video [B,C,F,H,W], timestep [B], text [B,L,text_dim])
-    -> prediction [B, out_channels, F, H, W]`` (= diffusers WanTransformer3DModel.forward)."""
+    """Wan 2.1 / 2.2 transformer (= diffusers WanTransformer3DModel.forward)::
+
+        (hidden_states [B, C, F, H, W], timestep [B] or [B, L], encoder_hidden_states
+         [B, L_text, text_dim], encoder_hidden_states_image [B, S, image_dim] (FLF2V:
+         [2B, P/2, image_dim] or [B, P, image_dim], P = pos_embed_seq_len) or None)
+        -> prediction [B, out_channels, F, H, W]
+
+    ``encoder_hidden_states_image`` is required exactly when the config has image
+    conditioning (``image_dim``); L is the number of patch tokens F' * H' * W'.
+    """
 
     config: WanTransformerConfig
     dtype: Dtype = jnp.float32
@@ -454,31 +608,68 @@ class WanTransformer(nn.Module):
     mesh: Any = None
     remat_policy: str = "none"
 
-    def _check_inputs(self, hidden_states, timestep, encoder_hidden_states):
+    def _check_inputs(self, video_shape, timestep_shape, text_shape, image_shape) -> None:
+        """Raise ValueError naming the argument whose shape does not fit the config."""
         cfg = self.config
-        if hidden_states.ndim != 5 or hidden_states.shape[1] != cfg.in_channels:
+        if len(video_shape) != 5 or video_shape[1] != cfg.in_channels:
             raise ValueError(
-                f"hidden_states must be [B, {cfg.in_channels}, F, H, W], got {hidden_states.shape}"
+                f"hidden_states must be [B, {cfg.in_channels}, F, H, W], got {tuple(video_shape)}"
             )
-        batch = hidden_states.shape[0]
-        if timestep.shape != (batch,):
+        batch, tokens = video_shape[0], math.prod(patch_grid(video_shape, cfg.patch_size))
+        if tuple(timestep_shape) not in ((batch,), (batch, tokens)):
             raise ValueError(
-                f"timestep must be [B]=[{batch}] (one per sample), got shape {timestep.shape}"
+                f"timestep must be [B]=[{batch}] (one per sample) or [B, L]=[{batch}, {tokens}] "
+                f"(one per patch token, Wan 2.2 TI2V), got shape {tuple(timestep_shape)}"
             )
-        if encoder_hidden_states.ndim != 3 or encoder_hidden_states.shape[::2] != (
-            batch,
-            cfg.text_dim,
-        ):
+        if len(text_shape) != 3 or (text_shape[0], text_shape[2]) != (batch, cfg.text_dim):
             raise ValueError(
                 f"encoder_hidden_states must be [{batch}, L, text_dim={cfg.text_dim}], "
-                f"got {encoder_hidden_states.shape}"
+                f"got {tuple(text_shape)}"
+            )
+        if not cfg.image_conditioning:
+            if image_shape is not None:
+                raise ValueError(
+                    f"encoder_hidden_states_image was given (shape {tuple(image_shape)}) but this "
+                    "config has no image conditioning (image_dim=None): pass None"
+                )
+            return
+        e, p = cfg.image_dim, cfg.pos_embed_seq_len
+        if p is None:
+            want = f"[{batch}, S, image_dim={e}]"
+            ok = image_shape is not None and len(image_shape) == 3 and image_shape[1] >= 1
+            ok = ok and (image_shape[0], image_shape[2]) == (batch, e)
+        else:
+            want = (
+                f"[2B={2 * batch}, pos_embed_seq_len/2={p // 2}, image_dim={e}] (each sample's "
+                f"first- and last-frame CLIP states in consecutive rows) or [{batch}, {p}, {e}]"
+            )
+            ok = image_shape is not None and tuple(image_shape) in (
+                (2 * batch, p // 2, e),
+                (batch, p, e),
+            )
+        if image_shape is None:
+            raise ValueError(
+                "encoder_hidden_states_image is required: this config has image conditioning "
+                f"(image_dim={e}); pass the CLIP image states, {want}"
+            )
+        if not ok:
+            raise ValueError(
+                f"encoder_hidden_states_image must be {want}, got {tuple(image_shape)}"
             )
 
     @nn.compact
-    def __call__(self, hidden_states, timestep, encoder_hidden_states):
+    def __call__(
+        self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None
+    ):
         cfg = self.config
         timestep = jnp.asarray(timestep)
-        self._check_inputs(hidden_states, timestep, encoder_hidden_states)
+        image = encoder_hidden_states_image
+        self._check_inputs(
+            hidden_states.shape,
+            timestep.shape,
+            encoder_hidden_states.shape,
+            None if image is None else image.shape,
+        )
         grid = patch_grid(hidden_states.shape, cfg.patch_size)
         batch, dim = hidden_states.shape[0], cfg.hidden_dim
         if self.mesh is not None:
@@ -493,18 +684,21 @@ class WanTransformer(nn.Module):
             sharding.constrain(t, ("activation_length", "activation_kv"))
             for t in rope_cos_sin(grid, cfg.attention_head_dim, cfg.rope_max_seq_len)
         )
-        temb, temb_6d, context = ConditionEmbedder(
+        temb, temb_6d, context, image = ConditionEmbedder(
             cfg, self.dtype, self.param_dtype, name="condition_embedder"
-        )(timestep, encoder_hidden_states)
+        )(timestep, encoder_hidden_states, image)
 
         block_cls = remat_block(WanBlock, self.remat_policy)
         for i in range(cfg.num_layers):
             x = block_cls(
                 cfg, self.dtype, self.param_dtype, self.attention, self.mesh, name=f"blocks_{i}"
-            )(x, context, temb_6d, *rope)
+            )(x, context, temb_6d, *rope, image)
 
         table = _modulation_table(self, 2, dim, self.param_dtype)
-        shift, scale = jnp.split(table.astype(jnp.float32) + temb[:, None, :], 2, axis=1)
+        if temb.ndim == 3:  # per-token timesteps: shift/scale [B, L, D]
+            shift, scale = _split_modulation(table, temb[:, :, None, :], 2)
+        else:
+            shift, scale = jnp.split(table.astype(jnp.float32) + temb[:, None, :], 2, axis=1)
         x = _modulate(x, cfg.eps, shift, scale, self.dtype)
         x = dense(
             cfg.out_channels * cfg.patch_volume,
@@ -528,13 +722,23 @@ def _dense_entries(flax_prefix: tuple[str, ...], torch_prefix: str) -> dict:
     }
 
 
-def _attention_entries(flax_prefix: tuple[str, ...], torch_prefix: str) -> dict:
+def _norm_entries(flax_prefix: tuple[str, ...], torch_prefix: str, bias: bool = True) -> dict:
+    entries = {(*flax_prefix, "scale"): (f"{torch_prefix}.weight", weights.identity)}
+    if bias:
+        entries[(*flax_prefix, "bias")] = (f"{torch_prefix}.bias", weights.identity)
+    return entries
+
+
+def _attention_entries(
+    flax_prefix: tuple[str, ...], torch_prefix: str, image: bool = False
+) -> dict:
     entries: dict = {}
-    for proj in ("to_q", "to_k", "to_v"):
+    projections = ("to_q", "to_k", "to_v") + (("add_k_proj", "add_v_proj") if image else ())
+    for proj in projections:
         entries |= _dense_entries((*flax_prefix, proj), f"{torch_prefix}.{proj}")
     entries |= _dense_entries((*flax_prefix, "to_out"), f"{torch_prefix}.to_out.0")
-    for norm in ("norm_q", "norm_k"):
-        entries[(*flax_prefix, norm, "scale")] = (f"{torch_prefix}.{norm}.weight", weights.identity)
+    for norm in ("norm_q", "norm_k") + (("norm_added_k",) if image else ()):
+        entries |= _norm_entries((*flax_prefix, norm), f"{torch_prefix}.{norm}", bias=False)
     return entries
 
 
@@ -542,10 +746,9 @@ def _block_entries(i: int, config: WanTransformerConfig) -> dict:
     flax, torch = (f"blocks_{i}",), f"blocks.{i}"
     entries = {(*flax, "scale_shift_table"): (f"{torch}.scale_shift_table", weights.identity)}
     entries |= _attention_entries((*flax, "attn1"), f"{torch}.attn1")
-    entries |= _attention_entries((*flax, "attn2"), f"{torch}.attn2")
+    entries |= _attention_entries((*flax, "attn2"), f"{torch}.attn2", config.image_conditioning)
     if config.cross_attn_norm:
-        entries[(*flax, "norm2", "scale")] = (f"{torch}.norm2.weight", weights.identity)
-        entries[(*flax, "norm2", "bias")] = (f"{torch}.norm2.bias", weights.identity)
+        entries |= _norm_entries((*flax, "norm2"), f"{torch}.norm2")
     entries |= _dense_entries((*flax, "ffn", "proj_in"), f"{torch}.ffn.net.0.proj")
     entries |= _dense_entries((*flax, "ffn", "proj_out"), f"{torch}.ffn.net.2")
     return entries
@@ -563,18 +766,44 @@ def weight_map(config: WanTransformerConfig) -> dict:
         for lin in ("linear_1", "linear_2"):
             entries |= _dense_entries((*cond, sub, lin), f"condition_embedder.{sub}.{lin}")
     entries |= _dense_entries((*cond, "time_proj"), "condition_embedder.time_proj")
+    if config.image_conditioning:
+        flax, torch = (*cond, "image_embedder"), "condition_embedder.image_embedder"
+        entries |= _norm_entries((*flax, "norm1"), f"{torch}.norm1")
+        entries |= _dense_entries((*flax, "ff", "linear_1"), f"{torch}.ff.net.0.proj")
+        entries |= _dense_entries((*flax, "ff", "linear_2"), f"{torch}.ff.net.2")
+        entries |= _norm_entries((*flax, "norm2"), f"{torch}.norm2")
+        if config.pos_embed_seq_len is not None:
+            entries[(*flax, "pos_embed")] = (f"{torch}.pos_embed", weights.identity)
     for i in range(config.num_layers):
         entries |= _block_entries(i, config)
     entries |= _dense_entries(("proj_out",), "proj_out")
     return entries
 
 
+def _ignored_checkpoint_keys(config: WanTransformerConfig) -> tuple[str, ...]:
+    """Keys diffusers skips on load (``_keys_to_ignore_on_load_unexpected = ["norm_added_q"]``:
+    older diffusers' Attention built a q norm for the added projections that Wan never used)."""
+    return tuple(
+        f"blocks.{i}.{attn}.norm_added_q."
+        for i in range(config.num_layers)
+        for attn in ("attn1", "attn2")
+    )
+
+
 def _dummy_inputs(config: WanTransformerConfig, batch: int = 1):
-    """Smallest valid input shapes (one patch, one text token) for init / eval_shape."""
+    """Smallest valid input shapes (one patch, one text token, one image token or the FLF2V
+    pair) for init / eval_shape."""
     video = jax.ShapeDtypeStruct((batch, config.in_channels, *config.patch_size), jnp.float32)
     timestep = jax.ShapeDtypeStruct((batch,), jnp.float32)
     text = jax.ShapeDtypeStruct((batch, 1, config.text_dim), jnp.float32)
-    return video, timestep, text
+    image = None
+    if config.image_conditioning:
+        if config.pos_embed_seq_len is None:
+            image_shape = (batch, 1, config.image_dim)
+        else:
+            image_shape = (2 * batch, config.pos_embed_seq_len // 2, config.image_dim)
+        image = jax.ShapeDtypeStruct(image_shape, jnp.float32)
+    return video, timestep, text, image
 
 
 def abstract_params(module: WanTransformer) -> dict:
@@ -615,6 +844,7 @@ def load_wan_transformer(
         mesh=mesh,
         rules=rules,
         dtype=param_dtype,
+        ignore_unused=_ignored_checkpoint_keys(config),
     )
     return module, params
 
@@ -648,19 +878,27 @@ def count_params(config: WanTransformerConfig) -> int:
 
 
 def flops_per_forward(
-    config: WanTransformerConfig, batch: int, video_tokens: int, text_tokens: int
+    config: WanTransformerConfig,
+    batch: int,
+    video_tokens: int,
+    text_tokens: int,
+    image_tokens: int = 0,
 ) -> int:
     """Matmul FLOPs of one forward pass of the blocks (MaxDiffusion's Wan formula, for MFU).
 
-    Per block, with D = hidden dim, F = ffn dim, s video tokens, L text tokens:
+    Per block, with D = hidden dim, F = ffn dim, s video tokens, L text tokens, I image tokens:
     self-attn QKV 3*2*s*D^2, scores+values 2*2*s^2*D, cross-attn K/V 2*2*L*D^2, Q 2*s*D^2,
-    scores+values 2*2*s*L*D, both output projections 2*2*s*D^2, FFN 2*2*s*D*F. Embeddings and
-    the output head are left out (negligible). (MaxDiffusion counts 3*2*L*D^2 for the cross
-    K/V projections, one projection too many; we count two.) Training = 3x this.
+    scores+values 2*2*s*L*D, both output projections 2*2*s*D^2, FFN 2*2*s*D*F; with image
+    conditioning (Wan 2.1 I2V / FLF2V) the image K/V 2*2*I*D^2 and scores+values 2*2*s*I*D
+    (I counts image tokens after the image embedder: 257 for I2V, 514 for FLF2V; the query is
+    shared). Embeddings (per-token timesteps included: ~14*s*D^2 once) and the output head are
+    left out. (MaxDiffusion counts 3*2*L*D^2 for the cross K/V projections, one projection too
+    many; we count two.) Training = 3x this.
     """
-    d, f, s, t = config.hidden_dim, config.ffn_dim, video_tokens, text_tokens
+    d, f, s, t, i = config.hidden_dim, config.ffn_dim, video_tokens, text_tokens, image_tokens
     self_attn = 3 * 2 * s * d * d + 2 * 2 * s * s * d
     cross_attn = 2 * 2 * t * d * d + 2 * s * d * d + 2 * 2 * s * t * d
+    image_attn = 2 * 2 * i * d * d + 2 * 2 * s * i * d
     out_proj = 2 * 2 * s * d * d
     ffn = 2 * 2 * s * d * f
-    return batch * config.num_layers * (self_attn + cross_attn + out_proj + ffn)
+    return batch * config.num_layers * (self_attn + cross_attn + image_attn + out_proj + ffn)

@@ -1,7 +1,14 @@
-"""Wan 2.1 causal 3D VAE in Flax linen, numerically equal to diffusers' ``AutoencoderKLWan``.
+"""Wan 2.1 / 2.2 causal 3D VAE in Flax linen, numerically equal to diffusers' ``AutoencoderKLWan``.
 
-Reference: ``diffusers/models/autoencoders/autoencoder_kl_wan.py`` (diffusers 0.42), the
-Wan 2.1 branch (``is_residual=False``, no ``patch_size``).
+Reference: ``diffusers/models/autoencoders/autoencoder_kl_wan.py`` (diffusers 0.42), both
+branches: Wan 2.1 (``is_residual=False``, no ``patch_size``) and the Wan 2.2 VAE of
+Wan2.2-TI2V-5B (``is_residual=True``, ``patch_size=2``, z_dim 48). Wan 2.2 differs in three
+places: (1) the pixels are patchified (2x2 pixels -> 12 channels) before the encoder and
+unpatchified after the decoder, so the spatial factor is 2 x 8 = 16; (2) each encoder level is
+one :class:`ResidualDownBlock` whose output gets a parameter-free ``AvgDown3D`` shortcut of
+its input; (3) each decoder level is a :class:`ResidualUpBlock` with a ``DupUp3D`` shortcut,
+whose upsampler keeps the channel count (Wan 2.1's halves it). The reshapes of (1)-(3) live in
+:mod:`jaxcore.models.wan_vae_residual`.
 
 Layout: public tensors use the diffusers layout, video ``[B, C, F, H, W]`` with pixel values in
 [-1, 1] and latents ``[B, z_dim, F', H', W']``. Inside, every activation is channel-last
@@ -42,6 +49,7 @@ from flax import linen as nn
 from jaxcore import sharding, weights
 from jaxcore.attention import attention as attention_fn
 from jaxcore.config import config_json_kwargs
+from jaxcore.models import wan_vae_residual as residual
 
 Dtype = Any
 
@@ -63,6 +71,10 @@ WAN21_LATENTS_STD = (
     2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
 )  # fmt: skip
+# config.json keys that diffusers itself drops: Wan2.2-TI2V-5B-Diffusers' vae/config.json has
+# "clip_output": false, which is no AutoencoderKLWan argument (ConfigMixin ignores it and
+# diffusers 0.42 clamps decoded pixels to [-1, 1] regardless), so it changes nothing here either.
+IGNORED_CONFIG_KEYS = ("clip_output",)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,11 +88,15 @@ class WanVAEConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class WanVAEConfig:
-    """Architecture of the Wan 2.1 VAE; field names follow diffusers' config.json.
+    """Architecture of the Wan 2.1 / 2.2 VAE; field names follow diffusers' config.json.
 
     ``scale_factor_temporal`` / ``scale_factor_spatial`` are stored as diffusers stores them
-    (metadata it does not check against the architecture); use :attr:`temporal_compression`
-    and :attr:`spatial_compression` for the factors the architecture really has.
+    (metadata: diffusers reads the spatial one only to size its tiles and the pipelines read
+    both, but nothing checks them against the architecture; the real Wan 2.1 and Wan2.2-TI2V-5B
+    configs are consistent, 8/4 and 16/4); use :attr:`temporal_compression` and
+    :attr:`spatial_compression` for the factors the architecture really has.
+    ``in_channels`` / ``out_channels`` count the encoder's / decoder's channels, i.e. after
+    patchify (12 = 3 x 2 x 2 for Wan 2.2); :attr:`video_channels` is the pixel count.
     ``dropout`` is accepted but unused: this port is inference-only (dropout is identity).
     """
 
@@ -111,7 +127,7 @@ class WanVAEConfig:
         ):
             object.__setattr__(self, key, tuple(getattr(self, key)))
         object.__setattr__(self, "temperal_downsample", tuple(map(bool, self.temperal_downsample)))
-        self._check_unsupported()
+        self._check_attn_scales()
         for key in ("base_dim", "z_dim", "num_res_blocks", "in_channels", "out_channels"):
             if int(getattr(self, key)) < 1:
                 raise WanVAEConfigError(f"{key} must be >= 1, got {getattr(self, key)!r}")
@@ -133,20 +149,13 @@ class WanVAEConfig:
             raise WanVAEConfigError(f"latents_std must be positive, got {list(self.latents_std)}")
         if not 0.0 <= self.dropout < 1.0:
             raise WanVAEConfigError(f"dropout must be in [0, 1), got {self.dropout}")
-
-    def _check_unsupported(self) -> None:
-        """Features of AutoencoderKLWan this port does not implement are errors, never ignored."""
+        self._check_patch_size()
         if self.is_residual:
-            raise WanVAEConfigError(
-                "is_residual=True (the Wan 2.2 residual down/up blocks) is not implemented; "
-                "only the Wan 2.1 VAE (is_residual=False) is supported"
-            )
-        if self.patch_size is not None:
-            raise WanVAEConfigError(
-                f"patch_size={self.patch_size!r} (Wan 2.2 patchified VAE) is not implemented; "
-                "only patch_size=None is supported"
-            )
-        if self.attn_scales:
+            self._check_residual_widths()
+
+    def _check_attn_scales(self) -> None:
+        """Encoder attention scales are refused where diffusers has no working reference."""
+        if self.attn_scales and not self.is_residual:
             # diffusers builds WanAttentionBlocks into the encoder's down_blocks for these scales
             # but calls them with feat_cache=..., which WanAttentionBlock.forward does not take
             # (TypeError), and its decoder ignores attn_scales: there is no reference to match.
@@ -155,11 +164,47 @@ class WanVAEConfig:
                 "AutoencoderKLWan cannot run encoder attention at these scales, so only "
                 "attn_scales=[] (Wan 2.1) has a reference (the mid blocks always have attention)"
             )
+        # With is_residual=True diffusers builds no attention outside the mid blocks whatever
+        # attn_scales says (WanResidualDownBlock / WanResidualUpBlock take no attn_scales), so
+        # they are accepted and, as there, change nothing.
+
+    def _check_patch_size(self) -> None:
+        """patchify folds p x p pixels into channels: in/out_channels must be whole multiples."""
+        if self.patch_size is None:
+            return
+        if int(self.patch_size) < 1:
+            raise WanVAEConfigError(f"patch_size must be >= 1 or null, got {self.patch_size!r}")
+        area = self.patch_size**2
+        for key in ("in_channels", "out_channels"):
+            if getattr(self, key) % area:
+                raise WanVAEConfigError(
+                    f"patch_size={self.patch_size} folds {area} pixels into channels, so {key} "
+                    f"(the channels after patchify) must be a multiple of {area}, got "
+                    f"{getattr(self, key)}"
+                )
+
+    def _check_residual_widths(self) -> None:
+        """The residual shortcuts regroup channels: diffusers refuses (AvgDown3D raises,
+        DupUp3D asserts) widths that do not divide evenly; so do we, naming the level."""
+        for level, (c_in, c_out, f_t, f_s) in enumerate(self.residual_down_levels):
+            if (c_in * f_t * f_s * f_s) % c_out:
+                raise WanVAEConfigError(
+                    f"is_residual=True: encoder level {level} maps {c_in} -> {c_out} channels "
+                    f"(base_dim x dim_mult) with a x{f_t * f_s * f_s} AvgDown3D shortcut; "
+                    f"{c_in} x {f_t * f_s * f_s} must be divisible by {c_out}"
+                )
+        for level, (c_in, c_out, f_t, up) in enumerate(self.residual_up_levels):
+            if up and (c_out * f_t * 4) % c_in:
+                raise WanVAEConfigError(
+                    f"is_residual=True: decoder level {level} maps {c_in} -> {c_out} channels "
+                    f"(decoder_base_dim x dim_mult) with a x{f_t * 4} DupUp3D shortcut; "
+                    f"{c_out} x {f_t * 4} must be divisible by {c_in}"
+                )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> WanVAEConfig:
         """Build from a diffusers config.json dict (``_``-prefixed keys ignored)."""
-        kwargs = config_json_kwargs(cls, d, WanVAEConfigError)
+        kwargs = config_json_kwargs(cls, d, WanVAEConfigError, ignored=IGNORED_CONFIG_KEYS)
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -177,9 +222,49 @@ class WanVAEConfig:
         return self.temperal_downsample[::-1]
 
     @property
+    def patch(self) -> int:
+        """Pixels per side folded into channels before the encoder (1: no patchify)."""
+        return 1 if self.patch_size is None else int(self.patch_size)
+
+    @property
+    def video_channels(self) -> int:
+        """Channels of the pixel video the VAE takes (in_channels before patchify)."""
+        return self.in_channels // self.patch**2
+
+    @property
+    def output_video_channels(self) -> int:
+        """Channels of the decoded pixel video (out_channels after unpatchify)."""
+        return self.out_channels // self.patch**2
+
+    @property
     def spatial_compression(self) -> int:
-        """Pixels per latent along H and W (one 2x downsample per level but the last)."""
-        return 2 ** (len(self.dim_mult) - 1)
+        """Pixels per latent along H and W: patch_size, then one 2x downsample per level but
+        the last (8 for Wan 2.1, 2 x 8 = 16 for Wan 2.2)."""
+        return self.patch * 2 ** (len(self.dim_mult) - 1)
+
+    @property
+    def residual_down_levels(self) -> tuple[tuple[int, int, int, int], ...]:
+        """(in, out, time factor, space factor) per encoder level (diffusers' residual branch:
+        every level but the last downsamples in space, the last never in time)."""
+        dims = [self.base_dim * m for m in (1, *self.dim_mult)]
+        levels = []
+        for i in range(len(self.dim_mult)):
+            down = i != len(self.dim_mult) - 1
+            factor_t = 2 if down and self.temperal_downsample[i] else 1
+            levels.append((dims[i], dims[i + 1], factor_t, 2 if down else 1))
+        return tuple(levels)
+
+    @property
+    def residual_up_levels(self) -> tuple[tuple[int, int, int, bool], ...]:
+        """(in, out, time factor, upsamples) per decoder level of the residual branch; unlike
+        Wan 2.1 the input width is not halved, as the residual upsampler keeps channels."""
+        dims = [self.decoder_dim * m for m in (self.dim_mult[-1], *self.dim_mult[::-1])]
+        levels = []
+        for i in range(len(self.dim_mult)):
+            up = i != len(self.dim_mult) - 1
+            factor_t = 2 if up and self.temperal_upsample[i] else 1
+            levels.append((dims[i], dims[i + 1], factor_t, up))
+        return tuple(levels)
 
     @property
     def temporal_compression(self) -> int:
@@ -468,8 +553,41 @@ class MidBlock(nn.Module):
         return ResidualBlock(dim, name="resnets_1", **kw)(x)
 
 
+class ResidualDownBlock(nn.Module):
+    """diffusers ``WanResidualDownBlock`` (Wan 2.2): one encoder level as one block.
+
+    Residual blocks then the level's resampler (``downsampler``, same ``WanResample`` as
+    Wan 2.1), plus an ``AvgDown3D`` shortcut from the block input to its output. The shortcut
+    has no cache: on the first chunk (1 frame) it averages that frame with a zero frame, just
+    as the resampler there skips its time conv; see :func:`wan_vae_residual.avg_down_3d`.
+    """
+
+    out_dim: int
+    num_res_blocks: int
+    factor_t: int
+    factor_s: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, first_chunk: bool) -> jax.Array:
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        shortcut = residual.avg_down_3d(x, self.out_dim, self.factor_t, self.factor_s)
+        for i in range(self.num_res_blocks):
+            x = ResidualBlock(self.out_dim, name=f"resnets_{i}", **kw)(x)
+        if self.factor_s > 1:
+            mode = "downsample3d" if self.factor_t > 1 else "downsample2d"
+            x = Resample(mode, name="downsampler", **kw)(x, first_chunk)
+        return x + shortcut
+
+
 class Encoder(nn.Module):
-    """diffusers ``WanEncoder3d`` (Wan 2.1): conv_in, down_blocks, mid_block, head -> 2 z_dim."""
+    """diffusers ``WanEncoder3d``: conv_in, down_blocks, mid_block, head -> 2 z_dim.
+
+    Wan 2.1 (``is_residual=False``): ``down_blocks`` is a flat list of residual blocks and
+    resamplers. Wan 2.2: one :class:`ResidualDownBlock` per level; ``attn_scales`` are unused
+    in both (see :class:`WanVAEConfig`).
+    """
 
     config: WanVAEConfig
     dtype: Dtype = jnp.float32
@@ -483,7 +601,17 @@ class Encoder(nn.Module):
         kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
         dims = [cfg.base_dim * m for m in (1, *cfg.dim_mult)]
         x = CausalConv3d(dims[0], name="conv_in", **kw)(x)
-        # down_blocks is one flat list in diffusers: res blocks, then the level's resampler.
+        if cfg.is_residual:
+            x = self._residual_levels(x, first_chunk, kw)
+        else:
+            x = self._levels(x, first_chunk, dims, kw)
+        x = MidBlock(attention=self.attention, mesh=self.mesh, name="mid_block", **kw)(x)
+        x = nn.silu(RMSNorm(name="norm_out", **kw)(x))
+        return CausalConv3d(2 * cfg.z_dim, name="conv_out", **kw)(x)
+
+    def _levels(self, x, first_chunk, dims, kw):
+        """Wan 2.1: down_blocks is one flat list, res blocks then the level's resampler."""
+        cfg = self.config
         index = 0
         for level, out_dim in enumerate(dims[1:]):
             for _ in range(cfg.num_res_blocks):
@@ -493,9 +621,17 @@ class Encoder(nn.Module):
                 mode = "downsample3d" if cfg.temperal_downsample[level] else "downsample2d"
                 x = Resample(mode, name=f"down_blocks_{index}", **kw)(x, first_chunk)
                 index += 1
-        x = MidBlock(attention=self.attention, mesh=self.mesh, name="mid_block", **kw)(x)
-        x = nn.silu(RMSNorm(name="norm_out", **kw)(x))
-        return CausalConv3d(2 * cfg.z_dim, name="conv_out", **kw)(x)
+        return x
+
+    def _residual_levels(self, x, first_chunk, kw):
+        """Wan 2.2: one ResidualDownBlock per level."""
+        cfg = self.config
+        for level, (_, out_dim, factor_t, factor_s) in enumerate(cfg.residual_down_levels):
+            block = ResidualDownBlock(
+                out_dim, cfg.num_res_blocks, factor_t, factor_s, name=f"down_blocks_{level}", **kw
+            )
+            x = block(x, first_chunk)
+        return x
 
 
 class UpBlock(nn.Module):
@@ -521,8 +657,43 @@ class UpBlock(nn.Module):
         return x
 
 
+class ResidualUpBlock(nn.Module):
+    """diffusers ``WanResidualUpBlock`` (Wan 2.2): num_res_blocks + 1 residual blocks, then
+    an optional resampler (``upsampler``) that keeps ``out_dim`` channels (diffusers'
+    ``upsample_out_dim=out_dim``), plus a ``DupUp3D`` shortcut from the block input.
+
+    ``first_chunk`` matters here, unlike in Wan 2.1's up block: on the decoder's first latent
+    frame the temporal upsampler skips its frame doubling, and the shortcut drops its extra
+    frame to stay aligned (see :func:`wan_vae_residual.dup_up_3d`).
+    """
+
+    out_dim: int
+    num_res_blocks: int
+    factor_t: int
+    upsample: bool
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, first_chunk: bool) -> jax.Array:
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        shortcut = None
+        if self.upsample:
+            shortcut = residual.dup_up_3d(x, self.out_dim, self.factor_t, 2, first_chunk)
+        for i in range(self.num_res_blocks + 1):
+            x = ResidualBlock(self.out_dim, name=f"resnets_{i}", **kw)(x)
+        if self.upsample:
+            mode = "upsample3d" if self.factor_t > 1 else "upsample2d"
+            x = Resample(mode, self.out_dim, name="upsampler", **kw)(x, first_chunk)
+            x = x + shortcut
+        return x
+
+
 class Decoder(nn.Module):
-    """diffusers ``WanDecoder3d`` (Wan 2.1): conv_in, mid_block, up_blocks, head -> pixels."""
+    """diffusers ``WanDecoder3d``: conv_in, mid_block, up_blocks, head -> pixels (or patches).
+
+    Wan 2.1: :class:`UpBlock` levels. Wan 2.2 (``is_residual``): :class:`ResidualUpBlock` levels.
+    """
 
     config: WanVAEConfig
     dtype: Dtype = jnp.float32
@@ -537,6 +708,16 @@ class Decoder(nn.Module):
         dims = [cfg.decoder_dim * m for m in (cfg.dim_mult[-1], *cfg.dim_mult[::-1])]
         x = CausalConv3d(dims[0], name="conv_in", **kw)(z)
         x = MidBlock(attention=self.attention, mesh=self.mesh, name="mid_block", **kw)(x)
+        if cfg.is_residual:
+            x = self._residual_levels(x, first_chunk, kw)
+        else:
+            x = self._levels(x, first_chunk, dims, kw)
+        x = nn.silu(RMSNorm(name="norm_out", **kw)(x))
+        return CausalConv3d(cfg.out_channels, name="conv_out", **kw)(x)
+
+    def _levels(self, x, first_chunk, dims, kw):
+        """Wan 2.1: UpBlocks whose upsamplers halve the channels."""
+        cfg = self.config
         last = len(cfg.dim_mult) - 1
         for level, out_dim in enumerate(dims[1:]):
             mode = None
@@ -545,8 +726,17 @@ class Decoder(nn.Module):
             x = UpBlock(out_dim, cfg.num_res_blocks, mode, name=f"up_blocks_{level}", **kw)(
                 x, first_chunk
             )
-        x = nn.silu(RMSNorm(name="norm_out", **kw)(x))
-        return CausalConv3d(cfg.out_channels, name="conv_out", **kw)(x)
+        return x
+
+    def _residual_levels(self, x, first_chunk, kw):
+        """Wan 2.2: one ResidualUpBlock per level."""
+        cfg = self.config
+        for level, (_, out_dim, factor_t, up) in enumerate(cfg.residual_up_levels):
+            block = ResidualUpBlock(
+                out_dim, cfg.num_res_blocks, factor_t, up, name=f"up_blocks_{level}", **kw
+            )
+            x = block(x, first_chunk)
+        return x
 
 
 # ----------------------------------------------------------------------------------------------
@@ -601,8 +791,11 @@ def check_video(config: WanVAEConfig, video_shape: Sequence[int]) -> None:
     if len(video_shape) != 5:
         raise ValueError(f"video must be [B, C, F, H, W], got shape {tuple(video_shape)}")
     _, channels, frames, height, width = video_shape
-    if channels != config.in_channels:
-        raise ValueError(f"video has {channels} channels but in_channels is {config.in_channels}")
+    if channels != config.video_channels:
+        expected = f"in_channels is {config.in_channels}"
+        if config.patch > 1:
+            expected = f"the VAE takes {config.video_channels} ({expected}, after patchify)"
+        raise ValueError(f"video has {channels} channels but {expected}")
     if frames < 1 or (frames - 1) % ENCODE_CHUNK_FRAMES:
         # diffusers would silently drop the trailing frames; we refuse instead.
         raise ValueError(
@@ -632,11 +825,13 @@ def encoder_chunks(frames: int) -> list[slice]:
 
 
 class WanVAE(nn.Module):
-    """Wan 2.1 VAE (= diffusers ``AutoencoderKLWan``), parameters named as in diffusers.
+    """Wan 2.1 / 2.2 VAE (= diffusers ``AutoencoderKLWan``), parameters named as in diffusers.
 
     Per-chunk methods (channel-last ``[B, T, H, W, C]``, need ``mutable=["cache"]``):
-    ``encode_chunk(x, first_chunk) -> moments`` (encoder + quant_conv) and
-    ``decode_chunk(z, first_chunk) -> pixels`` (post_quant_conv + decoder, unclamped).
+    ``encode_chunk(x, first_chunk) -> moments`` (patchify + encoder + quant_conv) and
+    ``decode_chunk(z, first_chunk) -> pixels`` (post_quant_conv + decoder + unpatchify,
+    unclamped). patchify works frame by frame, so doing it per chunk equals diffusers doing
+    it once on the whole video.
     Whole-video methods in the diffusers layout (Python loop over chunks inside one apply,
     also need ``mutable=["cache"]`` and a fresh cache): ``encode(video) -> DiagonalGaussian``,
     ``decode(z) -> video`` and ``__call__(video)`` = decode(encode(video).mode()), which is
@@ -662,12 +857,14 @@ class WanVAE(nn.Module):
     def encode_chunk(self, x_bthwc: jax.Array, first_chunk: bool) -> jax.Array:
         """One encoder chunk (1 frame first, then 4) -> 2 z_dim moment channels."""
         x = _constrain_video(x_bthwc.astype(self.dtype))
+        x = residual.patchify(x, self.config.patch)
         return self.quant_conv(self.encoder(x, first_chunk))
 
     def decode_chunk(self, z_bthwc: jax.Array, first_chunk: bool) -> jax.Array:
         """One latent frame -> 1 frame (first chunk) or temporal_compression frames."""
         z = _constrain_video(z_bthwc.astype(self.dtype))
-        return self.decoder(self.post_quant_conv(z), first_chunk)
+        patches = self.decoder(self.post_quant_conv(z), first_chunk)
+        return residual.unpatchify(patches, self.config.patch)
 
     def encode(self, video_bcfhw: jax.Array) -> DiagonalGaussian:
         check_video(self.config, video_bcfhw.shape)
@@ -708,7 +905,8 @@ def encode(module: WanVAE, params, video_bcfhw: jax.Array) -> DiagonalGaussian:
 
     Same chunking as diffusers' ``AutoencoderKLWan._encode`` (first frame, then 4 at a time),
     each chunk a jitted call carrying the causal cache. Returns (mean, logvar); logvar is
-    clamped to [-30, 20] as in diffusers. Images are 1-frame videos.
+    clamped to [-30, 20] as in diffusers. Images are 1-frame videos. C is
+    ``config.video_channels`` and s ``config.spatial_compression`` (patch_size included).
     """
     check_video(module.config, video_bcfhw.shape)
     x = _to_channel_last(jnp.asarray(video_bcfhw))
@@ -768,7 +966,8 @@ def _dummy_video(config: WanVAEConfig) -> jax.ShapeDtypeStruct:
     """Smallest video that runs every layer once: 1 + 4 frames (so the temporal resamplers run
     their time convs) at one latent pixel."""
     s = config.spatial_compression
-    return jax.ShapeDtypeStruct((1, config.in_channels, 1 + ENCODE_CHUNK_FRAMES, s, s), jnp.float32)
+    shape = (1, config.video_channels, 1 + ENCODE_CHUNK_FRAMES, s, s)
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
 
 
 def abstract_params(module: WanVAE) -> dict:

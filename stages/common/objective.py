@@ -47,12 +47,21 @@ class ObjectiveSection:
     # The embedded-guidance input of families whose denoiser takes one (Flux dev), as
     # diffusers' Flux training scripts set it; families without one ignore it.
     guidance_scale: float = 3.5
+    # Train only on t in [lo, hi) (the distribution above, truncated). Set by model.expert
+    # for one expert of a two-expert model.
+    timestep_range: tuple[float, float] = (0.0, 1.0)
 
     def __post_init__(self):
         if self.timestep_shift <= 0:
             raise ValueError(f"timestep_shift must be > 0, got {self.timestep_shift}")
         if self.logit_std <= 0 or self.weighting_width <= 0:
             raise ValueError("logit_std and weighting_width must be > 0")
+        object.__setattr__(self, "timestep_range", tuple(float(v) for v in self.timestep_range))
+        lo, hi = self.timestep_range
+        if len(self.timestep_range) != 2 or not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(
+                f"timestep_range must be [lo, hi] with 0 <= lo < hi <= 1, got {self.timestep_range}"
+            )
 
 
 def check_objective(family) -> None:
@@ -72,6 +81,7 @@ def sample_t(key: jax.Array, batch: int, cfg: ObjectiveSection) -> jax.Array:
         shift=cfg.timestep_shift,
         logit_mean=cfg.logit_mean,
         logit_std=cfg.logit_std,
+        t_range=cfg.timestep_range,
     )
 
 

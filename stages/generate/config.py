@@ -34,6 +34,8 @@ class SamplingSection:
     num_frames: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    # the second expert's scale of two-expert models (Wan 2.2 A14B); None: guidance_scale
+    guidance_scale_2: float | None = None
     true_cfg_scale: float = 1.0  # Flux's true CFG (with the negative prompt) when > 1
     flow_shift: float | None = None  # None: the pipeline's scheduler_config.json value
     scheduler: Literal["unipc", "flow_euler"] | None = None  # None: the pipeline's scheduler

@@ -51,6 +51,24 @@ class ModelSource:
     def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:
         return tuple(self.family.latent_shape(self.configs, height, width, num_frames))
 
+    @property
+    def image_inputs(self) -> families.ImageInputs:
+        return self.family.image_inputs(self.configs)
+
+    def check_guidance(self, specs) -> None:
+        """Every prompt's guidance settings fit the model (e.g. no ``guidance_scale_2`` for a
+        one-expert model), checked before any weights load."""
+        for spec in specs:
+            try:
+                self.family.guidance(
+                    self.configs,
+                    guidance_scale=spec.guidance_scale,
+                    true_cfg_scale=spec.true_cfg_scale,
+                    guidance_scale_2=spec.guidance_scale_2,
+                )
+            except families.FamilyError as err:
+                raise StageInputError(f"line {spec.line} (id {spec.id!r}): {err}") from None
+
     def sampling_defaults(self) -> dict[str, Any]:
         """The pipeline's defaults plus its scheduler's shift and name."""
         return {
@@ -118,7 +136,16 @@ def describe(config: GenerateConfig) -> ModelSource:
             f"{resolved.train.uri} trained a {family.name!r} model"
         )
     configs = family.component_configs(directory)
-    configs[family.denoiser_component] = family.denoiser_config(
+    expert = trained_expert(resolved.train)
+    slot = family.denoiser_component
+    if expert is not None:
+        try:
+            slot = family.expert_component(configs, expert)
+        except families.FamilyError as err:
+            raise StageInputError(
+                f"{resolved.train.uri} fine-tuned one expert; base pipeline {base}: {err}"
+            ) from None
+    configs[slot] = family.denoiser_config(
         resolved.train.summary["model_config"], f"{resolved.train.uri} model_config"
     )
     provenance = {
@@ -127,10 +154,16 @@ def describe(config: GenerateConfig) -> ModelSource:
         "step": resolved.step,
         "base": base,
         "family": family.name,
+        "expert": expert,
     }
     return ModelSource(
         family, directory, configs, read_scheduler_config(directory), resolved, provenance
     )
+
+
+def trained_expert(train_manifest) -> str | None:
+    """``high`` / ``low`` when the train run fine-tuned one expert of a two-expert model."""
+    return (train_manifest.summary.get("model_source") or {}).get("expert")
 
 
 def load(source: ModelSource, compute: ComputeConfig, mesh) -> Pipeline:
@@ -139,6 +172,10 @@ def load(source: ModelSource, compute: ComputeConfig, mesh) -> Pipeline:
     if source.checkpoint is not None:
         _, module, params = checkpoints.restore_denoiser(source.checkpoint, compute, mesh)
         denoiser = (module, params)
+        if trained_expert(source.checkpoint.train) == "low":  # the second expert's slot
+            return source.family.load_pipeline(
+                source.pipeline_dir, compute, mesh, second_denoiser=denoiser
+            )
         log.info(
             "generate: denoiser from %s step %d, the rest from %s",
             source.checkpoint.train.uri,

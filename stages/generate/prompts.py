@@ -4,9 +4,11 @@ Formats (local path or ``gs://``):
 - ``.txt``: one prompt per line; blank lines and lines starting with ``#`` are ignored.
 - ``.jsonl``: one JSON object per line (blank and ``#`` lines ignored) with ``prompt`` and
   optionally ``id``, ``negative_prompt``, ``seed``, ``height``, ``width``, ``num_frames``,
-  ``num_inference_steps``, ``guidance_scale``, ``true_cfg_scale``, ``flow_shift`` and
-  ``latents`` (a ``.npy`` of the initial noise, relative to the prompt file or absolute/gs://)
-  and ``loras`` (a list of ``{"path", "scale"}``: the LoRAs of this prompt instead of the
+  ``num_inference_steps``, ``guidance_scale``, ``guidance_scale_2`` (the second expert's
+  scale of two-expert Wan 2.2 models; default ``guidance_scale``), ``true_cfg_scale``,
+  ``flow_shift`` and ``latents`` (a ``.npy`` of the initial noise, relative to the prompt file
+  or absolute/gs://), ``image`` and ``last_image`` (conditioning images of image-to-video
+  models, PNG/JPEG/..., paths as for ``latents``) and ``loras`` (a list of ``{"path", "scale"}``: the LoRAs of this prompt instead of the
   config's ``model.loras``; prompts are grouped by LoRA set).
   Values a line leaves out come from the config's ``sampling`` section, then from the
   pipeline's own defaults; sizes are checked against the model.
@@ -28,13 +30,13 @@ import re
 from collections.abc import Iterable
 
 from jaxcore import storage
-from jaxcore.families import Geometry
+from jaxcore.families import Geometry, ImageInputs
 from stages.common.errors import StageInputError
 from stages.generate.config import SamplingSection
 
 FIELDS_INT = ("seed", "height", "width", "num_frames", "num_inference_steps")
-FIELDS_FLOAT = ("guidance_scale", "true_cfg_scale", "flow_shift")
-FIELDS_STR = ("id", "prompt", "negative_prompt", "latents")
+FIELDS_FLOAT = ("guidance_scale", "guidance_scale_2", "true_cfg_scale", "flow_shift")
+FIELDS_STR = ("id", "prompt", "negative_prompt", "latents", "image", "last_image")
 FIELDS_LIST = ("loras",)
 KNOWN_FIELDS = frozenset((*FIELDS_INT, *FIELDS_FLOAT, *FIELDS_STR, *FIELDS_LIST))
 
@@ -45,9 +47,12 @@ PER_PROMPT_DEFAULTS = (
     "num_frames",
     "num_inference_steps",
     "guidance_scale",
+    "guidance_scale_2",
     "true_cfg_scale",
     "flow_shift",
 )
+# Per-prompt values whose None is meaningful (the pipeline's own choice).
+OPTIONAL_VALUES = ("flow_shift", "guidance_scale_2")
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 MAX_NAME_LENGTH = 80
@@ -73,6 +78,9 @@ class PromptSpec:
     flow_shift: float | None
     latents: str | None  # URI of a .npy of initial noise, or None
     loras: tuple[tuple[str, float], ...] = ()  # (path, scale) merged into the denoiser
+    guidance_scale_2: float | None = None  # the second expert's scale (two-expert models)
+    image: str | None = None  # URI of the conditioning image (image-to-video)
+    last_image: str | None = None  # URI of the last frame's image (first-last-frame models)
 
     @property
     def group_key(self) -> tuple:
@@ -86,6 +94,8 @@ class PromptSpec:
             self.true_cfg_scale > 1.0,
             self.flow_shift,
             self.loras,
+            self.image is not None,
+            self.last_image is not None,
         )
 
     def params(self) -> dict:
@@ -99,10 +109,13 @@ class PromptSpec:
             "num_frames": self.num_frames,
             "num_inference_steps": self.num_inference_steps,
             "guidance_scale": self.guidance_scale,
+            "guidance_scale_2": self.guidance_scale_2,
             "true_cfg_scale": self.true_cfg_scale,
             "flow_shift": self.flow_shift,
             "latents": self.latents,
             "loras": [{"path": path, "scale": scale} for path, scale in self.loras],
+            "image": self.image,
+            "last_image": self.last_image,
         }
 
 
@@ -187,8 +200,8 @@ def _parse_jsonl_line(text: str, where: str) -> dict:
     return {k: _check_type(v, k, where) for k, v in record.items()}
 
 
-def _resolve_latents(path: str, prompt_file: str) -> str:
-    """A relative ``latents`` path is relative to the prompt file's folder."""
+def _resolve_path(path: str, prompt_file: str) -> str:
+    """A relative path (``latents``, ``image``, ...) is relative to the prompt file's folder."""
     if storage.is_gcs(path) or path.startswith("/"):
         return path
     folder = prompt_file.rsplit("/", 1)[0] if "/" in prompt_file else "."
@@ -201,18 +214,20 @@ def _resolve_loras(given: list[dict], prompt_file: str) -> tuple[tuple[str, floa
     for item in given:
         path = item["path"]
         if not (storage.is_gcs(path) or path.startswith("/")):
-            beside = _resolve_latents(path, prompt_file)
+            beside = _resolve_path(path, prompt_file)
             if storage.exists(beside):
                 path = beside
         out.append((path, float(item.get("scale", 1.0))))
     return tuple(out)
 
 
-def _check_values(fields: dict, where: str, geometry: Geometry | None) -> None:
+def _check_values(
+    fields: dict, where: str, geometry: Geometry | None, image_inputs: ImageInputs | None
+) -> None:
     if not fields["prompt"].strip():
         raise StageInputError(f"{where}: empty prompt")
     for key in PER_PROMPT_DEFAULTS:
-        if fields[key] is None and key != "flow_shift":
+        if fields[key] is None and key not in OPTIONAL_VALUES:
             raise StageInputError(f"{where}: no {key} (set sampling.{key} or the line's {key})")
     for key in ("height", "width", "num_frames", "num_inference_steps"):
         if fields[key] < 1:
@@ -226,6 +241,12 @@ def _check_values(fields: dict, where: str, geometry: Geometry | None) -> None:
             geometry.check(fields["height"], fields["width"], fields["num_frames"])
         except ValueError as err:
             raise StageInputError(f"{where}: {err}") from None
+    if image_inputs is not None:
+        has_image, has_last = fields["image"] is not None, fields["last_image"] is not None
+        try:
+            image_inputs.check(has_image, has_last, where)
+        except ValueError as err:
+            raise StageInputError(str(err)) from None
 
 
 def _raw_entries(uri: str, lines: Iterable[str]) -> Iterable[tuple[int, dict]]:
@@ -276,12 +297,14 @@ def resolve_prompts(
     model_defaults: dict | None = None,
     geometry: Geometry | None = None,
     loras: tuple[tuple[str, float], ...] = (),
+    image_inputs: ImageInputs | None = None,
 ) -> list[PromptSpec]:
     """Prompt entries -> PromptSpecs; raises StageInputError naming the line.
 
     ``model_defaults`` fill the config's ``None`` values (the pipeline's own defaults);
     ``geometry`` checks each prompt's size against the model; ``loras`` are the (path, scale)
-    pairs of every prompt without its own ``loras`` list.
+    pairs of every prompt without its own ``loras`` list; ``image_inputs`` checks each line's
+    ``image`` / ``last_image`` against what the model takes.
     """
     base = resolved_defaults(defaults, model_defaults)
     specs: list[PromptSpec] = []
@@ -312,12 +335,14 @@ def resolve_prompts(
         }
         for key in PER_PROMPT_DEFAULTS:
             fields[key] = given.get(key, base[key])
-        _check_values(fields, where, geometry)
+        for key in ("image", "last_image"):
+            fields[key] = _resolve_path(given[key], uri) if key in given else None
+        _check_values(fields, where, geometry, image_inputs)
         latents = given.get("latents")
         if latents is not None:
             if not latents.endswith(".npy"):
                 raise StageInputError(f"{where}: latents must name a .npy file, got {latents!r}")
-            latents = _resolve_latents(latents, uri)
+            latents = _resolve_path(latents, uri)
         own = _resolve_loras(given["loras"], uri) if "loras" in given else tuple(loras)
         specs.append(
             PromptSpec(

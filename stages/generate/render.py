@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import logging
 import math
@@ -110,6 +111,41 @@ def check_latent_files(specs: Sequence[PromptSpec], latent_shape: Callable) -> N
             read_latents(spec, latent_shape(spec.height, spec.width, spec.num_frames))
 
 
+def read_image(uri: str, where: str):
+    """A conditioning image file (local or gs://) as a PIL image, fully decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        data = storage.read_bytes(uri)
+    except storage.StorageError:
+        raise StageInputError(f"{where}: image {uri} does not exist") from None
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError) as err:
+        raise StageInputError(f"{where}: {uri} is not a readable image: {err}") from None
+    return image
+
+
+def check_image_files(specs: Sequence[PromptSpec]) -> dict[str, str]:
+    """Before rendering: every ``image`` / ``last_image`` reads as an image. Returns
+    ``{uri: sha256}`` (a changed image re-renders its prompts on resume)."""
+    checksums = {}
+    for spec in specs:
+        for uri in (spec.image, spec.last_image):
+            if uri is not None and uri not in checksums:
+                read_image(uri, f"line {spec.line} (id {spec.id!r})")
+                checksums[uri] = hashlib.sha256(storage.read_bytes(uri)).hexdigest()
+    return checksums
+
+
+def _images(spec: PromptSpec) -> tuple:
+    where = f"line {spec.line} (id {spec.id!r})"
+    return tuple(
+        None if uri is None else read_image(uri, where) for uri in (spec.image, spec.last_image)
+    )
+
+
 def initial_noise(spec: PromptSpec, shape: Sequence[int]) -> np.ndarray:
     """The prompt's own initial latents: its .npy, or noise from its seed alone."""
     if spec.latents is not None:
@@ -135,12 +171,16 @@ def _dispatch(
     shape = pipe.latent_shape(first.height, first.width, first.num_frames)
     rows = [batch.row_spec(r) for r in batch.local_rows]
     latents = np.stack([initial_noise(s, shape) for s in rows])
-    guidances = [pipe.guidance(s.guidance_scale, s.true_cfg_scale) for s in rows]
+    guidances = [
+        pipe.guidance(s.guidance_scale, s.true_cfg_scale, s.guidance_scale_2) for s in rows
+    ]
     cond, uncond, scales = pipe.conditioning(
         [s.prompt for s in rows],
         [s.negative_prompt for s in rows],
         guidances,
         max_sequence_length,
+        images=[_images(s) for s in rows],
+        size=(first.height, first.width, first.num_frames),
     )
     z = pipe.sample(
         latents,

@@ -32,12 +32,16 @@ def _run_fingerprint(config: GenerateConfig, scheduler: str) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _fingerprint(spec: PromptSpec, run_fingerprint: str, lora_checksums: dict) -> str:
-    """The prompt's own parameters, its LoRA files' contents and the run's settings."""
+def _fingerprint(
+    spec: PromptSpec, run_fingerprint: str, lora_checksums: dict, image_checksums: dict
+) -> str:
+    """The prompt's own parameters, its LoRA and image files' contents and the run's
+    settings."""
     payload = {
         "run": run_fingerprint,
         "params": spec.params(),
         "lora_sha256": [lora_checksums[path] for path, _ in spec.loras],
+        "image_sha256": [image_checksums.get(u) for u in (spec.image, spec.last_image) if u],
     }
     blob = json.dumps(payload, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -61,8 +65,15 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     # every line is checked against the model before any work
     default_loras = tuple((lora.path, lora.scale) for lora in config.model.loras)
     specs = resolve_prompts(
-        config.prompt_file, entries, config.sampling, defaults, source.geometry, default_loras
+        config.prompt_file,
+        entries,
+        config.sampling,
+        defaults,
+        source.geometry,
+        default_loras,
+        source.image_inputs,
     )
+    source.check_guidance(specs)
     scheduler = config.sampling.scheduler or defaults["scheduler"]
     prompt_sha = _prompt_file_sha256(config.prompt_file)
     writer = ArtifactWriter(config.output_dir, "generate", config, source.inputs)
@@ -77,6 +88,7 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
         return done
 
     render.check_latent_files(specs, source.latent_shape)  # also before any rendering
+    image_sha = render.check_image_files(specs)
     mesh = make_mesh(config.mesh)
     pipe = model.load(source, config.compute, mesh)
     # every LoRA set is read and checked against the model before anything renders
@@ -91,7 +103,8 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     todo = [
         s
         for s in specs
-        if finished.get(s.name, {}).get("fingerprint") != _fingerprint(s, run_fp, lora_sha)
+        if finished.get(s.name, {}).get("fingerprint")
+        != _fingerprint(s, run_fp, lora_sha, image_sha)
     ]
     log.info("generate: %d prompts, %d to render", len(specs), len(todo))
 
@@ -104,7 +117,7 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
             "params": spec.params(),
             "scheduler": scheduler,
             "loras": [{"path": p, "scale": w, "sha256": lora_sha[p]} for p, w in spec.loras],
-            "fingerprint": _fingerprint(spec, run_fp, lora_sha),
+            "fingerprint": _fingerprint(spec, run_fp, lora_sha, image_sha),
             "seconds": seconds,
             "batch_size": batch_size,
             "process_index": jax.process_index(),
@@ -139,8 +152,8 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     _barrier("generate-rendered")
     if jax.process_index() != 0:
         return None  # process 0 writes the gallery and the manifest
-    lora_info = (run_fp, lora_sha)
-    return _finish(config, writer, specs, lora_info, prompt_sha, provenance, len(todo), elapsed)
+    fingerprints = (run_fp, lora_sha, image_sha)
+    return _finish(config, writer, specs, fingerprints, prompt_sha, provenance, len(todo), elapsed)
 
 
 def _barrier(name: str) -> None:
@@ -154,12 +167,14 @@ def _barrier(name: str) -> None:
 
 def _finish(config, writer, specs, fingerprints, prompt_sha, provenance, rendered, elapsed):
     """Check every prompt has its record, write the contact sheet and gallery, commit."""
-    run_fp, lora_sha = fingerprints
+    run_fp, lora_sha, image_sha = fingerprints
     records = outputs.load_records(writer.uri)
     ordered = []
     for spec in specs:
         record = records.get(spec.name)
-        if record is None or record.get("fingerprint") != _fingerprint(spec, run_fp, lora_sha):
+        if record is None or record.get("fingerprint") != _fingerprint(
+            spec, run_fp, lora_sha, image_sha
+        ):
             raise ArtifactError(
                 f"{writer.uri}: prompt {spec.id!r} (line {spec.line}) has no finished output"
             )

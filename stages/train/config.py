@@ -24,6 +24,9 @@ class ModelSection:
     and the denoiser's architecture; from scratch) or ``init_from`` (a previous train or
     evaluate artifact; its ``init_checkpoint``: "final", "best" or a step number).
     ``model_config_section`` picks the YAML section (default: the family's denoiser).
+    ``expert``: for a two-expert pipeline (Wan 2.2 A14B), which expert to fine-tune: ``high``
+    (``transformer``, timesteps at or above the boundary) or ``low`` (``transformer_2``);
+    training then samples timesteps only in that expert's range.
     """
 
     pretrained_model_name_or_path: str | None = None
@@ -31,6 +34,7 @@ class ModelSection:
     model_config_section: str | None = None
     init_from: str | None = None
     init_checkpoint: str = "final"
+    expert: Literal["high", "low"] | None = None
 
     def __post_init__(self):
         sources = [
@@ -43,6 +47,13 @@ class ModelSection:
                 "set exactly one of model.pretrained_model_name_or_path, model.model_config, "
                 f"model.init_from (got {sources or 'none'})"
             )
+        if self.expert is not None and not self.pretrained_model_name_or_path:
+            raise ValueError(
+                "model.expert picks an expert of a two-expert pipeline: it needs "
+                "model.pretrained_model_name_or_path"
+            )
+        if self.expert not in (None, "high", "low"):
+            raise ValueError(f"model.expert must be 'high' or 'low', got {self.expert!r}")
         ic = self.init_checkpoint
         if ic not in ("final", "best") and not ic.isdigit():
             raise ValueError(f"init_checkpoint must be 'final', 'best' or a step, got {ic!r}")

@@ -195,6 +195,21 @@ def training_flops(built: model.Model, features, batch: int) -> float:
     return 3 * built.family.flops_per_forward(config, batch, latent_shape, shapes)
 
 
+def _with_expert_range(config: TrainConfig, built: model.Model) -> TrainConfig:
+    """One expert of a two-expert model trains only on the timesteps it handles."""
+    wanted = built.provenance.get("timestep_range")
+    if wanted is None:
+        return config
+    given = config.objective.timestep_range
+    if given != (0.0, 1.0) and tuple(given) != tuple(wanted):
+        raise StageInputError(
+            f"objective.timestep_range={list(given)} conflicts with model.expert="
+            f"{built.provenance['expert']}, whose range is {wanted}"
+        )
+    objective_cfg = dataclasses.replace(config.objective, timestep_range=tuple(wanted))
+    return dataclasses.replace(config, objective=objective_cfg)
+
+
 def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
     """Mesh, data, model, optimiser, compiled step and checkpoint manager of one run."""
     if config.jax_cache_dir:
@@ -205,6 +220,7 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
     train_spec, eval_spec = data_specs(config, data_manifest)
 
     built = model.build_model(config.model, config.compute, mesh, jax.random.key(config.seed))
+    config = _with_expert_range(config, built)
     objective.check_objective(built.family)
     built.family.check_heads(built.module.config, mesh)
     features = batch_features(config, built, train_spec)

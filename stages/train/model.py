@@ -65,6 +65,8 @@ def config_from_yaml(path: str, section: str | None):
 
 def build_model(section: ModelSection, compute: ComputeConfig, mesh, rng) -> Model:
     """The configured model source, placed on ``mesh``."""
+    if section.expert is not None:
+        return _expert_model(section, compute, mesh)
     if section.pretrained_model_name_or_path:
         family, directory = denoiser_dir(section.pretrained_model_name_or_path)
         module, params = family.load_denoiser(directory, compute, mesh)
@@ -77,6 +79,36 @@ def build_model(section: ModelSection, compute: ComputeConfig, mesh, rng) -> Mod
     family, module, params = checkpoints.restore_denoiser(source, compute, mesh)
     provenance = {"source": "train_artifact", "path": source.train.uri, "step": source.step}
     return Model(family, module, params, provenance)
+
+
+def _expert_model(section: ModelSection, compute: ComputeConfig, mesh) -> Model:
+    """One expert of a two-expert pipeline, with the timestep range it handles."""
+    path = section.pretrained_model_name_or_path
+    family, directory = denoiser_dir(path)
+    pipeline_dir = directory.parent
+    if not (pipeline_dir / "model_index.json").is_file():
+        raise StageInputError(f"model.expert={section.expert}: {path} is not a pipeline directory")
+    try:
+        configs = family.component_configs(pipeline_dir)
+        folder = pipeline_dir / family.expert_component(configs, section.expert)
+        ratio = family.expert_boundary_ratio(configs)
+    except families.FamilyError as err:
+        raise StageInputError(f"{path}: {err}") from None
+    module, params = family.load_denoiser(folder, compute, mesh)
+    provenance = {
+        "source": "pretrained",
+        "path": str(folder),
+        "expert": section.expert,
+        "boundary_ratio": ratio,
+        "timestep_range": expert_range(section.expert, ratio),
+    }
+    return Model(family, module, params, provenance)
+
+
+def expert_range(expert: str, boundary_ratio: float) -> list[float]:
+    """The training times ``[lo, hi)`` an expert handles: the high-noise expert predicts at
+    ``t >= boundary``, the low-noise one below it (t = timestep / num_train_timesteps)."""
+    return [boundary_ratio, 1.0] if expert == "high" else [0.0, boundary_ratio]
 
 
 def export_diffusers(model: Model, params, uri: str) -> None:

@@ -311,7 +311,9 @@ def test_every_model_yaml_is_valid(name):
     vae = doc["vae"]
     assert len(vae["temperal_downsample"]) == len(vae["dim_mult"]) - 1
     assert len(vae["latents_mean"]) == len(vae["latents_std"]) == vae["z_dim"]
-    assert vae["z_dim"] == config.in_channels == config.out_channels
+    # text-to-video / TI2V take the latents; image-to-video also the mask and the image latents
+    assert vae["z_dim"] == config.out_channels
+    assert config.in_channels in (vae["z_dim"], 2 * vae["z_dim"] + 4)
 
     defaults = UMT5Config()
     unknown = [k for k in doc["text_encoder"] if not hasattr(defaults, k)]

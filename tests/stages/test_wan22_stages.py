@@ -1,0 +1,170 @@
+"""Wan 2.2 / image-to-video through the stages: one expert trained and rendered back in its
+two-expert pipeline; prompt files with conditioning images."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxcore.artifacts import open_artifact
+from jaxcore.compute import ComputeConfig
+from jaxcore.sharding import MeshConfig, make_mesh
+from pipelines import cli
+from stages.generate import model as generate_model
+from stages.generate.config import GenerateConfig, ModelSection
+from tests.support import wan_variants
+from tests.support.convert_artifacts import TinyDataConfig, write_convert_artifact
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def two_expert_dir(tmp_path_factory):
+    return wan_variants.build_two_expert_pipeline(tmp_path_factory.mktemp("wan22"))
+
+
+def _train(data_uri, pipeline_dir, out, expert, steps, *extra) -> int:
+    return cli.main(
+        [
+            "train",
+            str(REPO / "configs/stages/train.yml"),
+            f"data={data_uri}",
+            f"output_dir={out}",
+            "dataset_type=tfrecord",
+            "model.model_config=null",
+            f"model.pretrained_model_name_or_path={pipeline_dir}",
+            f"model.expert={expert}",
+            f"max_train_steps={steps}",
+            f"checkpoint_every={steps}",
+            "eval_every=0",
+            "per_device_batch_size=1",
+            *extra,
+            "-q",
+        ]
+    )
+
+
+@pytest.mark.parametrize("expert", ["low", pytest.param("high", marks=pytest.mark.slow)])
+def test_one_expert_trains_and_loads_back_into_its_slot(two_expert_dir, tmp_path, expert):
+    """model.expert trains transformer_2 (low) or transformer (high) on its own timestep range;
+    generate with the train artifact puts the trained weights in that slot, the base
+    pipeline's in the other."""
+    data_uri = str(tmp_path / "data")
+    write_convert_artifact(data_uri, TinyDataConfig())
+    out = tmp_path / "train"
+    assert _train(data_uri, two_expert_dir, out, expert, 3) == 0
+    source = open_artifact(str(out), "train").summary["model_source"]
+    assert source["expert"] == expert and source["boundary_ratio"] == 0.875
+    assert source["timestep_range"] == ([0.0, 0.875] if expert == "low" else [0.875, 1.0])
+
+    def described(path, base=None):
+        config = GenerateConfig(
+            pretrained_model_name_or_path=str(path),
+            prompt_file="unused.txt",
+            output_dir=str(tmp_path / "unused"),
+            model=ModelSection(checkpoint="final", base_pipeline=base),
+        )
+        return generate_model.describe(config)
+
+    trained_source = described(out, str(two_expert_dir))
+    mesh = make_mesh(MeshConfig())
+    pipe = generate_model.load(trained_source, ComputeConfig(), mesh)
+    base = generate_model.load(described(two_expert_dir), ComputeConfig(), mesh)
+    slots = {"high": pipe.denoiser_params, "low": pipe.second_expert.params}
+    base_slots = {"high": base.denoiser_params, "low": base.second_expert.params}
+    other = "high" if expert == "low" else "low"
+
+    def equal(a, b):
+        return all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
+
+    assert not equal(slots[expert], base_slots[expert])  # the trained weights
+    assert equal(slots[other], base_slots[other])
+
+
+def test_expert_needs_a_two_expert_pipeline(tmp_path):
+    from pipelines.demo.tiny import build_tiny_wan_pipeline
+
+    data_uri = str(tmp_path / "data")
+    write_convert_artifact(data_uri, TinyDataConfig())
+    one = build_tiny_wan_pipeline(tmp_path / "wan21")
+    assert _train(data_uri, one, tmp_path / "train", "low", 2) != 0
+
+
+def _write_image(path: Path, seed: int) -> str:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(path)
+    return path.name
+
+
+def _generate(model_path, prompt_file, out, *extra) -> int:
+    return cli.main(
+        [
+            "generate",
+            str(REPO / "configs/stages/generate.yml"),
+            f"pretrained_model_name_or_path={model_path}",
+            f"prompt_file={prompt_file}",
+            f"output_dir={out}",
+            "num_inference_steps=2",
+            "height=16",
+            "width=16",
+            "num_frames=5",
+            "max_sequence_length=16",
+            *extra,
+            "-q",
+        ]
+    )
+
+
+@pytest.fixture(scope="module")
+def i2v22_dir(tmp_path_factory):
+    return wan_variants.build_i2v_pipeline(
+        tmp_path_factory.mktemp("i2v22"), image_encoder=False, second_expert=True
+    )
+
+
+def test_generate_renders_image_to_video_prompt_files(i2v22_dir, tmp_path):
+    """Images relative to the prompt file, a last_image, guidance_scale_2 per line; the
+    record keeps them; rendering the same line in-process gives the same frames."""
+    first, last = _write_image(tmp_path / "a.png", 1), _write_image(tmp_path / "b.png", 2)
+    lines = [
+        {"id": "one", "prompt": "a red circle", "image": first, "guidance_scale_2": 2.0},
+        {"id": "two", "prompt": "a blue square", "image": first, "last_image": last},
+    ]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "render"
+    assert _generate(i2v22_dir, prompts, out, "save_arrays=true", "guidance_scale=3.0") == 0
+    rendered = open_artifact(str(out), "generate")
+    records = {r["id"]: r for r in rendered.summary.get("prompts", [])} or None
+    arrays = {p.stem: np.load(p) for p in (out / "outputs").glob("*.npy")}
+    assert set(arrays) == {"one", "two"} and arrays["one"].shape == (5, 16, 16, 3)
+    assert records is None or records["one"]["params"]["guidance_scale_2"] == 2.0
+    assert np.abs(arrays["one"] - arrays["two"]).max() > 1e-3
+
+
+def test_a_line_without_image_for_an_i2v_model_is_named(i2v22_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "x", "image": _write_image(tmp_path / "a.png", 1)})
+        + "\n"
+        + json.dumps({"prompt": "no image here"})
+        + "\n"
+    )
+    assert _generate(i2v22_dir, prompts, tmp_path / "render") != 0
+    err = capsys.readouterr().err
+    assert "p.jsonl line 2" in err and "needs an 'image'" in err
+    assert not (tmp_path / "render" / "manifest.json").exists()
+
+
+def test_missing_or_broken_image_is_named_before_rendering(i2v22_dir, tmp_path, capsys):
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "x", "image": "broken.png"}) + "\n")
+    assert _generate(i2v22_dir, prompts, tmp_path / "render") != 0
+    assert "broken.png is not a readable image" in capsys.readouterr().err
