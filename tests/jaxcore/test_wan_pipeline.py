@@ -149,8 +149,18 @@ def test_unknown_pipeline_class_lists_the_supported_ones(tmp_path):
         load_pipeline(tmp_path)
 
 
-def test_wan_2_2_and_i2v_are_refused_by_name(tmp_path):
-    index = {"_class_name": "WanPipeline", "transformer_2": ["diffusers", "WanTransformer3DModel"]}
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        ({"boundary_ratio": 0.875}, "boundary_ratio=0.875 needs a transformer_2"),
+        (
+            {"boundary_ratio": 1.5, "transformer_2": ["diffusers", "WanTransformer3DModel"]},
+            "boundary_ratio must be a number in",
+        ),
+    ],
+)
+def test_bad_two_expert_index_is_refused_by_name(tmp_path, entries, message):
+    index = {"_class_name": "WanPipeline", **entries}
     (tmp_path / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(families.FamilyError, match="transformer_2"):
+    with pytest.raises(families.FamilyError, match=message):
         families.for_pipeline(tmp_path)
