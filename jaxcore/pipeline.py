@@ -276,10 +276,7 @@ class Pipeline:
         latents = self.shard_batch(latents)
         batch = latents.shape[0]
         given = np.asarray(cfg_scale, np.float32)
-        if given.ndim == 2:
-            scales, scales_2 = given[:, 0], given[:, 1]
-        else:
-            scales = scales_2 = np.broadcast_to(given, (batch,))
+        scales, scales_2 = (given[:, 0], given[:, 1]) if given.ndim == 2 else (given, given)
         scales = np.broadcast_to(scales, (batch,))
         scales_2 = np.broadcast_to(scales_2, (batch,))
         use_cfg = bool((scales > 1.0).any())

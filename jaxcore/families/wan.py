@@ -448,6 +448,7 @@ class WanFamily(Family):
         self._check_variant(configs, directory)
         host_experts = None
         second = None
+        scheduler_config = read_scheduler_config(directory)
         if "transformer_2" in configs:
             # With idle_expert=host the first expert leaves the devices before the second
             # loads, so the two never need device memory together.
@@ -460,7 +461,7 @@ class WanFamily(Family):
             configs["transformer_2"] = module_2.config
             boundary = sampling.boundary_timestep(
                 configs["pipeline"].boundary_ratio,
-                int(read_scheduler_config(directory).get("num_train_timesteps", 1000)),
+                int(scheduler_config.get("num_train_timesteps", 1000)),
             )
             second = SecondExpert(module_2, params_2, float(boundary), compute.idle_expert)
             if first_host is not None:
@@ -474,7 +475,7 @@ class WanFamily(Family):
             denoiser_params=params,
             components=components,
             configs=configs,
-            scheduler_config=read_scheduler_config(directory),
+            scheduler_config=scheduler_config,
             mesh=mesh,
             rules=rules,
             source=str(directory),

@@ -112,7 +112,7 @@ def check_latent_files(specs: Sequence[PromptSpec], latent_shape: Callable) -> N
 
 
 def read_image(uri: str, where: str):
-    """A conditioning image file (local or gs://) as a PIL image, fully decoded."""
+    """A conditioning image file (local or gs://) as (PIL image, fully decoded; its bytes)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -124,7 +124,7 @@ def read_image(uri: str, where: str):
         image.load()
     except (UnidentifiedImageError, OSError) as err:
         raise StageInputError(f"{where}: {uri} is not a readable image: {err}") from None
-    return image
+    return image, data
 
 
 def check_image_files(specs: Sequence[PromptSpec]) -> dict[str, str]:
@@ -134,15 +134,15 @@ def check_image_files(specs: Sequence[PromptSpec]) -> dict[str, str]:
     for spec in specs:
         for uri in (spec.image, spec.last_image):
             if uri is not None and uri not in checksums:
-                read_image(uri, f"line {spec.line} (id {spec.id!r})")
-                checksums[uri] = hashlib.sha256(storage.read_bytes(uri)).hexdigest()
+                _, data = read_image(uri, f"line {spec.line} (id {spec.id!r})")
+                checksums[uri] = hashlib.sha256(data).hexdigest()
     return checksums
 
 
 def _images(spec: PromptSpec) -> tuple:
     where = f"line {spec.line} (id {spec.id!r})"
     return tuple(
-        None if uri is None else read_image(uri, where) for uri in (spec.image, spec.last_image)
+        None if uri is None else read_image(uri, where)[0] for uri in (spec.image, spec.last_image)
     )
 
 
