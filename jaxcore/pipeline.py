@@ -292,29 +292,34 @@ class Pipeline:
             latents.shape,
         )
         latents = latents.astype(jnp.float32)
+        # CFG on or off per sample follows the first scale for both experts (diffusers'
+        # do_classifier_free_guidance reads guidance_scale only)
+        cfg_on = self.shard_batch(np.asarray(scales > 1.0))
         scales, scales_2 = self.shard_batch(np.array(scales)), self.shard_batch(np.array(scales_2))
         steps = int(state.timesteps.shape[0])
         expert = self.second_expert
+        guidance = (cfg_on, scales)
         with self.context():
             if expert is None:
                 fn = sampling.denoise_fn(self.family, self.denoiser, step_fn, use_cfg)
-                args = (cond, uncond, scales, state, 0, steps, None)
+                args = (cond, uncond, *guidance, state, 0, steps, None)
                 x, _ = fn(self.denoiser_params, latents, *args)
             elif expert.placement == "device":
                 fn = sampling.denoise_fn(
                     self.family, self.denoiser, step_fn, use_cfg, expert.denoiser
                 )
                 second = (expert.params, jnp.float32(expert.boundary), scales_2)
-                x, _ = fn(
-                    self.denoiser_params, latents, cond, uncond, scales, state, 0, steps, second
-                )
+                args = (cond, uncond, *guidance, state, 0, steps, second)
+                x, _ = fn(self.denoiser_params, latents, *args)
             else:
                 x = self._sample_swapping(
-                    latents, cond, uncond, scales, scales_2, state, step_fn, use_cfg
+                    latents, cond, uncond, cfg_on, scales, scales_2, state, step_fn, use_cfg
                 )
             return self.family.finish_latents(x, cond)
 
-    def _sample_swapping(self, latents, cond, uncond, scales, scales_2, state, step_fn, use_cfg):
+    def _sample_swapping(
+        self, latents, cond, uncond, cfg_on, scales, scales_2, state, step_fn, use_cfg
+    ):
         """Two experts, one on the devices at a time: the first for the steps at or above the
         boundary, then (its weights released) the second for the rest."""
         expert = self.second_expert
@@ -330,7 +335,7 @@ class Pipeline:
             host, shardings = self.host_experts()[which]
             params = jax.device_put(host, shardings)
             fn = sampling.denoise_fn(self.family, module, step_fn, use_cfg)
-            x, state = fn(params, x, cond, uncond, scale, state, start, stop, None)
+            x, state = fn(params, x, cond, uncond, cfg_on, scale, state, start, stop, None)
             jax.block_until_ready(x)  # the weights may go only once the steps are done
             del params
         return x

@@ -63,12 +63,14 @@ def first_expert_steps(timesteps, boundary: float) -> int:
 
 @functools.lru_cache(maxsize=32)
 def denoise_fn(family, module, step_fn, use_cfg: bool, second_module=None):
-    """jit(params, latents, cond, uncond, cfg_scale[B], state, start, stop, second) -> (latents,
-    state) after the steps ``start <= i < stop``.
+    """jit(params, latents, cond, uncond, cfg_on[B], cfg_scale[B], state, start, stop, second)
+    -> (latents, state) after the steps ``start <= i < stop``.
 
     ``cond``/``uncond`` are dicts of conditioning tensors (``uncond`` is ignored without CFG);
-    ``state`` is a scheduler state whose ``timesteps`` the loop walks. ``second`` is ``None``
-    for one denoiser, else ``(params_2, boundary, cfg_scale_2[B])`` for ``second_module``.
+    ``cfg_on`` says per sample whether CFG applies at all (diffusers: the first expert's scale
+    is > 1), ``cfg_scale`` is the scale applied; ``state`` is a scheduler state whose
+    ``timesteps`` the loop walks. ``second`` is ``None`` for one denoiser, else
+    ``(params_2, boundary, cfg_scale_2[B])`` for ``second_module``.
     """
 
     def predict(mod, params, x, t, conditioning):
@@ -82,11 +84,11 @@ def denoise_fn(family, module, step_fn, use_cfg: bool, second_module=None):
         # diffusers applies CFG only when the (first) scale is > 1; keep that per sample.
         return jnp.where(cfg_on, negative + scale * (prediction - negative), prediction)
 
-    def denoise(params, latents, cond, uncond, cfg_scale_b, state, start, stop, second):
+    def denoise(params, latents, cond, uncond, cfg_on_b, cfg_scale_b, state, start, stop, second):
         batch = latents.shape[0]
         per_sample = (batch,) + (1,) * (latents.ndim - 1)
         scale = cfg_scale_b.reshape(per_sample)
-        cfg_on = scale > 1.0
+        cfg_on = cfg_on_b.reshape(per_sample)
 
         def body(i, carry):
             x, st = carry

@@ -123,7 +123,10 @@ def test_boundary_rounds_like_torch():
     assert sampling.first_expert_steps(np.array([900.0, 899.0]), boundary) == 1
 
 
-def test_idle_expert_on_host_renders_the_same(two_expert_dir, two_expert_pipes):
+@pytest.mark.parametrize(("guidance", "guidance_2"), [(4.0, 2.0), (1.0, 3.0), (4.0, 1.0)])
+def test_idle_expert_on_host_renders_the_same(
+    two_expert_dir, two_expert_pipes, guidance, guidance_2
+):
     """compute.idle_expert=host: one expert's weights on the device at a time, swapped at the
     boundary; the result equals the one-loop render bit for bit (same ops, same order)."""
     ours, _ = two_expert_pipes
@@ -131,7 +134,7 @@ def test_idle_expert_on_host_renders_the_same(two_expert_dir, two_expert_pipes):
     assert swapping.denoiser_params is None and swapping.second_expert.params is None
     shape = ours.latent_shape(16, 16, 1)
     latents = np.stack([initial_latents(s, shape) for s in (3, 4)])
-    kw = dict(steps=4, guidance=4.0, guidance_2=2.0, size=(16, 16, 1))
+    kw = dict(steps=4, guidance=guidance, guidance_2=guidance_2, size=(16, 16, 1))
     np.testing.assert_allclose(
         _render_ours(swapping, latents, **kw), _render_ours(ours, latents, **kw), atol=1e-6
     )
