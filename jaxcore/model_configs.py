@@ -43,6 +43,11 @@ def read_model_yaml(path: str | Path, sections: tuple[str, ...] | None = None):
             out[section] = classes[section].from_dict(values or {})
         except (ValueError, TypeError, KeyError) as err:
             raise ConfigError(f"{path}: section {section}: {err}") from None
+    if sections is None:
+        try:
+            family.check_configs(out, str(path))
+        except families.FamilyError as err:
+            raise ConfigError(str(err)) from None
     return family, out
 
 

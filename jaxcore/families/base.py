@@ -162,6 +162,12 @@ class Encoders(abc.ABC):
     def encode_text(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
         """Captions -> ``{conditioning name: [B, *shape]}`` float32."""
 
+    def encode_media_conditioning(self, videos: np.ndarray) -> dict[str, np.ndarray]:
+        """``[B, 3, F, H, W]`` in [-1, 1] -> the conditioning a record takes from its own
+        media (image-to-video: the first frame), ``{name: [B, *shape]}``. Default: none."""
+        del videos
+        return {}
+
 
 class Family(abc.ABC):
     """One model line (see the module docstring). Subclasses are stateless singletons."""
@@ -210,6 +216,11 @@ class Family(abc.ABC):
 
         The default accepts every index whose ``_class_name`` the family lists."""
         del index, where
+
+    def check_configs(self, configs: Mapping[str, Any], where: str) -> None:
+        """Refuse component configs that do not make one of the family's models (e.g. a model
+        YAML's sections that disagree). The default accepts any."""
+        del configs, where
 
     def component_configs(self, directory: str | os.PathLike) -> dict[str, Any]:
         """Validated configs of a pipeline directory's components (no weights are read)."""
@@ -276,9 +287,17 @@ class Family(abc.ABC):
 
     # --- conditioning and latents -----------------------------------------------------------
     @abc.abstractmethod
-    def conditioning_specs(self, denoiser_config, text_length: int) -> tuple[TensorSpec, ...]:
-        """The conditioning tensors the denoiser takes per example for prompts padded to
-        ``text_length`` tokens (record features besides ``latents``)."""
+    def conditioning_specs(
+        self, denoiser_config, text_length: int, latent_shape, image_tokens: int | None = None
+    ) -> tuple[TensorSpec, ...]:
+        """The conditioning tensors the denoiser takes per example (record features besides
+        ``latents``) for prompts padded to ``text_length`` tokens, latents of
+        ``latent_shape`` and, where the denoiser attends to an image, ``image_tokens``."""
+
+    def image_tokens(self, configs: Mapping[str, Any]) -> int | None:
+        """Tokens of the pipeline's image encoder per conditioning image (None: none)."""
+        del configs
+        return None
 
     @abc.abstractmethod
     def geometry(self, configs: Mapping[str, Any]) -> Geometry:
@@ -298,13 +317,26 @@ class Family(abc.ABC):
             "latents", tuple(self.latent_shape(configs, height, width, num_frames))
         )
         denoiser = configs[self.denoiser_component]
-        return (latents, *self.conditioning_specs(denoiser, max_sequence_length))
+        conditioning = self.conditioning_specs(
+            denoiser, max_sequence_length, latents.shape, self.image_tokens(configs)
+        )
+        return (latents, *conditioning)
 
     def check_features(self, denoiser_config, features: Mapping[str, TensorSpec], where: str):
         """Records must carry what the denoiser takes: the conditioning names and widths
         (the text length may differ) and latents with the denoiser's channel count."""
-        length = _text_length(features)
-        expected = {s.name: s for s in self.conditioning_specs(denoiser_config, length)}
+        latents = features.get("latents")
+        if latents is None:
+            raise FamilyError(f"{where}: records do not fit the {self.name} model: no 'latents'")
+        expected = {
+            s.name: s
+            for s in self.conditioning_specs(
+                denoiser_config,
+                _rows(features, TEXT_FEATURE) or 1,
+                latents.shape,
+                _rows(features, IMAGE_TOKENS_FEATURE),
+            )
+        }
         problems = []
         for name, spec in expected.items():
             got = features.get(name)
@@ -316,11 +348,8 @@ class Family(abc.ABC):
                 problems.append(
                     f"{name!r} has shape {list(got.shape)}, the denoiser needs {list(spec.shape)}"
                 )
-        latents = features.get("latents")
         channels = self.latent_channels(denoiser_config)
-        if latents is None:
-            problems.append("no 'latents' feature")
-        elif latents.shape[0] != channels:
+        if latents.shape[0] != channels:
             problems.append(
                 f"'latents' {list(latents.shape)} have {latents.shape[0]} channels, the denoiser "
                 f"takes {channels}"
@@ -424,10 +453,15 @@ def _from_dict(cls, data: Mapping, where) -> Any:
         raise FamilyError(f"{where}: {err}") from None
 
 
-def _text_length(features: Mapping[str, TensorSpec]) -> int:
-    """The prompt length of a record set (its ``encoder_hidden_states`` rows), else 1."""
-    text = features.get("encoder_hidden_states")
-    return int(text.shape[0]) if text is not None and text.shape else 1
+# the variable-length sequences of records (their lengths are the records', not the model's)
+TEXT_FEATURE = "encoder_hidden_states"
+IMAGE_TOKENS_FEATURE = "image_embeds"
+
+
+def _rows(features: Mapping[str, TensorSpec], name: str) -> int | None:
+    """The leading size of a record feature (a sequence length), None when absent."""
+    spec = features.get(name)
+    return int(spec.shape[0]) if spec is not None and spec.shape else None
 
 
 def read_json(path: str | os.PathLike, what: str = "file") -> dict:

@@ -280,7 +280,8 @@ class FluxFamily(Family):
         sharding.check_divisible(mesh, heads=config.num_attention_heads)
 
     # --- conditioning and latents -----------------------------------------------------------
-    def conditioning_specs(self, denoiser_config, text_length: int):
+    def conditioning_specs(self, denoiser_config, text_length, latent_shape, image_tokens=None):
+        del latent_shape, image_tokens
         return (
             TensorSpec(TEXT, (text_length, denoiser_config.joint_attention_dim)),
             TensorSpec(POOLED, (denoiser_config.pooled_projection_dim,)),

@@ -42,6 +42,8 @@ import numpy as np
 from jaxcore import sampling, sharding, weights
 from jaxcore.compute import ComputeConfig
 from jaxcore.families.base import (
+    IMAGE_TOKENS_FEATURE,
+    TEXT_FEATURE,
     Encoders,
     Family,
     FamilyError,
@@ -56,10 +58,10 @@ from jaxcore.models import umt5, wan_transformer, wan_vae
 
 log = logging.getLogger(__name__)
 
-TEXT = "encoder_hidden_states"
+TEXT = TEXT_FEATURE
 # image-to-video conditioning tensors (see the module docstring)
 IMAGE_CONDITION = "image_condition"  # [T + z, F', H', W']: T mask channels + encoded clip
-IMAGE_EMBEDS = "image_embeds"  # [tokens, image_dim]: CLIP vision penultimate hidden states
+IMAGE_EMBEDS = IMAGE_TOKENS_FEATURE  # [tokens, image_dim]: CLIP vision penultimate hidden states
 FIRST_FRAME = "first_frame_latents"  # [z, 1, H', W']: TI2V's encoded conditioning image
 FIRST_FRAME_WEIGHT = "first_frame_weight"  # []: 1 where an image conditions the row, else 0
 
@@ -131,6 +133,79 @@ def i2v_mask(num_frames: int, latent_frames: int, folded: int, last_image: bool)
     return frames.reshape(latent_frames, folded).T
 
 
+def encode_clips(vae, params, clips_bcfhw) -> np.ndarray:
+    """Clips ``[B, 3, F, H, W]`` in [-1, 1] -> normalised posterior modes (= means; diffusers'
+    ``sample_mode="argmax"`` for conditioning, the records' latents for training)."""
+    posterior = wan_vae.encode(vae, params, jnp.asarray(clips_bcfhw, vae.dtype))
+    z = wan_vae.normalize_latents(posterior.mean.astype(jnp.float32), vae.config)
+    return np.asarray(z, np.float32)
+
+
+def image_condition(encode, firsts, lasts, num_frames: int, folded: int) -> np.ndarray:
+    """Image-to-video's channel-concatenated conditioning ``[B, folded + z, F', H', W']``.
+
+    ``firsts``: ``[B, 3, H, W]`` in [-1, 1]; ``lasts``: per row a last frame or None.
+    Each row's clip ``[first, 0..., last?]`` is encoded by ``encode`` (clips -> normalised
+    latents, all rows at once) and put behind the mask of its given frames."""
+    firsts = np.asarray(firsts, np.float32)
+    rows, _, height, width = firsts.shape
+    clips = np.zeros((rows, 3, num_frames, height, width), np.float32)
+    clips[:, :, 0] = firsts
+    for row, last in enumerate(lasts):
+        if last is not None:
+            clips[row, :, -1] = last
+    latents = np.asarray(encode(clips), np.float32)[:rows]
+    _, _, frames, h, w = latents.shape
+    masks = np.stack([i2v_mask(num_frames, frames, folded, last is not None) for last in lasts])
+    masks = np.broadcast_to(masks[:, :, :, None, None], masks.shape + (h, w))
+    return np.concatenate([masks, latents], axis=1).astype(np.float32)
+
+
+def image_embeddings(encode, params, processor, images) -> np.ndarray:
+    """Wan 2.1 I2V: per row ``(image, last_image or None)`` (PIL) -> the CLIP vision
+    penultimate hidden states ``[B, tokens, D]``, a last image's tokens after the first's
+    (as the FLF2V transformer takes them)."""
+    from jaxcore.models import clip_image_processor
+
+    rows = []
+    for image, last in images:
+        given = [image] if last is None else [image, last]
+        pixel_values = clip_image_processor.preprocess(given, processor)
+        states = encode(params, jnp.asarray(pixel_values))  # [n, tokens, D]
+        rows.append(np.asarray(states, np.float32).reshape(-1, states.shape[-1]))
+    return np.stack(rows)
+
+
+def to_pil(frame) -> object:
+    """A frame ``[3, H, W]`` in [-1, 1] (the convert stage's pixels) -> the RGB PIL image it
+    was made from (convert maps uint8 ``u`` to ``u / 127.5 - 1``, so this is exact)."""
+    from PIL import Image
+
+    array = np.rint((np.transpose(np.asarray(frame, np.float32), (1, 2, 0)) + 1.0) * 127.5)
+    return Image.fromarray(np.clip(array, 0, 255).astype(np.uint8), "RGB")
+
+
+def _load_image_encoder(directory: Path, compute: ComputeConfig, mesh=None, rules=None):
+    """Wan 2.1 I2V's CLIP vision encoder -> (jitted encode, params, preprocessor config)."""
+    from jaxcore.models import clip_image_processor, clip_vision
+
+    try:
+        # diffusers loads a CLIPVisionModel: no visual projection
+        module, params = clip_vision.load_clip_vision(
+            directory / "image_encoder",
+            dtype=compute.dtype,
+            mesh=mesh,
+            rules=rules,
+            with_projection=False,
+        )
+        processor = clip_image_processor.CLIPImageProcessorConfig.from_pretrained(
+            directory / "image_processor"
+        )
+    except ValueError as err:
+        raise FamilyError(f"{directory}: {err}") from None
+    return clip_vision.encode_fn(module), params, processor
+
+
 def _first_frame_mask(shape, weight):
     """``[B, 1, F, 1, 1]``: 1 - weight on the first latent frame, 1 elsewhere."""
     frames = jnp.arange(shape[2])[None, None, :, None, None]
@@ -158,10 +233,19 @@ class WanEncoders(Encoders):
     Media -> the VAE posterior *mean* (no sampling), normalised ``(mean - latents_mean) /
     latents_std``; captions -> UMT5 embeddings ``[B, max_sequence_length, D]``, zero past each
     prompt's tokens, exactly as :func:`jaxcore.text.encode_prompts` (= WanPipeline).
+
+    Image-to-video pipelines: each clip's first frame (and its last, for a first-last-frame
+    transformer) conditions it, encoded as inference encodes a conditioning image
+    (:func:`image_condition`; Wan 2.1 I2V also :func:`image_embeddings`).
     """
 
     def __init__(
-        self, directory: Path, compute: ComputeConfig, max_sequence_length: int, batch_size: int
+        self,
+        directory: Path,
+        compute: ComputeConfig,
+        max_sequence_length: int,
+        batch_size: int,
+        configs: Mapping | None = None,
     ):
         from jaxcore import text
 
@@ -173,6 +257,14 @@ class WanEncoders(Encoders):
             directory / "text_encoder", dtype=compute.dtype, param_dtype=compute.param_dtype
         )
         self.tokenizer = text.load_tokenizer(directory / "tokenizer")
+        transformer = (configs or {}).get("transformer")
+        self.image_conditioned = transformer is not None and (
+            transformer.in_channels != transformer.out_channels
+        )
+        self.last_frame = self.image_conditioned and transformer.pos_embed_seq_len is not None
+        self.image_encoder = None
+        if self.image_conditioned and "image_encoder" in configs:
+            self.image_encoder = _load_image_encoder(directory, compute)
         log.info("loaded Wan encoders from %s in %.1fs", directory, time.perf_counter() - started)
 
     def _check_batch(self, count: int, what: str) -> int:
@@ -183,9 +275,30 @@ class WanEncoders(Encoders):
     def encode_media(self, videos: np.ndarray) -> np.ndarray:
         count = self._check_batch(len(videos), "videos")
         padded = _pad_rows(np.asarray(videos, np.float32), self.batch_size)
-        posterior = wan_vae.encode(self.vae, self.vae_params, padded)
-        latents = wan_vae.normalize_latents(posterior.mean.astype("float32"), self.vae.config)
-        return np.asarray(latents, np.float32)[:count]
+        return encode_clips(self.vae, self.vae_params, padded)[:count]
+
+    def encode_media_conditioning(self, videos: np.ndarray) -> dict[str, np.ndarray]:
+        if not self.image_conditioned:
+            return {}
+        self._check_batch(len(videos), "videos")
+        videos = np.asarray(videos, np.float32)
+        firsts = videos[:, :, 0]
+        lasts = [video[:, -1] if self.last_frame else None for video in videos]
+
+        def encode(clips):  # padded to batch_size rows: the program encode_media compiled
+            padded = _pad_rows(clips, self.batch_size)
+            return encode_clips(self.vae, self.vae_params, padded)
+
+        folded = self.vae.config.temporal_compression
+        out = {IMAGE_CONDITION: image_condition(encode, firsts, lasts, videos.shape[2], folded)}
+        if self.image_encoder is not None:
+            encode_image, params, processor = self.image_encoder
+            images = [
+                (to_pil(first), None if last is None else to_pil(last))
+                for first, last in zip(firsts, lasts, strict=True)
+            ]
+            out[IMAGE_EMBEDS] = image_embeddings(encode_image, params, processor, images)
+        return out
 
     def encode_text(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
         from jaxcore.text import encode_prompts
@@ -274,12 +387,26 @@ class WanFamily(Family):
             except (ValueError, TypeError, KeyError) as err:
                 raise FamilyError(f"{path}/config.json: {err}") from None
         configs["pipeline"] = options
-        self._check_variant(configs, directory)
+        self.check_configs(configs, directory)
         return configs
 
-    def _check_variant(self, configs, where) -> None:
-        """The components must agree on one of the Wan variants (see the module docstring)."""
-        options, transformer = configs["pipeline"], configs["transformer"]
+    def check_configs(self, configs, where) -> None:
+        """The components must agree on one of the Wan variants (see the module docstring).
+        Checks the transformer against the VAE (and the pipeline options, default: a plain
+        ``WanPipeline``) where both are given."""
+        if "transformer" not in configs or "vae" not in configs:
+            return
+        options = configs.get("pipeline", WanPipelineOptions())
+        transformer = configs["transformer"]
+        if ("transformer_2" in configs) != (
+            options.second_expert and options.boundary_ratio is not None
+        ):
+            raise FamilyError(
+                f"{where}: a transformer_2 goes with a pipeline that has second_expert and a "
+                f"boundary_ratio (got second_expert={options.second_expert}, boundary_ratio="
+                f"{options.boundary_ratio}, transformer_2 "
+                + ("given)" if "transformer_2" in configs else "absent)")
+            )
         z = configs["vae"].z_dim
         # one mask channel per pixel frame a latent frame folds (4 for the real VAEs)
         mask_channels = configs["vae"].temporal_compression
@@ -366,7 +493,10 @@ class WanFamily(Family):
     def flops_per_forward(self, config, batch, latent_shape, conditioning_shapes):
         text_tokens = conditioning_shapes[TEXT][0]
         video_tokens = self.tokens_per_example(config, latent_shape)
-        return wan_transformer.flops_per_forward(config, batch, video_tokens, text_tokens)
+        image_tokens = conditioning_shapes.get(IMAGE_EMBEDS, (0,))[0]
+        return wan_transformer.flops_per_forward(
+            config, batch, video_tokens, text_tokens, image_tokens=image_tokens
+        )
 
     def tokens_per_example(self, config, latent_shape):
         _, f, h, w = latent_shape
@@ -386,16 +516,27 @@ class WanFamily(Family):
         sharding.check_divisible(mesh, heads=config.num_attention_heads)
 
     # --- conditioning and latents ---------------------------------------------------------
-    def conditioning_specs(self, denoiser_config, text_length: int):
-        if denoiser_config.in_channels != denoiser_config.out_channels or (
-            denoiser_config.image_dim is not None
-        ):
-            raise FamilyError(
-                "records for an image-to-video Wan transformer (in_channels "
-                f"{denoiser_config.in_channels}, image_dim {denoiser_config.image_dim}) are not "
-                "implemented yet: convert and train take text-to-video Wan models"
-            )
-        return (TensorSpec(TEXT, (text_length, denoiser_config.text_dim)),)
+    def conditioning_specs(self, denoiser_config, text_length, latent_shape, image_tokens=None):
+        """Text; image-to-video adds the mask + encoded clip (``in - out`` channels on the
+        latent grid) and, with image cross-attention, the CLIP tokens (a first-last-frame
+        transformer takes exactly its ``pos_embed_seq_len``)."""
+        config = denoiser_config
+        specs = [TensorSpec(TEXT, (text_length, config.text_dim))]
+        if config.in_channels != config.out_channels:
+            channels = config.in_channels - config.out_channels
+            specs.append(TensorSpec(IMAGE_CONDITION, (channels, *tuple(latent_shape)[1:])))
+        if config.image_dim is not None:
+            tokens = config.pos_embed_seq_len or image_tokens
+            if not tokens:
+                raise FamilyError("an image cross-attention transformer needs image_tokens")
+            specs.append(TensorSpec(IMAGE_EMBEDS, (tokens, config.image_dim)))
+        return tuple(specs)
+
+    def image_tokens(self, configs) -> int | None:
+        encoder = configs.get("image_encoder")
+        if encoder is None:
+            return None
+        return (encoder.image_size // encoder.patch_size) ** 2 + 1  # patches + class token
 
     def latent_channels(self, denoiser_config) -> int:
         return denoiser_config.out_channels
@@ -412,7 +553,8 @@ class WanFamily(Family):
         return (vae.z_dim, (num_frames - 1) // t + 1, height // s, width // s)
 
     def load_encoders(self, directory, compute, max_sequence_length, batch_size):
-        return WanEncoders(Path(directory), compute, max_sequence_length, batch_size)
+        configs = self.component_configs(directory)
+        return WanEncoders(Path(directory), compute, max_sequence_length, batch_size, configs)
 
     def latent_normalization(self, configs) -> dict:
         vae = configs["vae"]
@@ -445,7 +587,7 @@ class WanFamily(Family):
             denoiser = self.load_denoiser(directory / "transformer", compute, mesh, rules)
         module, params = denoiser
         configs["transformer"] = module.config
-        self._check_variant(configs, directory)
+        self.check_configs(configs, directory)
         host_experts = None
         second = None
         scheduler_config = read_scheduler_config(directory)
@@ -494,25 +636,9 @@ class WanFamily(Family):
             raise FamilyError(f"{directory}: {err}") from None
         components = {"vae": (vae, vae_params), "text_encoder": (encoder, encoder_params)}
         if "image_encoder" in configs:
-            from jaxcore.models import clip_image_processor, clip_vision
-
-            try:
-                # diffusers loads a CLIPVisionModel: no visual projection
-                module, params = clip_vision.load_clip_vision(
-                    directory / "image_encoder",
-                    dtype=compute.dtype,
-                    mesh=mesh,
-                    rules=rules,
-                    with_projection=False,
-                )
-                components["image_encoder"] = (clip_vision.encode_fn(module), params)
-                components["image_processor"] = (
-                    clip_image_processor.CLIPImageProcessorConfig.from_pretrained(
-                        directory / "image_processor"
-                    )
-                )
-            except ValueError as err:
-                raise FamilyError(f"{directory}: {err}") from None
+            encode, params, processor = _load_image_encoder(directory, compute, mesh, rules)
+            components["image_encoder"] = (encode, params)
+            components["image_processor"] = processor
         return components
 
     def encode_prompts(self, pipe, prompts, max_sequence_length):
@@ -630,11 +756,8 @@ class WanFamily(Family):
         return out
 
     def _encode_pixels(self, pipe, video_bcfhw: np.ndarray) -> np.ndarray:
-        """Clips in [-1, 1] -> normalised posterior modes (diffusers' ``sample_mode="argmax"``)."""
         vae, params = pipe.components["vae"]
-        posterior = wan_vae.encode(vae, params, jnp.asarray(video_bcfhw, vae.dtype))
-        z = wan_vae.normalize_latents(posterior.mean.astype(jnp.float32), vae.config)
-        return np.asarray(z, np.float32)
+        return encode_clips(vae, params, video_bcfhw)
 
     def _first_frame_conditioning(self, pipe, images, height, width, shape):
         """TI2V: each row's image encoded alone (one latent frame), weight 1; rows without
@@ -651,33 +774,16 @@ class WanFamily(Family):
 
     def _concat_conditioning(self, pipe, images, height, width, num_frames, shape):
         """I2V: per row the clip ``[image, black..., last_image?]`` encoded, behind the mask."""
-        rows = []
-        for image, last in images:
-            clip = np.zeros((3, num_frames, height, width), np.float32)
-            clip[:, 0] = pixels(image, height, width)
-            if last is not None:
-                clip[:, -1] = pixels(last, height, width)
-            rows.append(clip)
-        latents = np.concatenate([self._encode_pixels(pipe, clip[None]) for clip in rows])
-        _, frames, h, w = shape
+        del shape
+        firsts = np.stack([pixels(image, height, width) for image, _ in images])
+        lasts = [None if last is None else pixels(last, height, width) for _, last in images]
+
+        def encode(clips):  # one row at a time, as the pipeline's VAE is compiled for it
+            return np.concatenate([self._encode_pixels(pipe, clip[None]) for clip in clips])
+
         folded = pipe.configs["vae"].temporal_compression
-        masks = np.stack(
-            [i2v_mask(num_frames, frames, folded, last is not None) for _, last in images]
-        )
-        masks = np.broadcast_to(masks[:, :, :, None, None], masks.shape + (h, w))
-        return {IMAGE_CONDITION: np.concatenate([masks, latents], axis=1).astype(np.float32)}
+        return {IMAGE_CONDITION: image_condition(encode, firsts, lasts, num_frames, folded)}
 
     def _image_embeddings(self, pipe, images) -> np.ndarray:
-        """Wan 2.1 I2V: CLIP vision penultimate hidden states of the image (and last image,
-        concatenated along the tokens, as the FLF2V transformer takes them)."""
-        from jaxcore.models import clip_image_processor
-
         encode, params = pipe.components["image_encoder"]  # -> hidden_states[-2]
-        processor = pipe.components["image_processor"]
-        rows = []
-        for image, last in images:
-            given = [image] if last is None else [image, last]
-            pixel_values = clip_image_processor.preprocess(given, processor)
-            states = encode(params, jnp.asarray(pixel_values))  # [n, tokens, D]
-            rows.append(np.asarray(states, np.float32).reshape(-1, states.shape[-1]))
-        return np.stack(rows)
+        return image_embeddings(encode, params, pipe.components["image_processor"], images)

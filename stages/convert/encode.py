@@ -77,7 +77,8 @@ class EncoderHandler(ModelHandler[dict, dict, Encoders]):
     """Beam ``ModelHandler``: ``{"source_id", "caption", "video"}`` -> the record's tensors.
 
     Each output element is ``{"source_id", "caption", "tensors": {name: array}}`` with the
-    latents and the family's conditioning tensors (the video is dropped). Batches hold
+    latents and the family's conditioning tensors (from the caption and, for image-to-video,
+    from the video's own frames); the video is dropped. Batches hold
     1..batch_size elements; the encoders pad them to batch_size.
     """
 
@@ -97,6 +98,7 @@ class EncoderHandler(ModelHandler[dict, dict, Encoders]):
     ) -> Iterable[dict]:
         videos = np.stack([item["video"] for item in batch])
         tensors = {records.LATENTS: model.encode_media(videos)}
+        tensors.update(model.encode_media_conditioning(videos))
         tensors.update(model.encode_text([item["caption"] for item in batch]))
         if self._plan is not None:
             for name, shape in self._plan.shapes.items():

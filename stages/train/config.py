@@ -69,6 +69,7 @@ class DataSection:
     prefetch_batches: int = 2
     synthetic_latent_shape: tuple[int, ...] = (4, 1, 8, 8)
     synthetic_text_length: int = 8
+    synthetic_image_tokens: int = 8  # image cross-attention models (Wan 2.1 I2V) only
 
     def __post_init__(self):
         if self.shuffle_buffer_size < 1:
@@ -76,6 +77,10 @@ class DataSection:
         if not self.synthetic_latent_shape or min(self.synthetic_latent_shape) < 1:
             raise ValueError(
                 f"synthetic_latent_shape must be positive sizes, got {self.synthetic_latent_shape}"
+            )
+        if self.synthetic_image_tokens < 1:
+            raise ValueError(
+                f"synthetic_image_tokens must be >= 1, got {self.synthetic_image_tokens}"
             )
         if self.synthetic_text_length < 1:
             raise ValueError(

@@ -163,6 +163,11 @@ def data_specs(config: TrainConfig, data_manifest):
         train_spec = data.split_spec(data_manifest, "train")
     if config.evaluation.eval_every:
         eval_spec = data.split_spec(data_manifest, "eval")
+        if not eval_spec.records:  # found now, not after the first eval_every steps
+            raise StageInputError(
+                f"{eval_spec.artifact_uri}: the eval split has no records; set "
+                "evaluation.eval_every=0 or convert with a larger eval_fraction"
+            )
     return train_spec, eval_spec
 
 
@@ -172,7 +177,10 @@ def batch_features(config: TrainConfig, built: model.Model, train_spec) -> tuple
     if train_spec is None:
         latents = TensorSpec(records.LATENTS, tuple(config.input.synthetic_latent_shape))
         conditioning = family.conditioning_specs(
-            denoiser_config, config.input.synthetic_text_length
+            denoiser_config,
+            config.input.synthetic_text_length,
+            latents.shape,
+            config.input.synthetic_image_tokens,
         )
         features = (latents, *conditioning)
         where = "input.synthetic_latent_shape"

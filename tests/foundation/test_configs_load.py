@@ -31,7 +31,8 @@ def test_model_configs(path):
     family, sections = read_model_yaml(path)
     assert family.denoiser_component in sections
     assert set(read_yaml(path)) == {"family", *sections}
-    assert set(sections) <= set(family.component_config_classes())
+    known = {**family.component_config_classes(), **family.optional_config_classes()}
+    assert set(sections) <= set(known)
 
 
 def test_there_are_configs():

@@ -282,8 +282,14 @@ def _meta_param_count(section: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-# Exact diffusers counts (verified by building WanTransformer3DModel on the meta device).
-PUBLISHED_COUNTS = {"wan2.1_t2v_1.3b.yml": 1_418_996_800, "wan2.1_t2v_14b.yml": 14_288_491_584}
+# Exact diffusers counts (verified by building WanTransformer3DModel on the meta device); the
+# A14B YAMLs count one expert.
+PUBLISHED_COUNTS = {
+    "wan2.1_t2v_1.3b.yml": 1_418_996_800,
+    "wan2.1_t2v_14b.yml": 14_288_491_584,
+    "wan2.2_t2v_a14b.yml": 14_288_491_584,
+    "wan2.2_i2v_a14b.yml": 14_288_901_184,
+}
 
 
 @pytest.mark.parametrize(("name", "published"), sorted(PUBLISHED_COUNTS.items()))
@@ -301,10 +307,13 @@ def test_every_model_yaml_is_valid(name):
 
     doc = _yaml(name)
     assert doc.pop("family") == "wan"
-    assert set(doc) == {"transformer", "vae", "text_encoder"}
+    required = {"transformer", "vae", "text_encoder"}
+    assert required <= set(doc) <= required | {"transformer_2", "image_encoder", "pipeline"}
     config = wt.WanTransformerConfig.from_dict(doc["transformer"])
     if name not in PUBLISHED_COUNTS:  # those are checked by test_published_param_counts
         assert wt.count_params(config) == _meta_param_count(doc["transformer"])
+    if "transformer_2" in doc:  # the second expert has the first's architecture
+        assert doc["transformer_2"] == doc["transformer"]
 
     vae_args = set(inspect.signature(AutoencoderKLWan.__init__).parameters)
     assert set(doc["vae"]) <= vae_args, set(doc["vae"]) - vae_args
@@ -412,3 +421,58 @@ def test_weight_map_covers_every_parameter():
         abstract = nn.meta.unbox(wt.abstract_params(wt.WanTransformer(config)))
         paths = set(weights._flatten(abstract))
         assert paths == set(wt.weight_map(config))
+
+
+@pytest.mark.parametrize(
+    ("name", "boundary", "image"),
+    [
+        ("wan2.2_t2v_a14b.yml", 0.875, "none"),
+        ("wan2.2_i2v_a14b.yml", 0.9, "required"),
+        ("wan2.1_i2v_14b_480p.yml", None, "required"),
+        ("wan2.2_ti2v_5b.yml", None, "optional"),
+    ],
+)
+def test_variant_yamls_describe_their_pipelines(name, boundary, image):
+    """The pipeline section says what model_index.json says for the published model; the
+    sections agree as one Wan variant (checked when the YAML is read)."""
+    from jaxcore.model_configs import read_model_yaml
+
+    family, configs = read_model_yaml(CONFIG_DIR / name)
+    assert configs["pipeline"].boundary_ratio == boundary
+    assert ("transformer_2" in configs) == (boundary is not None)
+    assert family.image_inputs(configs).image == image
+
+
+def test_wan21_i2v_image_encoder_is_clip_vit_h():
+    """The image_encoder section builds transformers' CLIPVisionModel with the published
+    OpenCLIP ViT-H/14 count, and makes 257 tokens per image."""
+    from transformers import CLIPVisionConfig as HFConfig
+    from transformers import CLIPVisionModel
+
+    from jaxcore import families
+
+    section = _yaml("wan2.1_i2v_14b_480p.yml")["image_encoder"]
+    with torch.device("meta"):
+        model = CLIPVisionModel(HFConfig(**section))
+    assert sum(p.numel() for p in model.parameters()) == 630_766_080
+    family = families.get("wan")
+    from jaxcore.model_configs import read_model_yaml
+
+    _, configs = read_model_yaml(CONFIG_DIR / "wan2.1_i2v_14b_480p.yml")
+    assert family.image_tokens(configs) == 257
+
+
+def test_a_yaml_whose_sections_disagree_is_refused(tmp_path):
+    from jaxcore.model_configs import ConfigError, read_model_yaml
+
+    doc = _yaml("wan2.2_t2v_a14b.yml")
+    del doc["pipeline"]["boundary_ratio"]
+    path = tmp_path / "bad.yml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match="bad.yml: a transformer_2 goes with"):
+        read_model_yaml(path)
+    doc = _yaml("wan2.2_i2v_a14b.yml")
+    del doc["pipeline"], doc["transformer_2"]
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match="in a WanPipeline"):
+        read_model_yaml(path)

@@ -259,6 +259,8 @@ def test_flux_trains_evaluates_and_renders_its_checkpoint(flux_dir, tmp_path):
     assert len(rendered.file_paths("outputs/", ".png")) == 2
 
 
+@pytest.mark.slow  # the chain machinery is the Wan chain's (default tier); Flux's stages
+# each run in test_flux_trains_evaluates_and_renders_its_checkpoint
 def test_flux_pipeline_chain(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     root = tmp_path / "flux"

@@ -351,7 +351,7 @@ def test_end_to_end_train_and_evaluate_local(tiny_data, one_layer_model, tmp_pat
         assert ev_summary["eval_loss"][str(step)] == pytest.approx(loss, rel=1e-5)
 
 
-def _train_cmd(data_uri, model_yaml, out, steps):
+def _train_cmd(data_uri, model_yaml, out, steps, *extra):
     return [
         sys.executable,
         "-m",
@@ -366,6 +366,7 @@ def _train_cmd(data_uri, model_yaml, out, steps):
         "checkpoint_every=4",
         "max_to_keep=2",
         "enable_async_checkpointing=false",
+        *extra,
         "-q",
     ]
 
@@ -380,17 +381,31 @@ def flux_data(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize(
-    "family", ["wan", pytest.param("flux", marks=pytest.mark.slow)], ids=["wan", "flux"]
+    "family",
+    [
+        "wan",
+        pytest.param("flux", marks=pytest.mark.slow),
+        pytest.param("wan22_low_expert", marks=pytest.mark.slow),
+    ],
 )
 def test_kill_9_then_resume_equals_an_uninterrupted_run(family, request, tmp_path):
-    """The same for every family (the loop is shared): a run SIGKILLed after its step-4
-    checkpoint, rerun, logs exactly the losses of an uninterrupted run."""
+    """The same for every family (the loop is shared) and for one expert of a two-expert
+    model (timesteps drawn in its range): a run SIGKILLed after its step-4 checkpoint, rerun,
+    logs exactly the losses of an uninterrupted run."""
+    extra = ()
     if family == "wan":
         tiny_data = request.getfixturevalue("tiny_data")
         one_layer_model = request.getfixturevalue("one_layer_model")
-    else:
+    elif family == "flux":
         tiny_data = request.getfixturevalue("flux_data")
         one_layer_model = str(REPO / "configs/models/flux_tiny.yml")
+    else:
+        from tests.support import wan_variants
+
+        tiny_data = request.getfixturevalue("tiny_data")
+        one_layer_model = "null"
+        pipeline = wan_variants.build_two_expert_pipeline(tmp_path / "wan22")
+        extra = (f"model.pretrained_model_name_or_path={pipeline}", "model.expert=low")
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
@@ -399,7 +414,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(family, request, tmp_pat
     steps = 12
     straight = tmp_path / "straight"
     subprocess.run(
-        _train_cmd(tiny_data, one_layer_model, straight, steps),
+        _train_cmd(tiny_data, one_layer_model, straight, steps, *extra),
         cwd=REPO,
         env=env,
         check=True,
@@ -407,7 +422,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(family, request, tmp_pat
     )
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
-        _train_cmd(tiny_data, one_layer_model, killed, steps), cwd=REPO, env=env
+        _train_cmd(tiny_data, one_layer_model, killed, steps, *extra), cwd=REPO, env=env
     )
     deadline = time.monotonic() + 600
     while not (killed / "checkpoints" / "4").is_dir() and time.monotonic() < deadline:
@@ -417,7 +432,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(family, request, tmp_pat
     proc.wait()
     assert not (killed / "manifest.json").exists()
     subprocess.run(
-        _train_cmd(tiny_data, one_layer_model, killed, steps),
+        _train_cmd(tiny_data, one_layer_model, killed, steps, *extra),
         cwd=REPO,
         env=env,
         check=True,
@@ -493,3 +508,19 @@ def test_records_of_another_family_are_refused_naming_both(tmp_path, flux_data, 
     )
     with pytest.raises(StageInputError, match="records of the 'flux' family.*a 'wan' model"):
         loop.train(config, str(tmp_path / "out"), _open(flux_data))
+
+
+def test_an_empty_eval_split_is_refused_before_training(tmp_path, one_layer_model):
+    from stages.train import loop
+
+    uri = str(tmp_path / "data")
+    write_convert_artifact(uri, TinyDataConfig(train_records=4, eval_records=0))
+    config = _config(
+        tmp_path / "out",
+        f"data={uri}",
+        "dataset_type=tfrecord",
+        f"model.model_config={one_layer_model}",
+        "eval_every=2",
+    )
+    with pytest.raises(StageInputError, match="eval split has no records.*eval_every=0"):
+        loop.train(config, str(tmp_path / "out"), _open(uri))

@@ -168,3 +168,131 @@ def test_missing_or_broken_image_is_named_before_rendering(i2v22_dir, tmp_path, 
     prompts.write_text(json.dumps({"prompt": "x", "image": "broken.png"}) + "\n")
     assert _generate(i2v22_dir, prompts, tmp_path / "render") != 0
     assert "broken.png is not a readable image" in capsys.readouterr().err
+
+
+# --- image-to-video training: records conditioned on their own first frame ---------------------
+
+
+def _write_clips(directory: Path, count: int, frames: int = 5) -> Path:
+    """A JSONL dataset of ``count`` small mp4 clips (moving bars, one colour per clip)."""
+    import imageio.v2 as imageio
+
+    directory.mkdir(parents=True)
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(count):
+        clip = np.zeros((frames, 16, 16, 3), np.uint8)
+        colour = rng.integers(40, 255, 3)
+        for t in range(frames):
+            clip[t, :, 2 * t : 2 * t + 6] = colour
+        path = directory / f"clip{i}.mp4"
+        imageio.mimwrite(path, list(clip), fps=8, format="ffmpeg", macro_block_size=1)
+        rows.append({"id": f"clip{i}", "video": str(path), "text": f"bar number {i}"})
+    data = directory / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return data
+
+
+@pytest.mark.parametrize("variant", ["wan21_i2v", pytest.param("flf2v", marks=pytest.mark.slow)])
+def test_i2v_records_train_and_render(tmp_path, variant):
+    """convert stores each clip's first-frame conditioning (mask + encoded clip; Wan 2.1 also
+    the CLIP tokens, first and last frame for FLF2V) equal to what generate computes for that
+    frame as the conditioning image; train takes the records; the checkpoint renders."""
+    from jaxcore import families
+    from jaxcore.families import wan
+    from stages.common import data, records
+    from stages.convert.media import prepare_video
+
+    pipeline_dir = wan_variants.build_i2v_pipeline(tmp_path / "model", flf2v=variant == "flf2v")
+    source = _write_clips(tmp_path / "clips", 6)
+    convert_out = tmp_path / "convert"
+    args = [
+        "convert",
+        str(REPO / "configs/stages/convert.yml"),
+        f"source={source}",
+        "media_column=video",
+        f"output_dir={convert_out}",
+        f"pretrained_model_name_or_path={pipeline_dir}",
+        "height=16",
+        "width=16",
+        "num_frames=5",
+        "fps=8",
+        "max_sequence_length=16",
+        "eval_fraction=0.4",
+        "-q",
+    ]
+    assert cli.main(args) == 0
+    manifest = open_artifact(str(convert_out), "convert")
+    features = {k: v["shape"] for k, v in manifest.summary["features"].items()}
+    latents = features["latents"]
+    tokens = 2 * 17 if variant == "flf2v" else 17  # (28 / 7)^2 patches + class token
+    assert features == {
+        "latents": latents,
+        "encoder_hidden_states": [16, 32],
+        "image_condition": [wan_variants.TEMPORAL + latents[0], *latents[1:]],
+        "image_embeds": [tokens, 24],
+    }
+
+    import tensorflow as tf
+
+    spec = data.split_spec(manifest, "train")
+    shards = [str(convert_out / s) for s in manifest.summary["splits"]["train"]["shards"]]
+    row = next(
+        tf.data.TFRecordDataset(shards)
+        .map(lambda x: records.parse_example(x, spec.shapes))
+        .as_numpy_iterator()
+    )
+    index = int(row[records.SOURCE_ID].decode().removeprefix("clip"))
+    video = prepare_video(
+        str(tmp_path / "clips" / f"clip{index}.mp4"), height=16, width=16, num_frames=5, fps=8
+    )
+    family = families.get("wan")
+    pipe = family.load_pipeline(pipeline_dir, ComputeConfig())
+    last = wan.to_pil(video[:, -1]) if variant == "flf2v" else None
+    expected = family.encode_images(pipe, [(wan.to_pil(video[:, 0]), last)], 16, 16, 5)
+    for name in ("image_condition", "image_embeds"):
+        np.testing.assert_allclose(row[name], expected[name][0], atol=2e-5, err_msg=name)
+
+    train_out = tmp_path / "train"
+    assert (
+        cli.main(
+            [
+                "train",
+                str(REPO / "configs/stages/train.yml"),
+                f"data={convert_out}",
+                f"output_dir={train_out}",
+                "dataset_type=tfrecord",
+                "model.model_config=null",
+                f"model.pretrained_model_name_or_path={pipeline_dir}",
+                "max_train_steps=2",
+                "checkpoint_every=2",
+                "eval_every=2",
+                "per_device_batch_size=1",
+                "-q",
+            ]
+        )
+        == 0
+    )
+    image = _write_image(tmp_path / "first.png", 5)
+    line = {"id": "a", "prompt": "bar", "image": image}
+    if variant == "flf2v":
+        line["last_image"] = _write_image(tmp_path / "last.png", 6)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps(line) + "\n")
+    extra = [f"model.base_pipeline={pipeline_dir}", "model.checkpoint=final", "save_arrays=true"]
+    assert _generate(train_out, prompts, tmp_path / "render", *extra) == 0
+    assert np.load(tmp_path / "render" / "outputs" / "a.npy").shape == (5, 16, 16, 3)
+
+
+@pytest.mark.slow
+def test_one_expert_loss_falls(two_expert_dir, tmp_path):
+    """The low-noise expert alone, on its timestep range: the training loss falls."""
+    data_uri = str(tmp_path / "data")
+    write_convert_artifact(data_uri, TinyDataConfig())
+    out = tmp_path / "train"
+    assert _train(data_uri, two_expert_dir, out, "low", 80, "learning_rate=3e-3") == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    first = np.mean([losses[s] for s in range(1, 11)])
+    last = np.mean([losses[s] for s in range(71, 81)])
+    assert last < 0.6 * first, (first, last)
