@@ -85,6 +85,7 @@ class Pipeline:
     base_denoiser_params: Any = dataclasses.field(default=None, repr=False)
     lora_files: dict = dataclasses.field(default_factory=dict, repr=False)
     active_loras: tuple = ()
+    base_second_params: Any = dataclasses.field(default=None, repr=False)
     second_expert: SecondExpert | None = None
     # placement="host": (host copy, shardings) of each expert's weights
     _host_experts: tuple | None = dataclasses.field(default=None, repr=False)
@@ -119,23 +120,31 @@ class Pipeline:
     def with_denoiser(self, module, params) -> Pipeline:
         """The same pipeline with another denoiser (e.g. a trained checkpoint), no LoRAs."""
         configs = {**self.configs, self.family.denoiser_component: module.config}
+        second = self.second_expert
+        if second is not None and self.base_second_params is not None:  # without its LoRAs
+            second = dataclasses.replace(second, params=self.base_second_params)
         return dataclasses.replace(
             self,
             denoiser=module,
             denoiser_params=params,
             configs=configs,
             base_denoiser_params=None,
+            base_second_params=None,
+            second_expert=second,
             active_loras=(),
         )
 
-    def apply_loras(self, loras: Sequence[tuple[str, float]], *, strict: bool = True) -> list:
-        """Make the denoiser ``base + sum(scale x LoRA)`` for these ``(path, scale)`` pairs.
+    def apply_loras(self, loras: Sequence[tuple], *, strict: bool = True) -> list:
+        """Make each expert ``base + sum(scale x LoRA)`` for these ``(path, scale[, expert])``
+        uses (``expert``: ``"high"``, the default, is the denoiser, diffusers' ``transformer``;
+        ``"low"`` is a two-expert pipeline's ``transformer_2``, as diffusers'
+        ``load_lora_weights(..., load_into_transformer_2=True)``).
 
         Merged from the base weights each time the set changes (files are read once, nothing
         recompiles: shapes, dtypes and shardings stay); an empty set restores the base
         weights exactly. Returns ``[{path, scale, sha256}]`` for records and manifests.
         """
-        wanted = tuple((str(path), float(scale)) for path, scale in loras)
+        wanted = self._lora_uses(loras)
         if wanted and self.second_expert is not None and self.second_expert.placement == "host":
             raise FamilyError(
                 "LoRAs are not supported with compute.idle_expert=host (the weights they merge "
@@ -143,37 +152,68 @@ class Pipeline:
             )
         if wanted != self.active_loras:
             loaded = self._loaded(wanted)
-            params = self.base_denoiser_params
-            if wanted:
-                params = self._lora_merger().merged(loaded, strict=strict)
-            self.denoiser_params = params
+            self.denoiser_params = self._merged(self.base_denoiser_params, loaded, "high", strict)
+            if self.second_expert is not None:
+                self.second_expert.params = self._merged(
+                    self.base_second_params, loaded, "low", strict
+                )
             self.active_loras = wanted
-        return [{"path": p, "scale": s, "sha256": self.lora_files[p].checksum} for p, s in wanted]
+        return [
+            {"path": p, "scale": s, "sha256": self.lora_files[p].checksum} for p, s, _ in wanted
+        ]
 
     def check_loras(self, lora_sets, *, strict: bool = True) -> None:
-        """Read every LoRA of these sets and check it fits the denoiser, merging nothing (so
-        a bad file fails before anything renders)."""
+        """Read every LoRA of these sets and check it fits the expert it goes to, merging
+        nothing (so a bad file fails before anything renders)."""
         for loras in lora_sets:
-            wanted = tuple((str(path), float(scale)) for path, scale in loras)
+            wanted = self._lora_uses(loras)
             if wanted:
                 loaded = self._loaded(wanted)  # first: it keeps the base weights
-                self._lora_merger().plan(loaded, strict=strict)
+                for expert, base in (
+                    ("high", self.base_denoiser_params),
+                    ("low", self.base_second_params),
+                ):
+                    files = [(f, s) for f, s, e in loaded if e == expert]
+                    if files:
+                        self._lora_merger(base).plan(files, strict=strict)
+
+    def _lora_uses(self, loras) -> tuple[tuple[str, float, str], ...]:
+        """``(path, scale)`` / ``(path, scale, expert)`` -> checked ``(path, scale, expert)``."""
+        uses = []
+        for path, scale, *rest in loras:
+            expert = rest[0] if rest else "high"
+            if expert not in ("high", "low"):
+                raise FamilyError(f"LoRA {path}: expert must be 'high' or 'low', got {expert!r}")
+            if expert == "low" and self.second_expert is None:
+                raise FamilyError(
+                    f"LoRA {path}: expert=low needs a two-expert pipeline (transformer_2); "
+                    f"{self.source or 'this pipeline'} has one denoiser"
+                )
+            uses.append((str(path), float(scale), expert))
+        return tuple(uses)
+
+    def _merged(self, base, loaded, expert: str, strict: bool):
+        files = [(f, s) for f, s, e in loaded if e == expert]
+        return self._lora_merger(base).merged(files, strict=strict) if files else base
 
     def _loaded(self, wanted):
         from jaxcore.lora.merge import load_lora
 
         if self.base_denoiser_params is None:
             self.base_denoiser_params = self.denoiser_params
-        for path, _ in wanted:
+        if self.second_expert is not None and self.base_second_params is None:
+            self.base_second_params = self.second_expert.params
+        for path, _, _ in wanted:
             if path not in self.lora_files:
                 self.lora_files[path] = load_lora(path, self.family, self.denoiser.config)
-        return [(self.lora_files[p], s) for p, s in wanted]
+        return [(self.lora_files[p], s, e) for p, s, e in wanted]
 
-    def _lora_merger(self):
+    def _lora_merger(self, base):
         from jaxcore.lora.merge import LoraMerger
 
+        # both experts of a two-expert model share one architecture (checked on load)
         weight_map = self.family.lora_weight_map(self.denoiser.config)
-        return LoraMerger(self.base_denoiser_params, weight_map)
+        return LoraMerger(base, weight_map)
 
     # placement --------------------------------------------------------------------------------
     def context(self):

@@ -63,10 +63,14 @@ class LoraSpec:
 
     path: str
     scale: float = 1.0
+    # a two-expert model's (Wan 2.2 A14B) "high" (transformer) or "low" (transformer_2) expert
+    expert: Literal["high", "low"] = "high"
 
     def __post_init__(self):
         if not self.path:
             raise ValueError("a LoRA needs a path")
+        if self.expert not in ("high", "low"):
+            raise ValueError(f"a LoRA's expert must be 'high' or 'low', got {self.expert!r}")
 
 
 @dataclasses.dataclass(frozen=True)

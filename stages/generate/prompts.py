@@ -8,8 +8,9 @@ Formats (local path or ``gs://``):
   scale of two-expert Wan 2.2 models; default ``guidance_scale``), ``true_cfg_scale``,
   ``flow_shift`` and ``latents`` (a ``.npy`` of the initial noise, relative to the prompt file
   or absolute/gs://), ``image`` and ``last_image`` (conditioning images of image-to-video
-  models, PNG/JPEG/..., paths as for ``latents``) and ``loras`` (a list of ``{"path", "scale"}``: the LoRAs of this prompt instead of the
-  config's ``model.loras``; prompts are grouped by LoRA set).
+  models, PNG/JPEG/..., paths as for ``latents``) and ``loras`` (a list of ``{"path", "scale", "expert"}``,
+  ``expert`` ``low`` for a two-expert model's ``transformer_2``: the LoRAs of this prompt
+  instead of the config's ``model.loras``; prompts are grouped by LoRA set).
   Values a line leaves out come from the config's ``sampling`` section, then from the
   pipeline's own defaults; sizes are checked against the model.
 
@@ -77,7 +78,8 @@ class PromptSpec:
     true_cfg_scale: float
     flow_shift: float | None
     latents: str | None  # URI of a .npy of initial noise, or None
-    loras: tuple[tuple[str, float], ...] = ()  # (path, scale) merged into the denoiser
+    # (path, scale, expert) merged into the denoiser ("high") or a second expert ("low")
+    loras: tuple[tuple[str, float, str], ...] = ()
     guidance_scale_2: float | None = None  # the second expert's scale (two-expert models)
     image: str | None = None  # URI of the conditioning image (image-to-video)
     last_image: str | None = None  # URI of the last frame's image (first-last-frame models)
@@ -113,7 +115,7 @@ class PromptSpec:
             "true_cfg_scale": self.true_cfg_scale,
             "flow_shift": self.flow_shift,
             "latents": self.latents,
-            "loras": [{"path": path, "scale": scale} for path, scale in self.loras],
+            "loras": [lora_entry(*use) for use in self.loras],
             "image": self.image,
             "last_image": self.last_image,
         }
@@ -148,19 +150,32 @@ def _where(uri: str, line: int) -> str:
     return f"{uri} line {line}"
 
 
+def lora_entry(path: str, scale: float, expert: str = "high") -> dict:
+    """How a LoRA use is recorded (``expert`` only where it is not the default)."""
+    entry = {"path": path, "scale": scale}
+    if expert != "high":
+        entry["expert"] = expert
+    return entry
+
+
 def _check_loras(value, where: str) -> list[dict]:
-    """A line's ``loras``: a list of ``{"path": str, "scale": number}`` objects."""
+    """A line's ``loras``: a list of ``{"path": str, "scale": number, "expert": "high" |
+    "low"}`` objects (scale and expert optional)."""
     if not isinstance(value, list):
         raise StageInputError(f"{where}: loras must be a list of {{path, scale}}, got {value!r}")
     for i, item in enumerate(value):
         if not isinstance(item, dict) or not isinstance(item.get("path"), str) or not item["path"]:
             raise StageInputError(f'{where}: loras[{i}] must be {{"path": ..., "scale": ...}}')
-        unknown = sorted(set(item) - {"path", "scale"})
+        unknown = sorted(set(item) - {"path", "scale", "expert"})
         if unknown:
             raise StageInputError(f"{where}: loras[{i}] has unknown field(s) {unknown}")
         scale = item.get("scale", 1.0)
         if isinstance(scale, bool) or not isinstance(scale, int | float):
             raise StageInputError(f"{where}: loras[{i}].scale must be a number, got {scale!r}")
+        if item.get("expert", "high") not in ("high", "low"):
+            raise StageInputError(
+                f"{where}: loras[{i}].expert must be 'high' or 'low', got {item['expert']!r}"
+            )
     return value
 
 
@@ -208,8 +223,9 @@ def _resolve_path(path: str, prompt_file: str) -> str:
     return storage.join(folder, path)
 
 
-def _resolve_loras(given: list[dict], prompt_file: str) -> tuple[tuple[str, float], ...]:
-    """(path, scale) pairs; a relative path that exists beside the prompt file is taken there."""
+def _resolve_loras(given: list[dict], prompt_file: str) -> tuple[tuple[str, float, str], ...]:
+    """(path, scale, expert); a relative path that exists beside the prompt file is taken
+    there."""
     out = []
     for item in given:
         path = item["path"]
@@ -217,7 +233,7 @@ def _resolve_loras(given: list[dict], prompt_file: str) -> tuple[tuple[str, floa
             beside = _resolve_path(path, prompt_file)
             if storage.exists(beside):
                 path = beside
-        out.append((path, float(item.get("scale", 1.0))))
+        out.append((path, float(item.get("scale", 1.0)), item.get("expert", "high")))
     return tuple(out)
 
 
@@ -296,14 +312,14 @@ def resolve_prompts(
     defaults: SamplingSection,
     model_defaults: dict | None = None,
     geometry: Geometry | None = None,
-    loras: tuple[tuple[str, float], ...] = (),
+    loras: tuple[tuple[str, float, str], ...] = (),
     image_inputs: ImageInputs | None = None,
 ) -> list[PromptSpec]:
     """Prompt entries -> PromptSpecs; raises StageInputError naming the line.
 
     ``model_defaults`` fill the config's ``None`` values (the pipeline's own defaults);
-    ``geometry`` checks each prompt's size against the model; ``loras`` are the (path, scale)
-    pairs of every prompt without its own ``loras`` list; ``image_inputs`` checks each line's
+    ``geometry`` checks each prompt's size against the model; ``loras`` are the (path, scale,
+    expert) uses of every prompt without its own ``loras`` list; ``image_inputs`` checks each line's
     ``image`` / ``last_image`` against what the model takes.
     """
     base = resolved_defaults(defaults, model_defaults)

@@ -12,7 +12,12 @@ from jaxcore.artifacts import ArtifactError, ArtifactWriter, Manifest
 from jaxcore.config import to_dict
 from stages.generate import outputs
 from stages.generate.config import GenerateConfig
-from stages.generate.prompts import PromptSpec, read_prompt_entries, resolve_prompts
+from stages.generate.prompts import (
+    PromptSpec,
+    lora_entry,
+    read_prompt_entries,
+    resolve_prompts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +45,7 @@ def _fingerprint(
     payload = {
         "run": run_fingerprint,
         "params": spec.params(),
-        "lora_sha256": [lora_checksums[path] for path, _ in spec.loras],
+        "lora_sha256": [lora_checksums[use[0]] for use in spec.loras],
         "image_sha256": [image_checksums.get(u) for u in (spec.image, spec.last_image) if u],
     }
     blob = json.dumps(payload, sort_keys=True)
@@ -63,7 +68,7 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     source = model.describe(config)  # the family and its sizes, no weights
     defaults = source.sampling_defaults()
     # every line is checked against the model before any work
-    default_loras = tuple((lora.path, lora.scale) for lora in config.model.loras)
+    default_loras = tuple((lora.path, lora.scale, lora.expert) for lora in config.model.loras)
     specs = resolve_prompts(
         config.prompt_file,
         entries,
@@ -116,7 +121,7 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
             "line": spec.line,
             "params": spec.params(),
             "scheduler": scheduler,
-            "loras": [{"path": p, "scale": w, "sha256": lora_sha[p]} for p, w in spec.loras],
+            "loras": [{**lora_entry(*use), "sha256": lora_sha[use[0]]} for use in spec.loras],
             "fingerprint": _fingerprint(spec, run_fp, lora_sha, image_sha),
             "seconds": seconds,
             "batch_size": batch_size,

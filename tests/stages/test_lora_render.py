@@ -228,7 +228,7 @@ def test_unmatched_keys_fail_strictly_and_warn_otherwise(wan_dir, tmp_path, capl
         pipe.apply_loras([(lora, 1.0)])
     pipe.apply_loras([(lora, 1.0)], strict=False)
     assert "2 key(s) match no layer" in caplog.text and "lora_strict=false" in caplog.text
-    assert pipe.active_loras == ((str(lora), 1.0),)
+    assert pipe.active_loras == ((str(lora), 1.0, "high"),)
 
 
 def _flat(tree, prefix=()):

@@ -383,7 +383,9 @@ def flux_data(tmp_path_factory) -> str:
 @pytest.mark.parametrize(
     "family",
     [
-        "wan",
+        # slow tier (76 s); test_checkpoints_on_gcs_save_keep_resume_and_reshard resumes in the
+        # default tier
+        pytest.param("wan", marks=pytest.mark.slow),
         pytest.param("flux", marks=pytest.mark.slow),
         pytest.param("wan22_low_expert", marks=pytest.mark.slow),
     ],
