@@ -5,7 +5,9 @@
 Each stage is registered by the import paths of its config dataclass and its ``run`` function,
 so ``difforge --help`` never imports JAX or TensorFlow. User errors (bad config, missing
 artifact, mismatched weights, bad prompt file) print one line naming the problem and exit 2;
-anything else is a bug and keeps its traceback.
+a stage stopped by SIGTERM (preemption) after keeping what it finished exits 75
+(:data:`stages.common.preemption.EXIT_PREEMPTED`: rerun to resume); anything else is a bug and
+keeps its traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from stages.common.preemption import EXIT_PREEMPTED, Preempted  # light: no JAX
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"difforge {args.stage}: interrupted", file=sys.stderr)
         return 130
+    except Preempted as err:
+        print(f"difforge {args.stage}: preempted: {err}", file=sys.stderr)
+        return EXIT_PREEMPTED
     if manifest is not None:
         print(f"difforge {args.stage}: artifact {manifest.uri}")
     return 0

@@ -31,6 +31,7 @@ from pipelines.config import (
     step_output,
     substitute_root,
 )
+from stages.common.preemption import EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +210,12 @@ def dataflow_argv(cfg: DeployConfig, pipeline: PipelineConfig, step: ResolvedSte
 
 
 def jobset_manifest(cfg: DeployConfig, pipeline: PipelineConfig, step: ResolvedStep) -> dict:
-    """A JobSet for one step on ``num_slices`` TPU slices (what the Argo DAG creates)."""
+    """A JobSet for one step on ``num_slices`` TPU slices (what the Argo DAG creates).
+
+    Preemption restarts the whole JobSet without using up ``max_restarts``: a pod that exits
+    with ``EXIT_PREEMPTED`` (the stage kept its work after SIGTERM) or is evicted
+    (``DisruptionTarget``) fails its Job by the pod failure policy, and the JobSet restarts on
+    that reason; any other failure restarts it at most ``max_restarts`` times."""
     x = cfg.xpk
     if x.tpu_type not in TPU_SLICES:
         raise ConfigError(
@@ -232,7 +238,16 @@ def jobset_manifest(cfg: DeployConfig, pipeline: PipelineConfig, step: ResolvedS
             "labels": {"difforge/pipeline": pipeline.name, "difforge/step": step.step.name},
         },
         "spec": {
-            "failurePolicy": {"maxRestarts": x.max_restarts},
+            "failurePolicy": {
+                "maxRestarts": x.max_restarts,
+                "rules": [
+                    {
+                        "name": "preempted",
+                        "action": "RestartJobSetAndIgnoreMaxRestarts",
+                        "onJobFailureReasons": ["PodFailurePolicy"],
+                    }
+                ],
+            },
             "replicatedJobs": [
                 {
                     "name": "slice",
@@ -242,6 +257,7 @@ def jobset_manifest(cfg: DeployConfig, pipeline: PipelineConfig, step: ResolvedS
                             "parallelism": hosts,
                             "completions": hosts,
                             "backoffLimit": 0,
+                            "podFailurePolicy": {"rules": _preemption_rules(container["name"])},
                             "template": {
                                 "spec": {
                                     "restartPolicy": "Never",
@@ -258,6 +274,22 @@ def jobset_manifest(cfg: DeployConfig, pipeline: PipelineConfig, step: ResolvedS
             ],
         },
     }
+
+
+def _preemption_rules(container: str) -> list[dict]:
+    """Pod failure policy rules that mark a preempted pod's failure as such (Job reason
+    ``PodFailurePolicy``)."""
+    return [
+        {
+            "action": "FailJob",
+            "onExitCodes": {
+                "containerName": container,
+                "operator": "In",
+                "values": [EXIT_PREEMPTED],
+            },
+        },
+        {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+    ]
 
 
 def argo_cron_workflow(cfg: DeployConfig, pipeline: PipelineConfig) -> dict:
@@ -290,7 +322,16 @@ def argo_cron_workflow(cfg: DeployConfig, pipeline: PipelineConfig) -> dict:
                 else stage_argv(pipeline, s)
             )
             templates.append(
-                {"name": tname, "container": {"image": cfg.xpk.docker_image, "command": argv}}
+                {
+                    "name": tname,
+                    "container": {"image": cfg.xpk.docker_image, "command": argv},
+                    # a preempted stage kept its work: run it again (it resumes)
+                    "retryStrategy": {
+                        "limit": cfg.xpk.max_restarts,
+                        "retryPolicy": "Always",
+                        "expression": f"asInt(lastRetry.exitCode) == {EXIT_PREEMPTED}",
+                    },
+                }
             )
         task = {"name": tname, "template": tname}
         deps = sorted({_dns_name(src) for src in s.step.inputs.values()})

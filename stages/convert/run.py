@@ -7,6 +7,7 @@ midway leaves no manifest; the rerun clears the half-written shard folders and r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -14,6 +15,7 @@ from jaxcore import storage
 from jaxcore.artifacts import ArtifactWriter, Manifest
 from stages.common import records
 from stages.common.errors import StageInputError
+from stages.common.preemption import Preempted, Preemption
 from stages.convert import split
 from stages.convert.config import ConvertConfig
 from stages.convert.encode import EncoderHandler, EncoderLoadError, plan_encoders
@@ -110,8 +112,20 @@ def _run_beam(
         handler=handler,
     )
     write_outputs(outputs, output_dir, plan)
-    result = pipeline.run()
-    result.wait_until_finish()
+    # SIGTERM stops the job at once: its work folders are never a finished artifact
+    result = None
+    with Preemption("convert", immediate=True) as preemption:
+        try:
+            result = pipeline.run()  # the DirectRunner runs the job here
+            result.wait_until_finish()  # a remote runner's job runs here
+        except BaseException:
+            if not preemption.requested:
+                raise
+            if result is not None:  # best effort: a remote job stops too
+                with contextlib.suppress(Exception):
+                    result.cancel()
+            # Beam may wrap the handler's exception in its own: say what happened
+            raise Preempted("convert: stopped by SIGTERM; rerun to start again") from None
     return read_counters(result), staged_files(pipeline)
 
 

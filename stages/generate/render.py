@@ -218,9 +218,11 @@ def render_batches(
     writer_threads: int = 4,
     progress=None,
     lora_strict: bool = True,
+    stop: Callable[[], bool] | None = None,
 ) -> list[dict]:
     """Render every batch; ``on_result(spec, video_fhwc, seconds, batch_size)`` runs in the
-    writer pool for each real prompt of this process. Returns the records it produced."""
+    writer pool for each real prompt of this process. Returns the records it produced.
+    ``stop()`` true: no further batch starts (the one in flight and its files finish)."""
     futures: list[Future] = []
     with ThreadPoolExecutor(max_workers=writer_threads) as pool:
 
@@ -238,6 +240,8 @@ def render_batches(
 
         pending: _InFlight | None = None
         for batch in batches:
+            if stop is not None and stop():
+                break
             current = _dispatch(pipe, batch, scheduler, max_sequence_length, lora_strict)
             if pending is not None:
                 collect(pending)

@@ -10,6 +10,7 @@ import time
 from jaxcore import storage
 from jaxcore.artifacts import ArtifactError, ArtifactWriter, Manifest
 from jaxcore.config import to_dict
+from stages.common.preemption import Preempted, Preemption
 from stages.generate import outputs
 from stages.generate.config import GenerateConfig
 from stages.generate.prompts import (
@@ -142,8 +143,11 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     )
     started = time.perf_counter()
     mine = sum(len(b.local_real()) for b in batches)
-    with tqdm(total=mine, unit="prompt", desc="generate", disable=None) as progress:
-        render.render_batches(
+    with (
+        Preemption("generate") as preemption,
+        tqdm(total=mine, unit="prompt", desc="generate", disable=None) as progress,
+    ):
+        records = render.render_batches(
             pipe,
             batches,
             scheduler=scheduler,
@@ -152,6 +156,12 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
             writer_threads=config.output.writer_threads,
             progress=progress,
             lora_strict=config.model.lora_strict,
+            stop=lambda: preemption.requested,
+        )
+    if preemption.requested:
+        raise Preempted(
+            f"generate: stopped by SIGTERM with {len(records)} of this process's {mine} prompts "
+            f"rendered (kept in {writer.uri}); rerun to render the rest"
         )
     elapsed = time.perf_counter() - started
     _barrier("generate-rendered")

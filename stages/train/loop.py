@@ -7,7 +7,8 @@ outputs. Model-specific work is the family's (:mod:`jaxcore.families`).
 
 Resume: the latest finished checkpoint under ``<output_dir>/checkpoints`` is restored (onto
 this run's mesh) and the data pipeline starts at its step. SIGTERM (preemption) saves a
-checkpoint at the current step, waits for it, and returns without a manifest.
+checkpoint at the current step, waits for it, and returns ``preempted`` (the stage then exits
+75 without a manifest, see :mod:`stages.common.preemption`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +28,7 @@ from jaxcore import sharding, storage
 from jaxcore.families import TensorSpec
 from stages.common import checkpoints, data, objective, records, scoring
 from stages.common.errors import StageInputError
+from stages.common.preemption import Preemption
 from stages.train import metrics, model, trainer
 from stages.train.config import TrainConfig, global_batch_size
 
@@ -54,29 +55,6 @@ def maybe_initialize_distributed() -> bool:
         return False
     jax.distributed.initialize()
     return True
-
-
-class Preemption:
-    """Turns SIGTERM into a flag the loop checks after each step (restored on exit)."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-
-    def __enter__(self):
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: no handler, no preemption support
-            self._previous = None
-        return self
-
-    def _handle(self, signum, frame):
-        log.warning("SIGTERM: saving a checkpoint and stopping")
-        self.requested = True
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
 
 
 @dataclasses.dataclass
@@ -415,7 +393,7 @@ def run_steps(run: Run) -> tuple[bool, float | None]:
     source = batches(run)
     profiler = Profiler(run)
     final_loss = None
-    with Preemption() as preemption:
+    with Preemption("train") as preemption:
         progress = tqdm(
             range(run.start, config.max_train_steps),
             initial=run.start,

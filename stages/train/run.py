@@ -6,6 +6,7 @@ import logging
 
 from jaxcore.artifacts import ArtifactWriter, Manifest, open_artifact
 from stages.common.checkpoints import resolve_checkpoint_source
+from stages.common.preemption import Preempted
 from stages.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -14,7 +15,8 @@ log = logging.getLogger(__name__)
 def run(config: TrainConfig, *, force: bool = False) -> Manifest | None:
     """Train (resuming from the output's latest checkpoint) and commit the artifact.
 
-    Returns None, with no manifest written, when SIGTERM stopped the run after a checkpoint.
+    Raises :class:`~stages.common.preemption.Preempted`, with no manifest written, when
+    SIGTERM stopped the run after a checkpoint.
     """
     from stages.train import loop
 
@@ -33,8 +35,10 @@ def run(config: TrainConfig, *, force: bool = False) -> Manifest | None:
         return done
     result = loop.train(config, writer.uri, data_manifest)
     if result.preempted:
-        log.warning("train: stopped at step %d by SIGTERM; rerun to resume", result.final_step)
-        return None
+        raise Preempted(
+            f"train: stopped by SIGTERM after the step-{result.final_step} checkpoint; "
+            "rerun to resume"
+        )
     return writer.commit(
         {
             "final_step": result.final_step,

@@ -91,6 +91,22 @@ def test_argo_dag_and_schedule(pipeline_file, tmp_path):
     pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "2x2x1"
     assert pod["containers"][0]["command"][:2] == ["difforge", "train"]
+    # preemption (exit 75 or an eviction) restarts the JobSet without using up max_restarts
+    job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    rules = job["podFailurePolicy"]["rules"]
+    assert rules[0]["onExitCodes"] == {
+        "containerName": "difforge",
+        "operator": "In",
+        "values": [75],
+    }
+    assert rules[1]["onPodConditions"][0]["type"] == "DisruptionTarget"
+    assert all(rule["action"] == "FailJob" for rule in rules)
+    (restart,) = jobset["spec"]["failurePolicy"]["rules"]
+    assert restart["action"] == "RestartJobSetAndIgnoreMaxRestarts"
+    assert restart["onJobFailureReasons"] == ["PodFailurePolicy"]
+    # container steps are retried when they exit 75, only then
+    retry = templates["data"]["retryStrategy"]
+    assert retry["expression"] == "asInt(lastRetry.exitCode) == 75" and retry["limit"] >= 1
 
 
 def test_dataflow_only_for_convert(pipeline_file, tmp_path):

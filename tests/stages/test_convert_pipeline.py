@@ -388,6 +388,36 @@ def test_killed_run_leaves_no_manifest_and_rerun_completes(
     _check_artifact(str(out), direct, shapes_dir)
 
 
+def test_sigterm_stops_the_job_exits_75_and_a_rerun_completes(
+    tmp_path, shapes_dir, encoder_dir, direct, monkeypatch
+):
+    """Preemption mid-job: no manifest, exit 75 (EXIT_PREEMPTED); the rerun converts all."""
+    import os
+    import signal
+
+    from stages.common.preemption import EXIT_PREEMPTED
+
+    calls = []
+    original = media.prepare_video
+
+    def preempted_midway(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the job is running: the pod is told to stop
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(media, "prepare_video", preempted_midway)
+    out = tmp_path / "converted"
+    assert main(["convert", CONFIG, *_overrides(shapes_dir, encoder_dir, str(out))]) == (
+        EXIT_PREEMPTED
+    )
+    assert len(calls) >= 3 and not (out / "manifest.json").exists()
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is gone
+    assert main(["convert", CONFIG, *_overrides(shapes_dir, encoder_dir, str(out))]) == 0
+    _check_artifact(str(out), direct, shapes_dir)
+
+
 def test_dataflow_dry_run_stages_the_package(tmp_path, gcs_root, shapes_dir, encoder_dir, caplog):
     """DataflowRunner with dry_run builds the job, with setup.py's package as a staged
     artifact (``workflow.tar.gz``), and submits nothing."""

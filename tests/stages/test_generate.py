@@ -214,6 +214,8 @@ def test_same_pixels_for_any_batch_size_and_device_count(tiny_dir):
 
 
 def test_kill_and_resume_renders_only_the_rest(tiny_dir, tmp_path):
+    """SIGTERM (preemption): the batch in flight finishes, exit 75, no manifest; SIGKILL of
+    the rerun: every visible file is complete; the last rerun renders only the rest."""
     prompts = tmp_path / "forty.txt"
     words = ["red", "blue", "green", "gold", "circle", "star", "ring", "square"]
     prompts.write_text("\n".join(f"{words[i % 8]} {words[(i * 3) % 8]} {i}" for i in range(40)))
@@ -226,24 +228,32 @@ def test_kill_and_resume_renders_only_the_rest(tiny_dir, tmp_path):
         "save_arrays=true",
     ]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.cli", "generate", "configs/stages/generate.yml"]
-        + [f"output_dir={killed}", *common, "-q"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     records = killed / "records"
-    deadline = time.monotonic() + 600
-    while not (records.is_dir() and len(list(records.glob("*.json"))) >= 10):
-        assert proc.poll() is None, "the generate subprocess ended before it was killed"
-        assert time.monotonic() < deadline, "no progress within 10 minutes"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+
+    def start_and_stop(sig, at_least: int) -> int:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipelines.cli", "generate", "configs/stages/generate.yml"]
+            + [f"output_dir={killed}", *common, "-q"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 600
+        while not (records.is_dir() and len(list(records.glob("*.json"))) >= at_least):
+            assert proc.poll() is None, "the generate subprocess ended before it was stopped"
+            assert time.monotonic() < deadline, "no progress within 10 minutes"
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        return proc.wait(timeout=300)
+
+    assert start_and_stop(signal.SIGTERM, 5) == 75  # EXIT_PREEMPTED: retry me
+    after_term = len(list(records.glob("*.json")))
+    assert 5 <= after_term < 40 and not (killed / "manifest.json").exists()
+    assert not list(killed.rglob("*.partial"))  # the batch in flight was finished, not cut
+    assert start_and_stop(signal.SIGKILL, after_term + 5) == -signal.SIGKILL
     done_before = len(list(records.glob("*.json")))
-    assert 10 <= done_before < 40 and not (killed / "manifest.json").exists()
+    assert after_term + 5 <= done_before < 40 and not (killed / "manifest.json").exists()
     for png in (killed / "outputs").glob("*.png"):  # every visible file is complete
         from PIL import Image
 

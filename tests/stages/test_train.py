@@ -447,6 +447,42 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(family, request, tmp_pat
     assert _summary(killed)["final_loss"] == pytest.approx(_summary(straight)["final_loss"])
 
 
+def test_sigterm_checkpoints_exits_75_and_the_rerun_resumes(tiny_data, one_layer_model, tmp_path):
+    """Preemption: SIGTERM saves a checkpoint at the step in flight, writes no manifest and
+    exits 75 (EXIT_PREEMPTED, which the deploy templates retry); a rerun resumes there."""
+    from stages.common.preemption import EXIT_PREEMPTED
+    from stages.train import loop
+
+    out = tmp_path / "train"
+    cmd = _train_cmd(tiny_data, one_layer_model, out, 100000)
+    cmd[cmd.index("checkpoint_every=4")] = "checkpoint_every=2"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not (out / "checkpoints" / "2").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_PREEMPTED, err[-2000:]
+    assert "preempted" in err and "rerun to resume" in err
+    assert not (out / "manifest.json").exists()
+    saved = max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved >= 2
+    config = _config(
+        out,
+        f"data={tiny_data}",
+        "dataset_type=tfrecord",
+        f"model.model_config={one_layer_model}",
+        f"max_train_steps={saved + 2}",
+        "checkpoint_every=2",
+        "max_to_keep=2",
+    )
+    result = loop.train(config, str(out), _open(tiny_data))
+    assert result.final_step == saved + 2 and not result.preempted
+    assert sorted(_losses(out)) == list(range(1, saved + 3))  # no step lost or repeated
+
+
 def test_checkpoints_on_gcs_save_keep_resume_and_reshard(gcs_root, one_layer_model):
     """orbax on the local GCS server: saves every 2 steps keeping 2, a longer run resumes from
     the latest, and a checkpoint restores onto another mesh shape."""
