@@ -8,6 +8,8 @@ Guarantees:
 - :func:`create_exclusive` creates an object only if it does not exist (local: ``link``;
   GCS: ``if_generation_match=0``), so two racing writers cannot both win.
 - :func:`checksum` is ``md5:<base64>`` on both backends (GCS reports it without a download).
+- :func:`local_copy` serves a cached file only while its object has the generation it was
+  downloaded at; downloads ask for that generation and are checksum-verified.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import base64
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import shutil
-import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -162,6 +164,7 @@ def delete_tree(uri: str) -> None:
 class FileInfo:
     path: str  # relative to the listed root, '/'-separated
     size: int
+    generation: int | None = None  # GCS: the object's generation (new on every write)
 
 
 def list_files(uri: str) -> list[FileInfo]:
@@ -171,7 +174,8 @@ def list_files(uri: str) -> list[FileInfo]:
         bucket, prefix = split_gcs(uri)
         prefix = prefix.rstrip("/") + "/" if prefix else ""
         for blob in _client().list_blobs(bucket, prefix=prefix):
-            out.append(FileInfo(blob.name[len(prefix) :], int(blob.size or 0)))
+            name = blob.name[len(prefix) :]
+            out.append(FileInfo(name, int(blob.size or 0), int(blob.generation or 0)))
     else:
         root = Path(uri)
         if root.is_dir():
@@ -218,10 +222,14 @@ def cache_dir() -> Path:
 
 
 def local_copy(uri: str) -> Path:
-    """A local directory/file for ``uri``: itself when local, else a cached download of the tree.
+    """A local directory/file for ``uri``: itself when local, else a cached download.
 
-    GCS trees are downloaded once into ``$DIFFORGE_CACHE/gcs/<bucket>/<path>`` and reused when
-    every file is present with the same size.
+    GCS objects are downloaded into ``$DIFFORGE_CACHE/gcs/<bucket>/<path>``; a cached file is
+    reused only while its object still has the generation it was downloaded at (recorded in
+    an index beside the cached tree), so an object rewritten at the same URI (re-exported
+    weights, shards rebuilt with ``--force``) is fetched again even when its size is the same.
+    Each download asks for the listed generation and is checksum-verified by the client;
+    cached files whose objects are gone are removed.
     """
     if not is_gcs(uri):
         return Path(uri)
@@ -229,20 +237,46 @@ def local_copy(uri: str) -> Path:
     dest = cache_dir() / "gcs" / bucket / name
     files = list_files(uri)
     if not files:  # a single object
-        if not (dest.exists() and dest.stat().st_size == _blob(uri).size):
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=dest.parent, delete=False) as tmp:
-                _blob(uri).download_to_filename(tmp.name)
-            os.replace(tmp.name, dest)
-        return dest
+        blob = _blob(uri)
+        blob.reload()
+        files, single = [FileInfo("", int(blob.size or 0), int(blob.generation or 0))], True
+    else:
+        single = False
+    index_path = dest.parent / f".{dest.name}.difforge-cache.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    fresh = {}
     for f in files:
-        target = dest / f.path
-        if target.exists() and target.stat().st_size == f.size:
+        target = dest if single else dest / f.path
+        if (
+            index.get(f.path) == f.generation
+            and target.is_file()
+            and target.stat().st_size == f.size
+        ):
+            fresh[f.path] = f.generation
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = _local_tmp_path(target)
-        _blob(join(uri, f.path)).download_to_filename(str(tmp))
-        os.replace(tmp, target)
+        source = uri if single else join(uri, f.path)
+        try:
+            _blob(source).download_to_filename(
+                str(tmp), if_generation_match=f.generation or None, checksum="auto"
+            )
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+        fresh[f.path] = f.generation
+    if not single and dest.is_dir():  # files of objects deleted since the last copy
+        listed = {f.path for f in files}
+        for path in dest.rglob("*"):
+            if path.is_file() and path.relative_to(dest).as_posix() not in listed:
+                path.unlink()
+    index_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _local_tmp_path(index_path)
+    tmp.write_text(json.dumps(fresh, sort_keys=True))
+    os.replace(tmp, index_path)
     return dest
 
 

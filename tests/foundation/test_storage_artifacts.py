@@ -123,3 +123,30 @@ def test_racing_writers_exactly_one_manifest(any_root, same_key):
         assert sorted(o[0] for o in outcomes) == ["lost", "ok"]
         winner = next(o for o in outcomes if o[0] == "ok")
         assert winner[2] == final.key
+
+
+def test_local_copy_follows_rewritten_objects(gcs_root, tmp_path, monkeypatch):
+    """A gs:// object rewritten at the same URI with the same size (re-exported weights,
+    shards rebuilt with --force) is fetched again; a deleted one leaves the cache; an
+    unchanged one is not downloaded twice."""
+    monkeypatch.setenv("DIFFORGE_CACHE", str(tmp_path / "cache"))
+    tree = f"{gcs_root}/weights"
+    storage.write_bytes(f"{tree}/a.bin", b"old!")
+    storage.write_bytes(f"{tree}/b.bin", b"keep")
+    storage.write_bytes(f"{tree}/gone.bin", b"xx")
+    local = storage.local_copy(tree)
+    assert (local / "a.bin").read_bytes() == b"old!"
+    kept_mtime = (local / "b.bin").stat().st_mtime_ns
+
+    storage.write_bytes(f"{tree}/a.bin", b"new!")  # same size: the old cache served this stale
+    storage.delete(f"{tree}/gone.bin")
+    local = storage.local_copy(tree)
+    assert (local / "a.bin").read_bytes() == b"new!"
+    assert not (local / "gone.bin").exists()
+    assert (local / "b.bin").stat().st_mtime_ns == kept_mtime  # not downloaded again
+
+    single = f"{gcs_root}/shard.tfrecord"
+    storage.write_bytes(single, b"v1")
+    assert storage.local_copy(single).read_bytes() == b"v1"
+    storage.write_bytes(single, b"v2")
+    assert storage.local_copy(single).read_bytes() == b"v2"
