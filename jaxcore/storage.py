@@ -117,6 +117,41 @@ def write_text(uri: str, text: str) -> None:
     write_bytes(uri, text.encode("utf-8"))
 
 
+# GCS caps a composite object's components; past this many, an append rewrites it whole once.
+MAX_COMPOSE_COMPONENTS = 1000
+
+
+def append_text(uri: str, text: str) -> None:
+    """Add ``text`` at the end of a file, creating it (not atomic: a crash may leave a torn
+    last line, which readers of append-only logs skip).
+
+    Local: an ``"a"`` write. GCS: the new bytes are uploaded as a temporary object and
+    composed onto the end server-side, so the existing bytes are never re-sent."""
+    if not text:
+        return
+    if not is_gcs(uri):
+        path = Path(uri)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(text)
+        return
+    blob = _blob(uri)
+    if not blob.exists():
+        blob.upload_from_string(text.encode("utf-8"))
+        return
+    blob.reload()
+    if (blob.component_count or 1) >= MAX_COMPOSE_COMPONENTS:
+        blob.upload_from_string(blob.download_as_bytes() + text.encode("utf-8"))
+        return
+    part = _blob(f"{uri}.append-{uuid.uuid4().hex[:8]}")
+    part.upload_from_string(text.encode("utf-8"))
+    try:
+        # a fresh handle as the destination: the request must not carry the old checksums
+        _blob(uri).compose([blob, part], if_generation_match=blob.generation)
+    finally:
+        part.delete()
+
+
 def create_exclusive(uri: str, data: bytes) -> bool:
     """Create ``uri`` with ``data`` only if it does not exist yet. True if this call created it."""
     if is_gcs(uri):

@@ -166,6 +166,9 @@ class MetricsSection:
     """Logging cadence, MFU reference and the optional profiler window."""
 
     log_every: int = 1
+    # an INFO progress line (step, loss, step time, tokens/s, ETA), and metrics.jsonl
+    # flushed, at most this often (and at the first and last step); 0 = every logged step
+    progress_every_s: float = 30.0
     peak_flops_per_device: float | None = None  # FLOP/s; None = measured (CPU) or table
     enable_profiler: bool = False
     profiler_start_step: int = 2
@@ -174,6 +177,8 @@ class MetricsSection:
     def __post_init__(self):
         if self.log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {self.log_every}")
+        if self.progress_every_s < 0:
+            raise ValueError(f"progress_every_s must be >= 0, got {self.progress_every_s}")
 
 
 @dataclasses.dataclass(frozen=True)

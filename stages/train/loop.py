@@ -276,6 +276,7 @@ def resume(run: Run) -> None:
     """Restore the latest finished checkpoint of this output, if any."""
     latest = run.mngr.latest_step()
     if latest is None:
+        run.log_book.resume_from(0)  # rows of a run killed before its first checkpoint go
         return
     log.info("resuming from the checkpoint at step %d", latest)
     run.trainable.params, run.opt_state, saved = checkpoints.restore_state(
@@ -353,6 +354,44 @@ def log_step(run: Run, done: int, m: dict, seconds: float) -> None:
     )
 
 
+class Progress:
+    """INFO lines a long run shows where no progress bar does (``kubectl logs``, a file):
+    at the first and last step and at most every ``progress_every_s`` seconds, with the
+    throughput measured between lines and the ETA it gives; metrics.jsonl is flushed then."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.every = run.config.metrics.progress_every_s
+        self.last_time = time.monotonic()
+        self.last_step = run.start
+
+    def after_log(self, done: int) -> None:
+        run, now = self.run, time.monotonic()
+        last = run.config.max_train_steps
+        first = self.last_step == run.start
+        if not (first or done == last or now - self.last_time >= self.every):
+            return
+        row = run.log_book.rows[-1]
+        per_step = (now - self.last_time) / max(1, done - self.last_step)
+        log.info(
+            "step %d/%d  loss %.5f  step %.3fs  %.0f tokens/s  ETA %s",
+            done,
+            last,
+            row["loss"],
+            per_step,
+            row["tokens_per_s"],
+            _duration((last - done) * per_step),
+        )
+        run.log_book.flush()
+        self.last_time, self.last_step = now, done
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
 class Profiler:
     """The optional profiler window: traces steps [start, start + num_steps)."""
 
@@ -392,6 +431,7 @@ def run_steps(run: Run) -> tuple[bool, float | None]:
     keys = tuple(f.name for f in run.features)
     source = batches(run)
     profiler = Profiler(run)
+    progress_lines = Progress(run)
     final_loss = None
     with Preemption("train") as preemption:
         progress = tqdm(
@@ -418,6 +458,7 @@ def run_steps(run: Run) -> tuple[bool, float | None]:
             if done % config.metrics.log_every == 0 or done == config.max_train_steps:
                 log_step(run, done, m, seconds)
                 progress.set_postfix(loss=f"{final_loss:.4f}")
+                progress_lines.after_log(done)
             if run.eval_fn is not None and done % config.evaluation.eval_every == 0:
                 run_eval(run, done)
             if done % config.checkpointing.checkpoint_every == 0:

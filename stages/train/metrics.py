@@ -54,21 +54,35 @@ def peak_flops_per_device(configured: float | None) -> float:
 
 
 class MetricsLog:
-    """Keeps every logged row; writes metrics.jsonl (whole file, so a resume can truncate) and
-    TensorBoard events under a local folder that is uploaded when the output is gs://."""
+    """Keeps every logged row; appends them to metrics.jsonl (only the rows not yet written:
+    a run of 50k steps never re-sends its history) and writes TensorBoard events under a
+    local folder that is uploaded when the output is gs://.
+
+    A resumed run keeps the rows up to its checkpoint's step; when the file holds later rows
+    (steps redone after the resume) it is rewritten once."""
 
     def __init__(self, output_dir: str, local_dir: Path):
         self.output_dir = output_dir
         self.local_dir = local_dir
         self.rows: list[dict] = []
+        self._written = 0  # rows of self.rows already in metrics.jsonl
+        self._rewrite = False  # metrics.jsonl holds rows that must go
         self._writer = None
+
+    @property
+    def uri(self) -> str:
+        return storage.join(self.output_dir, "metrics.jsonl")
 
     def resume_from(self, step: int) -> None:
         """Keep the rows of steps <= ``step`` from an earlier (interrupted) run."""
-        uri = storage.join(self.output_dir, "metrics.jsonl")
-        if storage.exists(uri):
-            rows = [json.loads(x) for x in storage.read_text(uri).splitlines() if x.strip()]
-            self.rows = [r for r in rows if r["step"] <= step]
+        if not storage.exists(self.uri):
+            return
+        rows = read_rows(self.uri)
+        self.rows = [r for r in rows if r["step"] <= step]
+        self._written = len(self.rows)
+        self._rewrite = len(self.rows) != len(rows) or not storage.read_text(self.uri).endswith(
+            "\n"
+        )
 
     def _tensorboard(self):
         if self._writer is None:
@@ -96,9 +110,13 @@ class MetricsLog:
                     )
 
     def flush(self) -> None:
-        """Write metrics.jsonl and the TensorBoard files to the output."""
-        text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.rows)
-        storage.write_text(storage.join(self.output_dir, "metrics.jsonl"), text)
+        """Append the new rows to metrics.jsonl; write the TensorBoard files to the output."""
+        if self._rewrite:
+            storage.write_text(self.uri, _lines(self.rows))
+            self._rewrite = False
+        else:
+            storage.append_text(self.uri, _lines(self.rows[self._written :]))
+        self._written = len(self.rows)
         if self._writer is not None:
             self._writer.flush()
             if storage.is_gcs(self.output_dir):
@@ -112,6 +130,21 @@ class MetricsLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def _lines(rows: list[dict]) -> str:
+    return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+
+
+def read_rows(uri: str) -> list[dict]:
+    """The rows of a metrics.jsonl; a torn last line (a crash mid-append) is skipped."""
+    rows = []
+    for line in storage.read_text(uri).splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
 
 
 def plot_loss_curve(rows: list[dict], uri: str, title: str = "training loss") -> None:

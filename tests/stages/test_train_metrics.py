@@ -1,0 +1,87 @@
+"""metrics.jsonl is appended, not rewritten; long runs log progress at INFO."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from jaxcore import storage
+from stages.train import metrics
+
+
+def _row(step: int) -> dict:
+    return {"step": step, "loss": 1.0 / step}
+
+
+def _steps(uri: str) -> list[int]:
+    return [json.loads(line)["step"] for line in storage.read_text(uri).splitlines()]
+
+
+def test_flush_appends_only_new_rows(any_root, tmp_path, monkeypatch):
+    """After the first flush, no flush sends the history again (a 50k-step run once rewrote
+    13 MB per flush); a resume keeps the rows up to its step and drops later ones once."""
+    log = metrics.MetricsLog(any_root, tmp_path / "local")
+    for step in (1, 2, 3):
+        log.rows.append(_row(step))
+    log.flush()
+    sent = []
+    real_append = storage.append_text
+    monkeypatch.setattr(storage, "write_text", lambda *a: pytest.fail("metrics were rewritten"))
+    monkeypatch.setattr(storage, "append_text", lambda u, t: (sent.append(t), real_append(u, t)))
+    for step in (4, 5):
+        log.rows.append(_row(step))
+    log.flush()
+    log.flush()  # nothing new: nothing sent
+    assert [len(t.splitlines()) for t in sent if t] == [2]
+    assert _steps(log.uri) == [1, 2, 3, 4, 5]
+    monkeypatch.undo()
+
+    resumed = metrics.MetricsLog(any_root, tmp_path / "local2")
+    resumed.resume_from(3)  # the checkpoint was at step 3; steps 4-5 are redone
+    assert [r["step"] for r in resumed.rows] == [1, 2, 3]
+    resumed.rows.append(_row(4))
+    resumed.flush()
+    assert _steps(resumed.uri) == [1, 2, 3, 4]
+
+
+def test_a_torn_last_line_is_skipped_and_replaced(tmp_path):
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
+    log = metrics.MetricsLog(str(root), tmp_path / "local")
+    log.resume_from(2)
+    assert [r["step"] for r in log.rows] == [1]
+    log.rows.append(_row(2))
+    log.flush()
+    assert _steps(str(root / "metrics.jsonl")) == [1, 2]
+
+
+def test_appends_to_a_gcs_object_compose_server_side(gcs_root):
+    uri = f"{gcs_root}/m.jsonl"
+    for i in range(3):
+        storage.append_text(uri, f"line {i}\n")
+    assert storage.read_text(uri) == "line 0\nline 1\nline 2\n"
+    assert [f.path for f in storage.list_files(gcs_root)] == ["m.jsonl"]  # no parts left
+
+
+def test_progress_lines_at_info(tmp_path, caplog):
+    from pipelines.cli import main
+
+    repo = Path(__file__).resolve().parents[2]
+    caplog.set_level(logging.INFO, logger="stages.train.loop")
+    args = [
+        "train",
+        str(repo / "configs/stages/train.yml"),
+        f"output_dir={tmp_path / 'out'}",
+        "dataset_type=synthetic",
+        "max_train_steps=4",
+        "checkpoint_every=4",
+        "progress_every_s=0",
+    ]
+    assert main(args) == 0
+    lines = [r.getMessage() for r in caplog.records if "ETA" in r.getMessage()]
+    assert [line.split()[1] for line in lines] == ["1/4", "2/4", "3/4", "4/4"]
+    assert "loss" in lines[0] and "tokens/s" in lines[0]
