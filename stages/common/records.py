@@ -74,7 +74,9 @@ def make_example(
     feats[SOURCE_ID] = b(source_id.encode("utf-8"))
     if timestep is not None:
         feats[TIMESTEPS] = i([timestep])
-    return tf.train.Example(features=tf.train.Features(feature=feats)).SerializeToString()
+    # deterministic: the feature map in a fixed order, so the same record is the same bytes
+    example = tf.train.Example(features=tf.train.Features(feature=feats))
+    return example.SerializeToString(deterministic=True)
 
 
 def feature_spec(shapes: Mapping[str, Sequence[int]], with_timesteps: bool):

@@ -12,11 +12,13 @@ attaches the transforms to any pipeline (tests pass a ``TestPipeline`` and ``ass
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
-from collections.abc import Iterator, Mapping
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import apache_beam as beam
@@ -53,10 +55,12 @@ def timestep_counter(timestep: int) -> str:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Shards per split, fixed before the job so every worker writes the same names."""
+    """Shards per split, fixed before the job so every worker writes the same names, and
+    the key at which each shard starts (:func:`stages.convert.split.shard_boundaries`)."""
 
     records_per_shard: int
     num_shards: Mapping[str, int]
+    boundaries: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
 
 
 def plan_shards(
@@ -64,8 +68,11 @@ def plan_shards(
     plan: EncoderPlan,
     records_per_shard: int | None,
     max_shard_bytes: int | None,
+    ids_by_split: Mapping[str, Sequence[str]] | None = None,
+    seed: int = 0,
 ) -> ShardPlan:
-    """Records per shard from the count limit and/or the byte limit, and shards per split.
+    """Records per shard from the count limit and/or the byte limit, shards per split and,
+    given each split's ids, where each shard starts.
 
     A record is ``4 *`` (its tensors' elements) bytes plus a small overhead; dropped rows only
     make shards smaller than planned, never larger.
@@ -78,7 +85,10 @@ def plan_shards(
         limits.append(max(1, max_shard_bytes // (record_bytes + RECORD_OVERHEAD_BYTES)))
     per_shard = min(limits)
     shards = {s: max(1, math.ceil(expected_counts.get(s, 0) / per_shard)) for s in records.SPLITS}
-    return ShardPlan(per_shard, shards)
+    boundaries = {
+        s: split.shard_boundaries(ids, per_shard, seed) for s, ids in (ids_by_split or {}).items()
+    }
+    return ShardPlan(per_shard, shards, boundaries)
 
 
 class ReadRows(beam.DoFn):
@@ -149,7 +159,7 @@ class MakeRecord(beam.DoFn):
             self._buckets[timestep].inc()
         self._records[which].inc()
         example = records.make_example(item["tensors"], item["caption"], sid, timestep)
-        yield beam.pvalue.TaggedOutput(which, example)
+        yield beam.pvalue.TaggedOutput(which, (sid, example))
 
 
 def _is_eval(item: dict, split_config: SplitConfig) -> bool:
@@ -174,7 +184,7 @@ def build_graph(
 ) -> dict[str, beam.PCollection]:
     """Attach the convert transforms; returns ``{"train", "eval", "dropped"}`` PCollections.
 
-    ``train``/``eval`` hold serialized examples, ``dropped`` dicts ``{source_id, reason,
+    ``train``/``eval`` hold ``(source_id, serialized example)``, ``dropped`` dicts ``{source_id, reason,
     detail}``. Writing them out is the caller's (see :func:`write_outputs`).
     """
     rows = (
@@ -211,17 +221,51 @@ def RunInference(handler):  # noqa: N802 - a transform factory reads like a clas
     return _RunInference(handler)
 
 
+class WriteShard(beam.DoFn):
+    """``(shard index, [(key, serialized example)])`` -> one TFRecord file, its records in key
+    order, written whole (temp file, then one atomic rename / upload)."""
+
+    def __init__(self, output_dir: str, split_name: str, num_shards: int):
+        self._output_dir, self._split, self._count = output_dir, split_name, num_shards
+
+    def process(self, element) -> Iterator[str]:
+        import tensorflow as tf
+
+        index, keyed = element
+        name = records.shard_name(self._split, index, self._count)
+        with tempfile.TemporaryDirectory() as tmp:
+            local = os.path.join(tmp, "shard.tfrecord")
+            with tf.io.TFRecordWriter(local) as writer:
+                for _, example in sorted(keyed, key=lambda pair: pair[0]):
+                    writer.write(example)
+            storage.upload_file(local, storage.join(self._output_dir, name))
+        yield name
+
+
+def _keyed_by_shard(pair, boundaries, seed):
+    sid, example = pair
+    key = split.shard_key(sid, seed)
+    return split.shard_index(key, boundaries), (key, example)
+
+
 def write_outputs(
-    outputs: Mapping[str, beam.PCollection], output_dir: str, plan: ShardPlan
+    outputs: Mapping[str, beam.PCollection], output_dir: str, plan: ShardPlan, seed: int = 0
 ) -> None:
-    """TFRecord shards named as ``records.shard_name``; dropped rows as one JSON-lines file."""
+    """TFRecord shards named as ``records.shard_name``, each a contiguous run of the split's
+    records in :func:`~stages.convert.split.shard_key` order (the same bytes on every run and
+    runner); dropped rows as one JSON-lines file. Shards no record reached are written empty
+    by :func:`write_empty_shards`."""
     for split_name in records.SPLITS:
-        prefix = storage.join(output_dir, split_name, split_name)
-        _ = outputs[split_name] | f"Write{split_name.title()}" >> beam.io.WriteToTFRecord(
-            prefix,
-            file_name_suffix=".tfrecord",
-            num_shards=plan.num_shards[split_name],
-            shard_name_template="-SSSSS-of-NNNNN",
+        count = plan.num_shards[split_name]
+        boundaries = plan.boundaries.get(split_name, ())
+        if count > 1 and len(boundaries) != count:
+            raise ValueError(f"the shard plan has no boundaries for the {split_name} split")
+        title = split_name.title()
+        _ = (
+            outputs[split_name]
+            | f"Key{title}" >> beam.Map(_keyed_by_shard, boundaries, seed)
+            | f"Group{title}" >> beam.GroupByKey()
+            | f"Write{title}" >> beam.ParDo(WriteShard(output_dir, split_name, count))
         )
     dropped_prefix = storage.join(output_dir, DROPPED_FILE.removesuffix(".jsonl"))
     _ = (
@@ -230,6 +274,16 @@ def write_outputs(
         | "WriteDropped"
         >> beam.io.WriteToText(dropped_prefix, file_name_suffix=".jsonl", shard_name_template="")
     )
+
+
+def write_empty_shards(output_dir: str, plan: ShardPlan) -> None:
+    """Every planned shard exists after the job (dropped rows may leave one empty)."""
+    for split_name in records.SPLITS:
+        count = plan.num_shards[split_name]
+        for index in range(count):
+            uri = storage.join(output_dir, records.shard_name(split_name, index, count))
+            if not storage.exists(uri):
+                storage.write_bytes(uri, b"")
 
 
 def pipeline_options(beam_config: BeamConfig, job_name: str):

@@ -33,6 +33,7 @@ from stages.convert.pipeline import (
     staged_files,
     timestep_counter,
     use_anonymous_gcs_with_emulator,
+    write_empty_shards,
     write_outputs,
 )
 from stages.convert.source import describe, load_source, source_ids
@@ -63,11 +64,18 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
         )
     except EncoderLoadError as err:
         raise StageInputError(str(err)) from None
-    expected = {s: 0 for s in records.SPLITS}
+    ids_by_split = {s: [] for s in records.SPLITS}
     for sid in ids:
-        expected[split.assign_split(sid, config.split.eval_fraction, config.split.split_seed)] += 1
+        which = split.assign_split(sid, config.split.eval_fraction, config.split.split_seed)
+        ids_by_split[which].append(sid)
+    expected = {s: len(v) for s, v in ids_by_split.items()}
     plan = plan_shards(
-        expected, encoders, config.shards.records_per_shard, config.shards.max_shard_bytes
+        expected,
+        encoders,
+        config.shards.records_per_shard,
+        config.shards.max_shard_bytes,
+        ids_by_split,
+        config.split.split_seed,
     )
     log.info(
         "convert: %d rows (expected train %d, eval %d) -> %s shards of <= %d records",
@@ -87,6 +95,7 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
         return None
     started = time.perf_counter()
     counters, _ = _run_beam(config, info.num_rows, encoders, plan, writer.uri)
+    write_empty_shards(writer.uri, plan)
     seconds = time.perf_counter() - started
     summary = _summary(config, info, encoders, plan, counters, writer.uri, seconds)
     _check_bad_fraction(config, summary)
@@ -111,7 +120,7 @@ def _run_beam(
         split_config=config.split,
         handler=handler,
     )
-    write_outputs(outputs, output_dir, plan)
+    write_outputs(outputs, output_dir, plan, config.split.split_seed)
     # SIGTERM stops the job at once: its work folders are never a finished artifact
     result = None
     with Preemption("convert", immediate=True) as preemption:

@@ -10,6 +10,7 @@ are ranked by a second hash and dealt round-robin, so the buckets differ in size
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -28,6 +29,27 @@ def assign_split(source_id: str, eval_fraction: float, seed: int = 0) -> str:
     if not 0.0 <= eval_fraction <= 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
     return EVAL if unit_hash(source_id, seed, "split") < eval_fraction else TRAIN
+
+
+def shard_key(source_id: str, seed: int = 0) -> tuple[float, str]:
+    """Where a record sorts among its split's records: by a hash of its id (so shards mix
+    whatever order the ids have), then by the id. Shards are contiguous runs of this order
+    and hold their records in it, so their bytes do not depend on the runner's scheduling."""
+    return (unit_hash(source_id, seed, "shard"), source_id)
+
+
+def shard_boundaries(
+    source_ids: Iterable[str], records_per_shard: int, seed: int = 0
+) -> tuple[tuple[float, str], ...]:
+    """The first key of each shard when the ids, in :func:`shard_key` order, are cut every
+    ``records_per_shard`` (rows dropped later only make shards smaller)."""
+    keys = sorted(shard_key(sid, seed) for sid in set(source_ids))
+    return tuple(keys[::records_per_shard])
+
+
+def shard_index(key: tuple[float, str], boundaries: Sequence[tuple[float, str]]) -> int:
+    """The shard a record with this key goes to (0 when there are no boundaries)."""
+    return max(0, bisect.bisect_right(boundaries, tuple(key)) - 1)
 
 
 def assign_timesteps(

@@ -293,3 +293,18 @@ def test_source_errors_name_the_column_and_path(tmp_path):
         load_source(DatasetConfig(source=str(directory), caption_column="prompt"))
     with pytest.raises(StageInputError, match="does not exist"):
         load_source(DatasetConfig(source=str(tmp_path / "nothing_here")))
+
+
+def test_shards_are_contiguous_runs_of_the_hash_order():
+    """Each id has one shard, fixed by the ids of the split alone; shards hold at most
+    records_per_shard ids; adding dropped rows never moves others past a boundary."""
+    ids = [f"row-{i}" for i in range(23)]
+    boundaries = split.shard_boundaries(ids, 5, seed=3)
+    assert len(boundaries) == 5
+    index = {sid: split.shard_index(split.shard_key(sid, 3), boundaries) for sid in ids}
+    sizes = [list(index.values()).count(k) for k in range(5)]
+    assert sizes == [5, 5, 5, 5, 3]
+    assert split.shard_boundaries(reversed(ids), 5, seed=3) == boundaries  # order-free
+    ordered = sorted(ids, key=lambda sid: split.shard_key(sid, 3))
+    assert [index[sid] for sid in ordered] == sorted(index.values())  # contiguous runs
+    assert split.shard_index((0.0, ""), ()) == 0

@@ -483,6 +483,24 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_resumes(tiny_data, one_layer
     assert sorted(_losses(out)) == list(range(1, saved + 3))  # no step lost or repeated
 
 
+@pytest.mark.slow  # 67 s: two training processes
+def test_two_processes_train_bit_identical_models(tiny_data, one_layer_model, tmp_path):
+    """Same config + same records in two processes (8 CPU devices, data-parallel reductions,
+    tf.data reading 2 shards) -> the same losses and the same exported weights, bit for bit."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
+    outs = [tmp_path / "one", tmp_path / "two"]
+    for out in outs:
+        cmd = [*_train_cmd(tiny_data, one_layer_model, out, 6), "export_diffusers=true"]
+        subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=900)
+    assert _losses(outs[0]) == _losses(outs[1])
+    weights = [o / "transformer" / "diffusion_pytorch_model.safetensors" for o in outs]
+    assert weights[0].read_bytes() == weights[1].read_bytes()
+
+
 def test_checkpoints_on_gcs_save_keep_resume_and_reshard(gcs_root, one_layer_model):
     """orbax on the local GCS server: saves every 2 steps keeping 2, a longer run resumes from
     the latest, and a checkpoint restores onto another mesh shape."""
