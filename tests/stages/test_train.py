@@ -299,9 +299,13 @@ def _losses(uri):
     return {r["step"]: r["loss"] for r in rows}
 
 
-def test_end_to_end_train_and_evaluate_local(tiny_data, one_layer_model, tmp_path):
+def test_end_to_end_train_and_evaluate_local(tiny_data, one_layer_model, tmp_path, caplog):
     """~100 steps on the tiny dataset: training loss falls, the last checkpoint scores better
-    than the first, evaluate names the best checkpoint, export writes diffusers weights."""
+    than the first, evaluate names the best checkpoint, export writes diffusers weights; the
+    log shows progress lines (first and last step at least) where no progress bar is."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="stages.train.loop")
     out = tmp_path / "train"
     rc = main(
         [
@@ -321,6 +325,9 @@ def test_end_to_end_train_and_evaluate_local(tiny_data, one_layer_model, tmp_pat
         ]
     )
     assert rc == 0
+    progress = [r.getMessage() for r in caplog.records if "ETA" in r.getMessage()]
+    assert progress[0].startswith("step 1/100") and progress[-1].startswith("step 100/100")
+    assert "loss" in progress[0] and "tokens/s" in progress[0]
     summary = _summary(out)
     assert summary["checkpoints"] == [25, 50, 75, 100] and summary["final_step"] == 100
     losses = _losses(out)
@@ -447,11 +454,10 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(family, request, tmp_pat
     assert _summary(killed)["final_loss"] == pytest.approx(_summary(straight)["final_loss"])
 
 
-def test_sigterm_checkpoints_exits_75_and_the_rerun_resumes(tiny_data, one_layer_model, tmp_path):
+def test_sigterm_checkpoints_and_exits_75(tiny_data, one_layer_model, tmp_path):
     """Preemption: SIGTERM saves a checkpoint at the step in flight, writes no manifest and
-    exits 75 (EXIT_PREEMPTED, which the deploy templates retry); a rerun resumes there."""
+    exits 75 (EXIT_PREEMPTED, which the deploy templates retry)."""
     from stages.common.preemption import EXIT_PREEMPTED
-    from stages.train import loop
 
     out = tmp_path / "train"
     cmd = _train_cmd(tiny_data, one_layer_model, out, 100000)
@@ -468,19 +474,8 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_resumes(tiny_data, one_layer
     assert "preempted" in err and "rerun to resume" in err
     assert not (out / "manifest.json").exists()
     saved = max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
-    assert saved >= 2
-    config = _config(
-        out,
-        f"data={tiny_data}",
-        "dataset_type=tfrecord",
-        f"model.model_config={one_layer_model}",
-        f"max_train_steps={saved + 2}",
-        "checkpoint_every=2",
-        "max_to_keep=2",
-    )
-    result = loop.train(config, str(out), _open(tiny_data))
-    assert result.final_step == saved + 2 and not result.preempted
-    assert sorted(_losses(out)) == list(range(1, saved + 3))  # no step lost or repeated
+    assert saved >= 2  # the step in flight was checkpointed; rerunning resumes from it
+    assert max(_losses(out)) == saved  # (resume itself: test_checkpoints_on_gcs_...)
 
 
 @pytest.mark.slow  # 67 s: two training processes
