@@ -99,15 +99,26 @@ def split_spec(manifest: Manifest, split: str) -> DataSpec:
     )
 
 
-def host_shards(shards: tuple[str, ...]) -> list[str]:
-    """This host's share of the shard files (local paths; gs:// shards are cached locally)."""
+def stream_shards(shards: tuple[str, ...], streams: int) -> list[list[str]]:
+    """This host's data streams, each with its shard files (local paths).
+
+    The global batch is the concatenation of ``streams`` equal parts, stream ``s`` reading
+    shards ``s, s + streams, ...``; host ``p`` of ``P`` serves streams ``p * streams / P`` on.
+    So the batches depend on ``streams`` only, not on how many hosts serve them: a run on
+    2 hosts and one on 1 host (or resumed there) see the same data in the same order."""
     index, count = jax.process_index(), jax.process_count()
-    mine = list(shards[index::count])
-    if not mine:
+    if streams % count:
         raise StageInputError(
-            f"{len(shards)} shard files cannot be split over {count} hosts: write more shards"
+            f"input.data_streams={streams} does not split over {count} hosts (use a multiple)"
         )
-    return [str(storage.local_copy(s)) for s in mine]
+    if len(shards) < streams:
+        raise StageInputError(
+            f"{len(shards)} shard files cannot feed {streams} data streams: write more shards "
+            "or lower input.data_streams"
+        )
+    per_host = streams // count
+    mine = range(index * per_host, (index + 1) * per_host)
+    return [[str(storage.local_copy(s)) for s in shards[k::streams]] for k in mine]
 
 
 def tf_dataset(
@@ -120,28 +131,51 @@ def tf_dataset(
     prefetch: int,
     repeat: bool = True,
     with_timesteps=False,
+    streams: int | None = None,
 ):
-    """tf.data: seeded shuffle (reshuffled per epoch), repeat, skip to ``start_step``, parse."""
+    """tf.data: per data stream a seeded shuffle (reshuffled per epoch), repeat, skip to
+    ``start_step``, parse, batch; the host's streams concatenated row-wise (see
+    :func:`stream_shards`; ``streams`` None: one per host). Without ``repeat``: one pass over
+    every shard, on every host."""
     import tensorflow as tf
-
-    ds = tf.data.TFRecordDataset(host_shards(spec.shards))
-    if repeat:
-        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True).repeat()
-        ds = ds.skip(start_step * local_batch)
 
     def parse(x):
         return records.parse_example(x, spec.shapes, with_timesteps)
 
-    ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    ds = ds.batch(local_batch, drop_remainder=repeat)
-    return ds.prefetch(prefetch)
+    if not repeat:  # every host reads every record (eval: scored as one global batch)
+        ds = tf.data.TFRecordDataset([str(storage.local_copy(s)) for s in spec.shards])
+        ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return ds.batch(local_batch).prefetch(prefetch)
+    total = streams or jax.process_count()
+    parts = stream_shards(spec.shards, total)
+    if local_batch % len(parts):
+        raise StageInputError(
+            f"the host batch {local_batch} does not split over {len(parts)} data streams"
+        )
+    rows = local_batch // len(parts)
+    first = jax.process_index() * len(parts)
+    datasets = []
+    for offset, files in enumerate(parts):
+        ds = tf.data.TFRecordDataset(files)
+        stream_seed = seed if total == 1 else seed + 7919 * (first + offset)
+        ds = ds.shuffle(shuffle_buffer, seed=stream_seed, reshuffle_each_iteration=True)
+        ds = ds.repeat().skip(start_step * rows)
+        ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        datasets.append(ds.batch(rows, drop_remainder=True))
+    if len(datasets) == 1:
+        return datasets[0].prefetch(prefetch)
+
+    def concat(*batches):
+        return {k: tf.concat([b[k] for b in batches], axis=0) for k in batches[0]}
+
+    return tf.data.Dataset.zip(tuple(datasets)).map(concat).prefetch(prefetch)
 
 
 def _explain_tf_error(spec: DataSpec, err: Exception) -> StageInputError:
     """Find the shard a tf.data error came from by reading each alone (only on the error path)."""
     import tensorflow as tf
 
-    for shard in host_shards(spec.shards):
+    for shard in (str(storage.local_copy(s)) for s in spec.shards):
         try:
             ds = tf.data.TFRecordDataset([shard]).map(
                 lambda x: records.parse_example(x, spec.shapes)

@@ -67,6 +67,10 @@ class DataSection:
     dataset_type: Literal["tfrecord", "synthetic"] = "tfrecord"
     shuffle_buffer_size: int = 1024
     prefetch_batches: int = 2
+    # The global batch is this many equal parts, each read from its own shards; fixed, it
+    # makes the data order independent of the host count (a 2-host run equals a 1-host run
+    # and resumes on any host count dividing it). None: one stream per host.
+    data_streams: int | None = None
     synthetic_latent_shape: tuple[int, ...] = (4, 1, 8, 8)
     synthetic_text_length: int = 8
     synthetic_image_tokens: int = 8  # image cross-attention models (Wan 2.1 I2V) only
@@ -78,6 +82,8 @@ class DataSection:
             raise ValueError(
                 f"synthetic_latent_shape must be positive sizes, got {self.synthetic_latent_shape}"
             )
+        if self.data_streams is not None and self.data_streams < 1:
+            raise ValueError(f"data_streams must be >= 1, got {self.data_streams}")
         if self.synthetic_image_tokens < 1:
             raise ValueError(
                 f"synthetic_image_tokens must be >= 1, got {self.synthetic_image_tokens}"

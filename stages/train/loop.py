@@ -41,20 +41,34 @@ LORA_DIR = "lora"
 def maybe_initialize_distributed() -> bool:
     """``jax.distributed.initialize()`` on multi-host jobs (xpk/GKE JobSet, Megascale, TPU pods).
 
-    A no-op on one machine. Must run before anything touches the devices.
+    A no-op on one machine. Must run before anything touches the devices. The coordinator,
+    process count and process id come from the environment: ``JAX_COORDINATOR_ADDRESS``
+    (``host:port``) with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` when set (what a
+    hand-launched or test run sets), else JAX's own detection (TPU pods, GKE/JobSet).
+    ``JAX_PLATFORMS=cpu`` selects gloo collectives between CPU processes.
     """
-    markers = (
-        "JOBSET_NAME",
-        "MEGASCALE_COORDINATOR_ADDRESS",
-        "TPU_WORKER_HOSTNAMES",
-        "JAX_COORDINATOR_ADDRESS",
-    )
+    markers = ("JOBSET_NAME", "MEGASCALE_COORDINATOR_ADDRESS", "JAX_COORDINATOR_ADDRESS")
     hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    multi = any(os.environ.get(m) for m in markers[:2] + markers[3:]) or "," in hosts
+    multi = any(os.environ.get(m) for m in markers) or "," in hosts
     if not multi or jax.distributed.is_initialized():
         return False
-    jax.distributed.initialize()
+    kwargs = {}
+    if os.environ.get("JAX_NUM_PROCESSES") and os.environ.get("JAX_PROCESS_ID"):
+        kwargs = {
+            "coordinator_address": os.environ["JAX_COORDINATOR_ADDRESS"],
+            "num_processes": int(os.environ["JAX_NUM_PROCESSES"]),
+            "process_id": int(os.environ["JAX_PROCESS_ID"]),
+        }
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kwargs)
     return True
+
+
+def is_writer() -> bool:
+    """Process 0 writes the run's files (metrics, curves, exports, manifest); every process
+    steps, evaluates and saves its part of each checkpoint."""
+    return jax.process_index() == 0
 
 
 @dataclasses.dataclass
@@ -253,7 +267,7 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
         step_fn=step_fn,
         param_shardings=param_sh,
         mngr=mngr,
-        log_book=metrics.MetricsLog(output_dir, events_dir),
+        log_book=metrics.MetricsLog(output_dir, events_dir, write=is_writer()),
         local_dir=local_dir,
         train_flops=training_flops(built, features, batch),
         peak_flops=metrics.peak_flops_per_device(config.metrics.peak_flops_per_device),
@@ -304,6 +318,7 @@ def batches(run: Run):
         start_step=run.start,
         shuffle_buffer=config.input.shuffle_buffer_size,
         prefetch=config.input.prefetch_batches,
+        streams=config.input.data_streams,
     )
     return data.iterate_numpy(run.train_spec, ds)
 
@@ -491,16 +506,22 @@ def finish(run: Run, preempted: bool, final_loss: float | None) -> TrainResult:
     best = min(history, key=lambda e: e["eval_loss"])["step"] if history else None
     exported = exported_lora = None
     if not preempted:
-        metrics.plot_loss_curve(run.log_book.rows, storage.join(run.output_dir, "loss_curve.png"))
+        if is_writer():
+            curve = storage.join(run.output_dir, "loss_curve.png")
+            metrics.plot_loss_curve(run.log_book.rows, curve)
         if run.trainable.is_lora:  # the adapters, as diffusers' load_lora_weights reads them
-            file = model.export_lora(
-                run.trainable, run.params, run.model.family, storage.join(run.output_dir, LORA_DIR)
-            )
-            exported_lora = f"{LORA_DIR}/{file}"
+            from jaxcore.lora.base import LORA_FILE_NAME
+
+            exported_lora = f"{LORA_DIR}/{LORA_FILE_NAME}"
+            if is_writer():  # the adapters are replicated: process 0 has them whole
+                uri = storage.join(run.output_dir, LORA_DIR)
+                model.export_lora(run.trainable, run.params, run.model.family, uri)
         if run.config.export_diffusers:
             exported = run.model.family.denoiser_component
-            uri = storage.join(run.output_dir, exported)
-            model.export_diffusers(run.model, jax.device_get(run.denoiser_params()), uri)
+            params = _host_copy(run.denoiser_params())  # every process takes part
+            if is_writer():
+                uri = storage.join(run.output_dir, exported)
+                model.export_diffusers(run.model, params, uri)
     return TrainResult(
         final_step=steps[-1] if steps else run.start,
         final_loss=final_loss,
@@ -523,6 +544,15 @@ def train(config: TrainConfig, output_dir: str, data_manifest=None) -> TrainResu
     resume(run)
     preempted, final_loss = run_steps(run)
     return finish(run, preempted, final_loss)
+
+
+def _host_copy(params):
+    """The whole parameter tree on this host, also when other processes hold parts of it."""
+    if jax.process_count() == 1:
+        return jax.device_get(params)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(params, tiled=True)
 
 
 def _profile_dir(output_dir: str, local_dir: Path) -> Path:

@@ -61,9 +61,10 @@ class MetricsLog:
     A resumed run keeps the rows up to its checkpoint's step; when the file holds later rows
     (steps redone after the resume) it is rewritten once."""
 
-    def __init__(self, output_dir: str, local_dir: Path):
+    def __init__(self, output_dir: str, local_dir: Path, write: bool = True):
         self.output_dir = output_dir
         self.local_dir = local_dir
+        self.write = write  # False on every process but the first of a multi-host run
         self.rows: list[dict] = []
         self._written = 0  # rows of self.rows already in metrics.jsonl
         self._rewrite = False  # metrics.jsonl holds rows that must go
@@ -102,6 +103,8 @@ class MetricsLog:
             plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
         )
         self.rows.append(row)
+        if not self.write:
+            return
         with self._tensorboard().as_default():
             for key, value in row.items():
                 if key != "step" and isinstance(value, int | float):
@@ -111,6 +114,8 @@ class MetricsLog:
 
     def flush(self) -> None:
         """Append the new rows to metrics.jsonl; write the TensorBoard files to the output."""
+        if not self.write:
+            return
         if self._rewrite:
             storage.write_text(self.uri, _lines(self.rows))
             self._rewrite = False

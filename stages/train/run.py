@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import jax
+
 from jaxcore.artifacts import ArtifactWriter, Manifest, open_artifact
 from stages.common.checkpoints import resolve_checkpoint_source
 from stages.common.preemption import Preempted
@@ -34,6 +36,8 @@ def run(config: TrainConfig, *, force: bool = False) -> Manifest | None:
         log.info("train: %s is already finished (same config and inputs)", done.uri)
         return done
     result = loop.train(config, writer.uri, data_manifest)
+    if not loop.is_writer():  # process 0 commits, once every process has finished its part
+        return None
     if result.preempted:
         raise Preempted(
             f"train: stopped by SIGTERM after the step-{result.final_step} checkpoint; "
@@ -53,5 +57,6 @@ def run(config: TrainConfig, *, force: bool = False) -> Manifest | None:
             "best_checkpoint_step": result.best_checkpoint_step,
             "exported_denoiser": result.exported_denoiser,
             "lora": result.lora,
+            "process_count": jax.process_count(),
         }
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,26 @@ def test_appends_to_a_gcs_object_compose_server_side(gcs_root):
         storage.append_text(uri, f"line {i}\n")
     assert storage.read_text(uri) == "line 0\nline 1\nline 2\n"
     assert [f.path for f in storage.list_files(gcs_root)] == ["m.jsonl"]  # no parts left
+
+
+def test_data_streams_split_over_hosts_without_changing_the_batches(monkeypatch):
+    """Stream k reads shards k, k + S, ...; host p of P serves S / P consecutive streams."""
+    import jax
+
+    from stages.common import data
+    from stages.common.errors import StageInputError
+
+    shards = tuple(f"/d/train-{i}.tfrecord" for i in range(6))
+    monkeypatch.setattr(storage, "local_copy", lambda uri: Path(uri))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert data.stream_shards(shards, 2) == [
+        ["/d/train-1.tfrecord", "/d/train-3.tfrecord", "/d/train-5.tfrecord"]
+    ]
+    assert [s[0] for s in data.stream_shards(shards, 6)] == [
+        f"/d/train-{i}.tfrecord" for i in (3, 4, 5)
+    ]
+    with pytest.raises(StageInputError, match="data_streams=3 does not split over 2 hosts"):
+        data.stream_shards(shards, 3)
+    with pytest.raises(StageInputError, match="6 shard files cannot feed 8 data streams"):
+        data.stream_shards(shards, 8)
