@@ -313,12 +313,15 @@ class Pipeline:
         scale is > 1 (then ``uncond`` is required) and applies only to samples whose first
         scale is > 1. ``shift`` and ``scheduler`` default to the pipeline's scheduler config.
         """
+        # this process's rows (all rows on one host); the scales are per local row too
+        rows = latents.shape[0]
         latents = self.shard_batch(latents)
-        batch = latents.shape[0]
         given = np.asarray(cfg_scale, np.float32)
         scales, scales_2 = (given[:, 0], given[:, 1]) if given.ndim == 2 else (given, given)
-        scales = np.broadcast_to(scales, (batch,))
-        scales_2 = np.broadcast_to(scales_2, (batch,))
+        scales = np.broadcast_to(scales, (rows,))
+        scales_2 = np.broadcast_to(scales_2, (rows,))
+        # one compiled program for every host: generate groups a batch by CFG on/off, so the
+        # hosts of a multi-host job agree on this
         use_cfg = bool((scales > 1.0).any())
         if use_cfg and uncond is None:
             raise ValueError("a cfg_scale > 1 needs the negative conditioning (uncond)")

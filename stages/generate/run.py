@@ -63,8 +63,10 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     from tqdm import tqdm
 
     from jaxcore.sharding import make_mesh
+    from stages.common.distributed import maybe_initialize_distributed
     from stages.generate import model, render
 
+    maybe_initialize_distributed()
     entries = read_prompt_entries(config.prompt_file)  # syntax errors before anything else
     source = model.describe(config)  # the family and its sizes, no weights
     defaults = source.sampling_defaults()

@@ -8,6 +8,7 @@ import jax
 
 from jaxcore.artifacts import ArtifactWriter, Manifest, open_artifact
 from stages.common.checkpoints import resolve_checkpoint_source
+from stages.common.distributed import maybe_initialize_distributed
 from stages.common.preemption import Preempted
 from stages.train.config import TrainConfig
 
@@ -22,7 +23,7 @@ def run(config: TrainConfig, *, force: bool = False) -> Manifest | None:
     """
     from stages.train import loop
 
-    loop.maybe_initialize_distributed()
+    maybe_initialize_distributed()
     inputs = {}
     data_manifest = open_artifact(config.data, "convert") if config.data else None
     if data_manifest is not None:

@@ -395,10 +395,12 @@ def test_killed_run_leaves_no_manifest_and_rerun_completes(
 def test_two_runs_write_byte_identical_shards(tmp_path, shapes_dir, encoder_dir):
     """Shards are contiguous runs of a hash order of the ids, records serialised
     deterministically: the same source and config give the same bytes, whatever order the
-    runner processed them in (so two trainings on two conversions are the same training)."""
+    runner processed them in (so two trainings on two conversions are the same training):
+    here one worker thread vs the DirectRunner's multi-process mode (2 worker processes)."""
     outs = [tmp_path / "a", tmp_path / "b"]
-    for out in outs:
-        args = _overrides(shapes_dir, encoder_dir, str(out), direct_num_workers=2)
+    modes = [{}, {"direct_num_workers": 2, "direct_running_mode": "multi_processing"}]
+    for out, mode in zip(outs, modes, strict=True):
+        args = _overrides(shapes_dir, encoder_dir, str(out), **mode)
         assert main(["convert", CONFIG, *args]) == 0
     files = sorted(p.relative_to(outs[0]).as_posix() for p in outs[0].rglob("*.tfrecord"))
     assert files and files == sorted(
