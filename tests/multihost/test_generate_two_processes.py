@@ -83,3 +83,43 @@ def test_two_processes_render_what_one_renders(pipeline_dir, tmp_path):
         np.testing.assert_allclose(
             np.load(two / "outputs" / name), np.load(one / "outputs" / name), atol=1e-5, rtol=0
         )
+
+
+@pytest.mark.slow
+def test_a_killed_two_process_job_reruns_only_the_missing_prompts(pipeline_dir, tmp_path):
+    """Both processes SIGKILLed mid-run (a JobSet restarts all of its pods): no manifest, every
+    visible output complete; the rerun renders only what is missing, one manifest."""
+    import signal
+    import subprocess
+    import time
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(f"a blue shape number {i}" for i in range(64)) + "\n")
+    out = tmp_path / "job"
+    argv = _argv(pipeline_dir, prompts, out)
+    port = _free_port()
+    env = [
+        _env(
+            4,
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES="2",
+            JAX_PROCESS_ID=str(i),
+        )
+        for i in range(2)
+    ]
+    procs = [subprocess.Popen(argv, cwd=REPO, env=e, stderr=subprocess.DEVNULL) for e in env]
+    records = out / "records"
+    deadline = time.monotonic() + 600
+    while not (records.is_dir() and len(list(records.glob("*.json"))) >= 8):
+        assert all(p.poll() is None for p in procs), "a process ended before the kill"
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    for proc in procs:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    done_before = len(list(records.glob("*.json")))
+    assert done_before < 64 and not (out / "manifest.json").exists()
+    _run(argv, 2)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["summary"]["rendered_this_run"] == 64 - done_before
+    assert manifest["summary"]["reused"] == done_before
