@@ -257,9 +257,19 @@ def _deep_copy(data: Any) -> Any:
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
-    """YAML file (optional) + overrides -> validated ``cls``."""
+    """YAML file (optional) + overrides -> validated ``cls``.
+
+    A config class may define ``implied_by_overrides(given) -> {path: value}``: values the
+    command line implies for keys it did not set (e.g. a model source given there clears the
+    YAML's other sources); they replace the YAML's before the overrides apply."""
     data = read_yaml(path) if path else {}
-    data = apply_overrides(cls, data, overrides)
+    values = dict(parse_override(text) for text in overrides)
+    implied_by = getattr(cls, "implied_by_overrides", None)
+    if implied_by is not None:
+        given = {tuple(resolve_key(cls, key)): value for key, value in values.items()}
+        implied = implied_by(given)
+        data = apply_values(cls, data, {".".join(p): v for p, v in implied.items()})
+    data = apply_values(cls, data, values)
     return from_dict(cls, data)
 
 

@@ -8,11 +8,15 @@ keys resolve on the command line when unique (``learning_rate=1e-4``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from jaxcore.compute import ComputeConfig
 from jaxcore.sharding import MeshConfig
 from stages.common.objective import ObjectiveSection
+
+# the mutually exclusive model sources of ``model``
+MODEL_SOURCES = ("pretrained_model_name_or_path", "model_config", "init_from")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +41,7 @@ class ModelSection:
     expert: Literal["high", "low"] | None = None
 
     def __post_init__(self):
-        sources = [
-            k
-            for k in ("pretrained_model_name_or_path", "model_config", "init_from")
-            if getattr(self, k)
-        ]
+        sources = [k for k in MODEL_SOURCES if getattr(self, k)]
         if len(sources) != 1:
             raise ValueError(
                 "set exactly one of model.pretrained_model_name_or_path, model.model_config, "
@@ -219,6 +219,19 @@ class TrainConfig:
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
     evaluation: EvalSection = dataclasses.field(default_factory=EvalSection)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+    @classmethod
+    def implied_by_overrides(cls, given: Mapping[tuple[str, ...], Any]) -> dict:
+        """What the command line means beyond its keys: a model source given there replaces
+        the YAML's (two given there still conflict), and ``data=`` means records unless
+        ``dataset_type`` is given too."""
+        implied = {}
+        sources = [("model", key) for key in MODEL_SOURCES]
+        if any(path in given for path in sources):
+            implied.update({path: None for path in sources if path not in given})
+        if given.get(("data",)) and ("input", "dataset_type") not in given:
+            implied[("input", "dataset_type")] = "tfrecord"
+        return implied
 
     def __post_init__(self):
         if self.max_train_steps < 1:

@@ -74,8 +74,9 @@ def test_fractional_per_device_batch_must_make_a_whole_batch():
 
 
 def test_config_errors_name_the_key(tmp_path):
-    with pytest.raises(ValueError, match="exactly one of model"):
-        _config(tmp_path, "model.init_from=/x")
+    with pytest.raises(ValueError, match="exactly one of model"):  # two on the command line
+        _config(tmp_path, "model.init_from=/x", "model.model_config=y.yml")
+    assert _config(tmp_path, "model.init_from=/x").model.model_config is None  # replaces YAML's
     with pytest.raises(ValueError, match="data"):
         _config(tmp_path, "dataset_type=tfrecord")
 

@@ -87,3 +87,27 @@ def test_data_streams_split_over_hosts_without_changing_the_batches(monkeypatch)
         data.stream_shards(shards, 3)
     with pytest.raises(StageInputError, match="6 shard files cannot feed 8 data streams"):
         data.stream_shards(shards, 8)
+
+
+def test_the_readme_fine_tune_command_works_with_the_shipped_yaml():
+    """The YAML picks model_config and synthetic data; `data=... pretrained_model_name_or_path=
+    ...` on the command line means records and that model (two sources there still clash)."""
+    from jaxcore.config import ConfigError, load_config
+    from stages.train.config import TrainConfig
+
+    yml = Path(__file__).resolve().parents[2] / "configs/stages/train.yml"
+    config = load_config(
+        TrainConfig, yml, ["data=/d", "pretrained_model_name_or_path=/p", "output_dir=/o"]
+    )
+    assert config.input.dataset_type == "tfrecord" and config.data == "/d"
+    assert config.model.pretrained_model_name_or_path == "/p"
+    assert config.model.model_config is None and config.model.init_from is None
+    kept = load_config(TrainConfig, yml, ["data=/d", "dataset_type=synthetic", "output_dir=/o"])
+    assert kept.input.dataset_type == "synthetic"
+    assert kept.model.model_config == "configs/models/wan_tiny.yml"  # the YAML's source
+    with pytest.raises((ConfigError, ValueError), match="set exactly one of"):
+        load_config(
+            TrainConfig,
+            yml,
+            ["pretrained_model_name_or_path=/p", "model_config=x.yml", "output_dir=/o"],
+        )
