@@ -47,7 +47,10 @@ class DatasetConfig:
     dataset_split: str = "train"
     media_column: str = "image"
     caption_column: str = "text"
-    id_column: str | None = "id"  # None: the row index is the id
+    # "auto": the `id` column when there is one, else the media file's path relative to the
+    # dataset folder, else a hash of the row's media bytes and caption (never the row index,
+    # which changes when rows are added); a column name; or None: the row index.
+    id_column: str | None = "auto"
     max_items: int | None = None
 
     def __post_init__(self):

@@ -100,17 +100,23 @@ class ReadRows(beam.DoFn):
         self._rows_read = Metrics.counter(NAMESPACE, ROWS_READ)
 
     def setup(self):
-        from stages.convert.source import load_source
+        from stages.convert.source import dataset_root, id_kind, load_source
 
         self._dataset = load_source(self._config)
+        # the same rule the driver applied to the same dataset (source.source_ids)
+        self._id_kind = id_kind(self._dataset, self._config)
+        self._root = dataset_root(self._config)
 
     def process(self, row_range: tuple[int, int]) -> Iterator[tuple[str, object, object]]:
+        from stages.convert.source import row_id
+
         start, stop = row_range
         chunk = self._dataset[start:stop]
         cfg = self._config
         for offset in range(stop - start):
             index = start + offset
-            sid = f"row-{index}" if cfg.id_column is None else str(chunk[cfg.id_column][offset])
+            row = {name: values[offset] for name, values in chunk.items()}
+            sid = row_id(self._id_kind, index, row, cfg, self._root)
             self._rows_read.inc()
             yield sid, chunk[cfg.media_column][offset], chunk[cfg.caption_column][offset]
 

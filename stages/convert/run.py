@@ -54,7 +54,7 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
 
     dataset = load_source(config.dataset)
     info = describe(dataset, config.dataset)
-    ids = source_ids(dataset, config.dataset)
+    ids, id_source = source_ids(dataset, config.dataset)
     if not ids:
         raise StageInputError(f"source {config.dataset.source}: the dataset has no rows")
     del dataset  # workers open their own copy
@@ -97,7 +97,7 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
     counters, _ = _run_beam(config, info.num_rows, encoders, plan, writer.uri)
     write_empty_shards(writer.uri, plan)
     seconds = time.perf_counter() - started
-    summary = _summary(config, info, encoders, plan, counters, writer.uri, seconds)
+    summary = _summary(config, info, encoders, plan, counters, writer.uri, seconds, id_source)
     _check_bad_fraction(config, summary)
     return writer.commit(summary)
 
@@ -144,7 +144,9 @@ def _job_name(run_name: str) -> str:
     return f"difforge-{cleaned or 'convert'}"[:63]
 
 
-def _summary(config, info, encoders, plan, counters: dict, uri: str, seconds: float) -> dict:
+def _summary(
+    config, info, encoders, plan, counters: dict, uri: str, seconds: float, id_source: str
+) -> dict:
     files = storage.list_files(uri)
     shard_list = {
         s: [f.path for f in files if f.path.startswith(f"{s}/") and f.path.endswith(".tfrecord")]
@@ -163,6 +165,7 @@ def _summary(config, info, encoders, plan, counters: dict, uri: str, seconds: fl
             "media_column": config.dataset.media_column,
             "caption_column": config.dataset.caption_column,
             "id_column": config.dataset.id_column,
+            "id_source": id_source,
         },
         "encoder": {
             "pretrained_model_name_or_path": config.encoder.pretrained_model_name_or_path,

@@ -15,7 +15,9 @@ stage decodes (and counts failures) itself.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,8 +98,10 @@ def _check_columns(dataset, config: DatasetConfig) -> None:
     columns = list(dataset.column_names)
     for key in ("media_column", "caption_column", "id_column"):
         name = getattr(config, key)
+        if key == "id_column" and name == AUTO:
+            continue
         if name is not None and name not in columns:
-            hint = " (or id_column=null to use the row index)" if key == "id_column" else ""
+            hint = " (or id_column=auto)" if key == "id_column" else ""
             raise StageInputError(
                 f"source {config.source}: {key}={name!r} is not a column; columns are "
                 f"{columns}{hint}"
@@ -116,23 +120,92 @@ def _undecoded(dataset, column: str):
     return dataset
 
 
-def source_ids(dataset, config: DatasetConfig) -> list[str]:
-    """Stable id of every row: the ``id_column`` value, or ``row-<index>`` without one.
+AUTO = "auto"
+ID_MEDIA_PATH = "media_path"
+ID_CONTENT_HASH = "content_hash"
+ID_ROW_INDEX = "row_index"
+
+
+def id_kind(dataset, config: DatasetConfig) -> str:
+    """How rows are identified: ``column:<name>``, ``media_path``, ``content_hash`` or
+    ``row_index`` (see ``DatasetConfig.id_column``); recorded in the manifest."""
+    if config.id_column is None:
+        return ID_ROW_INDEX
+    if config.id_column != AUTO:
+        return f"column:{config.id_column}"
+    if "id" in dataset.column_names:
+        return "column:id"
+    if len(dataset) and _media_path(dataset[0][config.media_column]):
+        return ID_MEDIA_PATH
+    return ID_CONTENT_HASH
+
+
+def _media_path(cell) -> str:
+    if isinstance(cell, str):
+        return cell
+    if isinstance(cell, dict):
+        return cell.get("path") or ""
+    return ""
+
+
+def row_id(kind: str, index: int, row: dict, config: DatasetConfig, root: str | None) -> str:
+    """The stable id of one row (``row``: column -> undecoded value) under ``kind``."""
+    if kind == ID_ROW_INDEX:
+        return f"row-{index}"
+    if kind.startswith("column:"):
+        return str(row[kind.removeprefix("column:")])
+    cell = row[config.media_column]
+    path = _media_path(cell)
+    if kind == ID_MEDIA_PATH and path:
+        if root and os.path.isabs(path) and os.path.commonpath([root, path]) == root:
+            return os.path.relpath(path, root).replace(os.sep, "/")
+        return path
+    from stages.convert import media
+
+    try:
+        data, _ = media.media_bytes(cell)
+    except media.DropItem:  # no media: the caption alone (the row is dropped later anyway)
+        data = b""
+    caption = str(row.get(config.caption_column) or "")
+    digest = hashlib.sha256(data + b"\0" + caption.encode("utf-8")).hexdigest()
+    return f"sha256-{digest[:24]}"
+
+
+def dataset_root(config: DatasetConfig) -> str | None:
+    """The local folder media paths are relative to (None: not a local folder)."""
+    from jaxcore import storage
+
+    source = config.source
+    local = storage.local_copy(source) if storage.is_gcs(source) else Path(source)
+    return str(local.resolve()) if local.is_dir() else None
+
+
+def source_ids(dataset, config: DatasetConfig) -> tuple[list[str], str]:
+    """(stable id of every row, the id kind used; see :func:`id_kind`).
 
     Duplicate ids would let one item land in both splits' bookkeeping: they are an error.
     """
-    if config.id_column is None:
-        return [f"row-{i}" for i in range(len(dataset))]
-    ids = [str(v) for v in dataset[config.id_column]]
-    seen: set[str] = set()
+    kind = id_kind(dataset, config)
+    root = dataset_root(config)
+    if kind == ID_ROW_INDEX:
+        ids = [f"row-{i}" for i in range(len(dataset))]
+    elif kind.startswith("column:"):
+        ids = [str(v) for v in dataset[kind.removeprefix("column:")]]
+    else:
+        ids = [row_id(kind, i, row, config, root) for i, row in enumerate(dataset)]
+    seen: dict[str, int] = {}
     for index, sid in enumerate(ids):
         if sid in seen:
+            what = {
+                ID_MEDIA_PATH: "two rows name the same media file",
+                ID_CONTENT_HASH: "two rows have the same media and caption",
+            }.get(kind, f"id_column {kind.removeprefix('column:')!r} repeats it")
             raise StageInputError(
-                f"source {config.source}: id_column {config.id_column!r} repeats {sid!r} "
-                f"(row {index}); ids must be unique"
+                f"source {config.source}: rows {seen[sid]} and {index} have the same id "
+                f"{sid!r} ({what}); ids must be unique"
             )
-        seen.add(sid)
-    return ids
+        seen[sid] = index
+    return ids, kind
 
 
 def describe(dataset, config: DatasetConfig) -> SourceInfo:

@@ -274,7 +274,8 @@ def test_synthetic_dataset_loads_with_datasets(tmp_path, layout):
     )
     dataset = load_source(DatasetConfig(source=str(directory)))
     assert len(dataset) == 6
-    ids = source_ids(dataset, DatasetConfig(source=str(directory)))
+    ids, kind = source_ids(dataset, DatasetConfig(source=str(directory)))
+    assert kind == "column:id"
     assert sorted(ids) == [f"shape-2-{i:05d}" for i in range(6)]
     row = dataset[0]
     assert set(row["image"]) == {"bytes", "path"}  # undecoded: the stage decodes and counts
@@ -308,3 +309,54 @@ def test_shards_are_contiguous_runs_of_the_hash_order():
     ordered = sorted(ids, key=lambda sid: split.shard_key(sid, 3))
     assert [index[sid] for sid in ordered] == sorted(index.values())  # contiguous runs
     assert split.shard_index((0.0, ""), ()) == 0
+
+
+# ---------------------------------------------------------------------------- stable ids
+
+
+def _plain_imagefolder(folder: Path, names: list[str]) -> Path:
+    """An imagefolder as a user has one: images and a caption file, no id column."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, name in enumerate(names):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8), (10 * i, 0, 0)).save(folder / name)
+        rows.append({"file_name": name, "text": f"caption {i}"})
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_auto_ids_are_media_paths_and_survive_added_rows(tmp_path):
+    from stages.convert.config import DatasetConfig
+    from stages.convert.source import load_source, source_ids
+
+    folder = _plain_imagefolder(tmp_path / "imgs", ["a.png", "sub/b.png"])
+    config = DatasetConfig(source=str(folder))
+    ids, kind = source_ids(load_source(config), config)
+    assert kind == "media_path" and sorted(ids) == ["a.png", "sub/b.png"]
+    _plain_imagefolder(folder, ["a.png", "sub/b.png", "c.png"])  # a row arrives
+    more, _ = source_ids(load_source(config), config)
+    assert set(ids) < set(more)  # the earlier rows keep their ids
+
+
+def test_auto_ids_hash_content_without_paths_and_prefer_an_id_column(tmp_path):
+    import datasets
+
+    from stages.convert.config import DatasetConfig
+    from stages.convert.source import load_source, source_ids
+
+    images = [_png(np.full((4, 4, 3), v, np.uint8)) for v in (1, 2)]
+    table = datasets.Dataset.from_dict({"image": images, "text": ["x", "y"]})
+    table.save_to_disk(str(tmp_path / "bytes"))
+    config = DatasetConfig(source=str(tmp_path / "bytes"))
+    ids, kind = source_ids(load_source(config), config)
+    assert kind == "content_hash" and all(i.startswith("sha256-") for i in ids)
+    assert len(set(ids)) == 2
+    again, _ = source_ids(load_source(config), config)
+    assert again == ids
+
+    table.add_column("id", ["one", "two"]).save_to_disk(str(tmp_path / "with_id"))
+    config = DatasetConfig(source=str(tmp_path / "with_id"))
+    assert source_ids(load_source(config), config) == (["one", "two"], "column:id")

@@ -392,6 +392,22 @@ def test_killed_run_leaves_no_manifest_and_rerun_completes(
     _check_artifact(str(out), direct, shapes_dir)
 
 
+def test_a_plain_imagefolder_converts_with_media_path_ids(tmp_path, encoder_dir):
+    """No id column (an imagefolder as users have one): ids are the images' paths in the
+    folder, recorded in the manifest as such."""
+    from jaxcore.artifacts import open_artifact
+    from tests.stages.test_convert_elements import _plain_imagefolder
+
+    folder = _plain_imagefolder(tmp_path / "imgs", [f"img{i}.png" for i in range(6)])
+    out = tmp_path / "converted"
+    args = _overrides(folder, encoder_dir, str(out), eval_fraction=0.0)
+    assert main(["convert", CONFIG, *args]) == 0
+    manifest = open_artifact(str(out), "convert")
+    assert manifest.summary["source"]["id_source"] == "media_path"
+    rows = _read_split(manifest, "train")
+    assert sorted(r[records.SOURCE_ID].decode() for r in rows) == [f"img{i}.png" for i in range(6)]
+
+
 def test_two_runs_write_byte_identical_shards(tmp_path, shapes_dir, encoder_dir):
     """Shards are contiguous runs of a hash order of the ids, records serialised
     deterministically: the same source and config give the same bytes, whatever order the
