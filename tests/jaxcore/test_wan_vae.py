@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from diffusers import AutoencoderKLWan
 
 from jaxcore import sharding, weights
 from jaxcore.models import wan_vae
+from tests.support import wan_vae_reference as ref
 
 # fp32 on CPU, highest matmul precision (conftest). Reached: encode mean/logvar <= 6e-7,
 # decode <= 1.3e-6 max abs (|values| ~1) on the tiny configs; the rest is conv summation order.
@@ -45,83 +45,40 @@ TINY_3LEVEL = dict(
 )
 
 
-def _save_reference(directory, config_kwargs, seed=0):
-    torch.manual_seed(seed)
-    model = AutoencoderKLWan(**config_kwargs).eval()
-    # RMS-norm gammas start at ones; perturb them so a wrong mapping cannot pass.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("gamma"):
-                param.add_(0.2 * torch.randn_like(param))
-    model.save_pretrained(directory)
-    return model
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("wan_vae_tiny")
-    model = _save_reference(directory, TINY)
+    model = ref.save_reference(directory, TINY)
     module, params = wan_vae.load_wan_vae(directory)
     return model, module, params, directory
-
-
-def _video(shape, seed=0):
-    return np.random.default_rng(seed).uniform(-1, 1, size=shape).astype(np.float32)
-
-
-def _latents(shape, seed=1):
-    return np.random.default_rng(seed).standard_normal(size=shape).astype(np.float32)
-
-
-def _torch_posterior(model, video):
-    with torch.no_grad():
-        dist = model.encode(torch.from_numpy(video)).latent_dist
-    return dist.mean.numpy(), dist.logvar.numpy()
-
-
-def _torch_decode(model, z):
-    with torch.no_grad():
-        return model.decode(torch.from_numpy(z)).sample.numpy()
-
-
-def _max_err(got, expected):
-    got = np.asarray(got)
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    return float(np.abs(got - expected).max())
-
-
-def _assert_not_all_clamped(video):
-    # Decoder output is clamped to [-1, 1]; make sure most of it is not a saturated constant.
-    inside = np.abs(video) < 0.999
-    assert inside.mean() > 0.5, f"only {inside.mean():.0%} of the reference is unclamped"
 
 
 @pytest.mark.parametrize("frames", [1, 5, 9])
 def test_encode_matches_diffusers(tiny, frames):
     model, module, params, _ = tiny
-    video = _video((1, 3, frames, 16, 24), seed=frames)
-    mean_ref, logvar_ref = _torch_posterior(model, video)
+    video = ref.video((1, 3, frames, 16, 24), seed=frames)
+    mean_ref, logvar_ref = ref.torch_posterior(model, video)
 
     posterior = wan_vae.encode(module, params, jnp.asarray(video))
 
     # tiny: x2 temporal -> 1 + 2k latent frames for 1 + 4k frames, x2 spatial.
     assert mean_ref.shape == (1, 4, 1 + (frames - 1) // 2, 8, 12)
-    assert _max_err(posterior.mean, mean_ref) < ATOL
-    assert _max_err(posterior.logvar, logvar_ref) < ATOL
+    assert ref.max_err(posterior.mean, mean_ref) < ATOL
+    assert ref.max_err(posterior.logvar, logvar_ref) < ATOL
     assert np.abs(mean_ref).max() > 0.05  # not a degenerate all-zero comparison
 
 
 @pytest.mark.parametrize("latent_frames", [1, 2, 3])
 def test_decode_matches_diffusers(tiny, latent_frames):
     model, module, params, _ = tiny
-    z = _latents((1, 4, latent_frames, 8, 12), seed=latent_frames)
-    expected = _torch_decode(model, z)
-    _assert_not_all_clamped(expected)
+    z = ref.latents((1, 4, latent_frames, 8, 12), seed=latent_frames)
+    expected = ref.torch_decode(model, z)
+    ref.assert_not_all_clamped(expected)
 
     got = wan_vae.decode(module, params, jnp.asarray(z))
 
     assert expected.shape == (1, 3, 1 + 2 * (latent_frames - 1), 16, 24)
-    assert _max_err(got, expected) < ATOL
+    assert ref.max_err(got, expected) < ATOL
 
 
 def test_module_methods_match_diffusers_forward(tiny):
@@ -130,51 +87,51 @@ def test_module_methods_match_diffusers_forward(tiny):
     One frame keeps this eager (op-by-op) run fast; the multi-chunk rules are covered above.
     """
     model, module, params, _ = tiny
-    video = _video((1, 3, 1, 8, 8), seed=7)
+    video = ref.video((1, 3, 1, 8, 8), seed=7)
     with torch.no_grad():
         expected = model(torch.from_numpy(video)).sample.numpy()
-    mean_ref, _ = _torch_posterior(model, video)
+    mean_ref, _ = ref.torch_posterior(model, video)
 
     got, _ = module.apply({"params": params}, jnp.asarray(video), mutable=["cache"])
     posterior, _ = module.apply(
         {"params": params}, jnp.asarray(video), method="encode", mutable=["cache"]
     )
 
-    assert _max_err(got, expected) < ATOL
-    assert _max_err(posterior.mean, mean_ref) < ATOL
+    assert ref.max_err(got, expected) < ATOL
+    assert ref.max_err(posterior.mean, mean_ref) < ATOL
 
 
 def test_three_levels_batch_two_and_latent_statistics(tmp_path):
-    model = _save_reference(tmp_path, TINY_3LEVEL, seed=3)
+    model = ref.save_reference(tmp_path, TINY_3LEVEL, seed=3)
     module, params = wan_vae.load_wan_vae(tmp_path)
     config = module.config
     assert (config.spatial_compression, config.temporal_compression) == (4, 4)
-    video = _video((2, 3, 9, 16, 16), seed=3)
-    mean_ref, logvar_ref = _torch_posterior(model, video)
+    video = ref.video((2, 3, 9, 16, 16), seed=3)
+    mean_ref, logvar_ref = ref.torch_posterior(model, video)
 
     posterior = wan_vae.encode(module, params, jnp.asarray(video))
 
     assert mean_ref.shape == (2, 4, 3, 4, 4)
-    assert _max_err(posterior.mean, mean_ref) < ATOL
-    assert _max_err(posterior.logvar, logvar_ref) < ATOL
+    assert ref.max_err(posterior.mean, mean_ref) < ATOL
+    assert ref.max_err(posterior.logvar, logvar_ref) < ATOL
 
     # The pipeline path: the diffusion model works on normalised latents; before decoding they
     # are denormalised with WanPipeline's formula z / (1 / std) + mean.
-    z_norm = _latents((2, 4, 3, 4, 4), seed=4)
+    z_norm = ref.latents((2, 4, 3, 4, 4), seed=4)
     mean_t = torch.tensor(TINY_3LEVEL["latents_mean"]).view(1, 4, 1, 1, 1)
     inv_std_t = 1.0 / torch.tensor(TINY_3LEVEL["latents_std"]).view(1, 4, 1, 1, 1)
     z_ref = (torch.from_numpy(z_norm) / inv_std_t + mean_t).numpy()
     z = wan_vae.denormalize_latents(jnp.asarray(z_norm), config)
-    assert _max_err(z, z_ref) < 1e-6
-    expected = _torch_decode(model, z_ref)
-    _assert_not_all_clamped(expected)
+    assert ref.max_err(z, z_ref) < 1e-6
+    expected = ref.torch_decode(model, z_ref)
+    ref.assert_not_all_clamped(expected)
     assert expected.shape == (2, 3, 9, 16, 16)
-    assert _max_err(wan_vae.decode(module, params, z), expected) < ATOL
+    assert ref.max_err(wan_vae.decode(module, params, z), expected) < ATOL
 
 
 def test_normalize_latents_matches_pipeline_and_round_trips():
     config = wan_vae.WanVAEConfig.from_dict(TINY_3LEVEL)
-    z = _latents((1, 4, 2, 3, 5), seed=5)
+    z = ref.latents((1, 4, 2, 3, 5), seed=5)
     mean_t = torch.tensor(config.latents_mean).view(1, 4, 1, 1, 1)
     inv_std_t = 1.0 / torch.tensor(config.latents_std).view(1, 4, 1, 1, 1)
     # WanImageToVideoPipeline.prepare_latents: (latents - mean) * (1 / std)
@@ -182,9 +139,9 @@ def test_normalize_latents_matches_pipeline_and_round_trips():
 
     z_norm = wan_vae.normalize_latents(jnp.asarray(z), config)
 
-    assert _max_err(z_norm, expected) < 1e-6
+    assert ref.max_err(z_norm, expected) < 1e-6
     assert not np.allclose(np.asarray(z_norm), z)  # the statistics really apply
-    assert _max_err(wan_vae.denormalize_latents(z_norm, config), z) < 1e-6
+    assert ref.max_err(wan_vae.denormalize_latents(z_norm, config), z) < 1e-6
     with pytest.raises(ValueError, match=r"\[B, 4, F, H, W\]"):
         wan_vae.normalize_latents(jnp.zeros((1, 3, 1, 2, 2)), config)
 
@@ -195,12 +152,12 @@ def test_sharded_load_matches_unsharded(tiny):
     sharded_module, sharded_params = wan_vae.load_wan_vae(directory, mesh=mesh)
     leaf = sharded_params["decoder"]["conv_in"]["kernel"]
     assert len(leaf.sharding.device_set) == 8 and leaf.sharding.is_fully_replicated
-    video = _video((1, 3, 1, 8, 8), seed=11)
+    video = ref.video((1, 3, 1, 8, 8), seed=11)
 
     got = wan_vae.encode(sharded_module, sharded_params, jnp.asarray(video)).mean
     expected = wan_vae.encode(module, params, jnp.asarray(video)).mean
 
-    assert _max_err(got, np.asarray(expected)) < 1e-6
+    assert ref.max_err(got, np.asarray(expected)) < 1e-6
 
 
 def test_init_matches_checkpoint_layout(tiny):
@@ -273,7 +230,7 @@ def test_bad_latents_and_missing_cache_are_errors(tiny):
 
 
 def test_unexpected_checkpoint_key_is_reported(tmp_path):
-    model = _save_reference(tmp_path, TINY)
+    model = ref.save_reference(tmp_path, TINY)
     config = wan_vae.WanVAEConfig.from_dict(dict(model.config))
     assert dataclasses.asdict(config)["z_dim"] == 4
     state = {k: v.numpy() for k, v in model.state_dict().items()}
@@ -287,15 +244,15 @@ def test_unexpected_checkpoint_key_is_reported(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("frames", [13, 17])
 def test_larger_video_round_trip_matches_diffusers(tmp_path, frames):
-    model = _save_reference(tmp_path, {**TINY_3LEVEL, "num_res_blocks": 2}, seed=5)
+    model = ref.save_reference(tmp_path, {**TINY_3LEVEL, "num_res_blocks": 2}, seed=5)
     module, params = wan_vae.load_wan_vae(tmp_path)
-    video = _video((1, 3, frames, 32, 48), seed=frames)
-    mean_ref, logvar_ref = _torch_posterior(model, video)
+    video = ref.video((1, 3, frames, 32, 48), seed=frames)
+    mean_ref, logvar_ref = ref.torch_posterior(model, video)
     posterior = wan_vae.encode(module, params, jnp.asarray(video))
-    assert _max_err(posterior.mean, mean_ref) < ATOL
-    assert _max_err(posterior.logvar, logvar_ref) < ATOL
-    expected = _torch_decode(model, mean_ref)
-    assert _max_err(wan_vae.decode(module, params, jnp.asarray(mean_ref)), expected) < ATOL
+    assert ref.max_err(posterior.mean, mean_ref) < ATOL
+    assert ref.max_err(posterior.logvar, logvar_ref) < ATOL
+    expected = ref.torch_decode(model, mean_ref)
+    assert ref.max_err(wan_vae.decode(module, params, jnp.asarray(mean_ref)), expected) < ATOL
 
 
 def test_bfloat16_encode_tracks_float32(tiny):
@@ -303,10 +260,10 @@ def test_bfloat16_encode_tracks_float32(tiny):
     follow the dtype. Bound: bf16 has 8 mantissa bits, |mean| ~1 -> within 3e-2."""
     _, module, params, directory = tiny
     module16, params16 = wan_vae.load_wan_vae(directory, dtype=jnp.bfloat16)
-    video = jnp.asarray(_video((1, 3, 5, 8, 8), seed=13))
+    video = jnp.asarray(ref.video((1, 3, 5, 8, 8), seed=13))
 
     got = wan_vae.encode(module16, params16, video).mean
     expected = wan_vae.encode(module, params, video).mean
 
     assert got.dtype == jnp.bfloat16
-    assert _max_err(got.astype(jnp.float32), np.asarray(expected)) < 3e-2
+    assert ref.max_err(got.astype(jnp.float32), np.asarray(expected)) < 3e-2

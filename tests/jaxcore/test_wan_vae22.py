@@ -24,6 +24,7 @@ from diffusers.models.autoencoders import autoencoder_kl_wan as reference
 from flax import linen as nn
 
 from jaxcore.models import wan_vae, wan_vae_residual
+from tests.support import wan_vae_reference as ref
 
 ATOL = 1e-5
 
@@ -89,13 +90,7 @@ WAN22_TI2V_5B = dict(
 
 def _save_reference(directory, config_kwargs, seed=0):
     """Random diffusers model saved like a hub checkpoint; returns it reloaded from disk."""
-    torch.manual_seed(seed)
-    model = AutoencoderKLWan(**config_kwargs).eval()
-    with torch.no_grad():  # gammas start at ones; perturb so a wrong mapping cannot pass
-        for name, param in model.named_parameters():
-            if name.endswith("gamma"):
-                param.add_(0.2 * torch.randn_like(param))
-    model.save_pretrained(directory)
+    ref.save_reference(directory, config_kwargs, seed)
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())
     config["clip_output"] = False  # as in the real Wan2.2-TI2V-5B-Diffusers config
@@ -111,36 +106,6 @@ def tiny22(tmp_path_factory):
     return model, module, params, directory
 
 
-def _video(shape, seed=0):
-    return np.random.default_rng(seed).uniform(-1, 1, size=shape).astype(np.float32)
-
-
-def _latents(shape, seed=1):
-    return np.random.default_rng(seed).standard_normal(size=shape).astype(np.float32)
-
-
-def _torch_posterior(model, video):
-    with torch.no_grad():
-        dist = model.encode(torch.from_numpy(video)).latent_dist
-    return dist.mean.numpy(), dist.logvar.numpy()
-
-
-def _torch_decode(model, z):
-    with torch.no_grad():
-        return model.decode(torch.from_numpy(z)).sample.numpy()
-
-
-def _max_err(got, expected):
-    got = np.asarray(got)
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    return float(np.abs(got - expected).max())
-
-
-def _assert_not_all_clamped(video):
-    inside = np.abs(video) < 0.999
-    assert inside.mean() > 0.5, f"only {inside.mean():.0%} of the reference is unclamped"
-
-
 # -- the parameter-free reshapes, against diffusers' own functions and modules ---------------
 
 
@@ -153,7 +118,7 @@ def _channel_first(x):
 
 
 def test_patchify_and_unpatchify_match_diffusers():
-    video = _video((2, 3, 2, 6, 8), seed=1)
+    video = ref.video((2, 3, 2, 6, 8), seed=1)
     expected = reference.patchify(torch.from_numpy(video), 2).numpy()
     got = wan_vae_residual.patchify(_channel_last(video), 2)
     np.testing.assert_array_equal(_channel_first(got), expected)
@@ -169,11 +134,11 @@ def test_patchify_and_unpatchify_match_diffusers():
     [(8, 16, 2, 2, 1), (8, 8, 1, 2, 4), (6, 8, 2, 2, 3)],
 )
 def test_avg_down_3d_matches_diffusers(c_in, c_out, factor_t, factor_s, frames):
-    x = _video((2, c_in, frames, 4, 6), seed=c_in + frames)
+    x = ref.video((2, c_in, frames, 4, 6), seed=c_in + frames)
     module = reference.AvgDown3D(c_in, c_out, factor_t, factor_s)
     expected = module(torch.from_numpy(x)).numpy()
     got = wan_vae_residual.avg_down_3d(_channel_last(x), c_out, factor_t, factor_s)
-    assert _max_err(_channel_first(got), expected) < 1e-6
+    assert ref.max_err(_channel_first(got), expected) < 1e-6
 
 
 @pytest.mark.parametrize(
@@ -181,7 +146,7 @@ def test_avg_down_3d_matches_diffusers(c_in, c_out, factor_t, factor_s, frames):
     [(16, 16, 2, True), (16, 8, 2, False), (8, 6, 1, True)],
 )
 def test_dup_up_3d_matches_diffusers(c_in, c_out, factor_t, first_chunk):
-    x = _video((2, c_in, 2, 2, 3), seed=c_in)
+    x = ref.video((2, c_in, 2, 2, 3), seed=c_in)
     module = reference.DupUp3D(c_in, c_out, factor_t, 2)
     expected = module(torch.from_numpy(x), first_chunk=first_chunk).numpy()
     got = wan_vae_residual.dup_up_3d(_channel_last(x), c_out, factor_t, 2, first_chunk)
@@ -194,29 +159,29 @@ def test_dup_up_3d_matches_diffusers(c_in, c_out, factor_t, first_chunk):
 @pytest.mark.parametrize("frames", [1, 5, 9])
 def test_encode_matches_diffusers(tiny22, frames):
     model, module, params, _ = tiny22
-    video = _video((1, 3, frames, 16, 24), seed=frames)
-    mean_ref, logvar_ref = _torch_posterior(model, video)
+    video = ref.video((1, 3, frames, 16, 24), seed=frames)
+    mean_ref, logvar_ref = ref.torch_posterior(model, video)
 
     posterior = wan_vae.encode(module, params, jnp.asarray(video))
 
     # x8 spatial (patch 2, two downsampling levels), x2 temporal.
     assert mean_ref.shape == (1, 8, 1 + (frames - 1) // 2, 2, 3)
-    assert _max_err(posterior.mean, mean_ref) < ATOL
-    assert _max_err(posterior.logvar, logvar_ref) < ATOL
+    assert ref.max_err(posterior.mean, mean_ref) < ATOL
+    assert ref.max_err(posterior.logvar, logvar_ref) < ATOL
     assert np.abs(mean_ref).max() > 0.05  # not a degenerate all-zero comparison
 
 
 @pytest.mark.parametrize("latent_frames", [1, 2, 3])
 def test_decode_matches_diffusers(tiny22, latent_frames):
     model, module, params, _ = tiny22
-    z = _latents((1, 8, latent_frames, 2, 3), seed=latent_frames)
-    expected = _torch_decode(model, z)
-    _assert_not_all_clamped(expected)
+    z = ref.latents((1, 8, latent_frames, 2, 3), seed=latent_frames)
+    expected = ref.torch_decode(model, z)
+    ref.assert_not_all_clamped(expected)
 
     got = wan_vae.decode(module, params, jnp.asarray(z))
 
     assert expected.shape == (1, 3, 1 + 2 * (latent_frames - 1), 16, 24)
-    assert _max_err(got, expected) < ATOL
+    assert ref.max_err(got, expected) < ATOL
 
 
 def test_config_geometry_and_checkpoint_layout(tiny22):
@@ -238,19 +203,19 @@ def test_odd_residual_config_batch_two_matches_diffusers(tmp_path):
     model = _save_reference(tmp_path, ODD, seed=3)
     module, params = wan_vae.load_wan_vae(tmp_path)
     assert (module.config.spatial_compression, module.config.temporal_compression) == (8, 4)
-    video = _video((2, 3, 9, 16, 24), seed=3)
-    mean_ref, logvar_ref = _torch_posterior(model, video)
+    video = ref.video((2, 3, 9, 16, 24), seed=3)
+    mean_ref, logvar_ref = ref.torch_posterior(model, video)
 
     posterior = wan_vae.encode(module, params, jnp.asarray(video))
 
     assert mean_ref.shape == (2, 8, 3, 2, 3)
-    assert _max_err(posterior.mean, mean_ref) < ATOL
-    assert _max_err(posterior.logvar, logvar_ref) < ATOL
-    z = _latents((2, 8, 3, 2, 3), seed=4)
-    expected = _torch_decode(model, z)
-    _assert_not_all_clamped(expected)
+    assert ref.max_err(posterior.mean, mean_ref) < ATOL
+    assert ref.max_err(posterior.logvar, logvar_ref) < ATOL
+    z = ref.latents((2, 8, 3, 2, 3), seed=4)
+    expected = ref.torch_decode(model, z)
+    ref.assert_not_all_clamped(expected)
     assert expected.shape == (2, 3, 9, 16, 24)
-    assert _max_err(wan_vae.decode(module, params, jnp.asarray(z)), expected) < ATOL
+    assert ref.max_err(wan_vae.decode(module, params, jnp.asarray(z)), expected) < ATOL
 
 
 def _meta_model(config_kwargs):
@@ -346,11 +311,11 @@ def test_real_shaped_tiny_model_long_clip_matches_diffusers(tmp_path):
     config |= {"latents_mean": [0.0] * 8, "latents_std": [1.0] * 8}
     model = _save_reference(tmp_path, config, seed=5)
     module, params = wan_vae.load_wan_vae(tmp_path)
-    video = _video((1, 3, 17, 32, 48), seed=17)
-    mean_ref, logvar_ref = _torch_posterior(model, video)
+    video = ref.video((1, 3, 17, 32, 48), seed=17)
+    mean_ref, logvar_ref = ref.torch_posterior(model, video)
     posterior = wan_vae.encode(module, params, jnp.asarray(video))
     assert mean_ref.shape == (1, 8, 5, 2, 3)
-    assert _max_err(posterior.mean, mean_ref) < ATOL
-    assert _max_err(posterior.logvar, logvar_ref) < ATOL
-    expected = _torch_decode(model, mean_ref)
-    assert _max_err(wan_vae.decode(module, params, jnp.asarray(mean_ref)), expected) < ATOL
+    assert ref.max_err(posterior.mean, mean_ref) < ATOL
+    assert ref.max_err(posterior.logvar, logvar_ref) < ATOL
+    expected = ref.torch_decode(model, mean_ref)
+    assert ref.max_err(wan_vae.decode(module, params, jnp.asarray(mean_ref)), expected) < ATOL
