@@ -60,6 +60,11 @@ class SecondExpert:
     placement: str = "device"
 
 
+def _for_expert(loaded, expert: str) -> list:
+    """``(LoRA file, scale)`` of the loaded ``(file, scale, expert)`` uses for one expert."""
+    return [(file, scale) for file, scale, target in loaded if target == expert]
+
+
 def to_host(params):
     """(host copy, shardings) of a placed parameter tree (the device copy is released)."""
     shardings = jax.tree.map(lambda a: a.sharding, params)
@@ -173,7 +178,7 @@ class Pipeline:
                     ("high", self.base_denoiser_params),
                     ("low", self.base_second_params),
                 ):
-                    files = [(f, s) for f, s, e in loaded if e == expert]
+                    files = _for_expert(loaded, expert)
                     if files:
                         self._lora_merger(base).plan(files, strict=strict)
 
@@ -193,7 +198,7 @@ class Pipeline:
         return tuple(uses)
 
     def _merged(self, base, loaded, expert: str, strict: bool):
-        files = [(f, s) for f, s, e in loaded if e == expert]
+        files = _for_expert(loaded, expert)
         return self._lora_merger(base).merged(files, strict=strict) if files else base
 
     def _loaded(self, wanted):

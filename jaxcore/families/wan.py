@@ -750,7 +750,7 @@ class WanFamily(Family):
         shape = self.latent_shape(pipe.configs, height, width, num_frames)
         if pipe.configs["pipeline"].expand_timesteps:
             return self._first_frame_conditioning(pipe, images, height, width, shape)
-        out = self._concat_conditioning(pipe, images, height, width, num_frames, shape)
+        out = self._concat_conditioning(pipe, images, height, width, num_frames)
         if "image_encoder" in pipe.configs:
             out[IMAGE_EMBEDS] = self._image_embeddings(pipe, images)
         return out
@@ -772,9 +772,8 @@ class WanFamily(Family):
                 weight[row] = 1.0
         return {FIRST_FRAME: latents, FIRST_FRAME_WEIGHT: weight}
 
-    def _concat_conditioning(self, pipe, images, height, width, num_frames, shape):
+    def _concat_conditioning(self, pipe, images, height, width, num_frames):
         """I2V: per row the clip ``[image, black..., last_image?]`` encoded, behind the mask."""
-        del shape
         firsts = np.stack([pixels(image, height, width) for image, _ in images])
         lasts = [None if last is None else pixels(last, height, width) for _, last in images]
 

@@ -192,7 +192,8 @@ def source_ids(dataset, config: DatasetConfig) -> tuple[list[str], str]:
     elif kind.startswith("column:"):
         ids = [str(v) for v in dataset[kind.removeprefix("column:")]]
     else:
-        ids = [row_id(kind, i, row, config, root) for i, row in enumerate(dataset)]
+        needed = dataset.select_columns([config.media_column, config.caption_column])
+        ids = [row_id(kind, i, row, config, root) for i, row in enumerate(needed)]
     seen: dict[str, int] = {}
     for index, sid in enumerate(ids):
         if sid in seen:

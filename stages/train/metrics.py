@@ -78,12 +78,11 @@ class MetricsLog:
         """Keep the rows of steps <= ``step`` from an earlier (interrupted) run."""
         if not storage.exists(self.uri):
             return
-        rows = read_rows(self.uri)
+        text = storage.read_text(self.uri)
+        rows = _parse_rows(text)
         self.rows = [r for r in rows if r["step"] <= step]
         self._written = len(self.rows)
-        self._rewrite = len(self.rows) != len(rows) or not storage.read_text(self.uri).endswith(
-            "\n"
-        )
+        self._rewrite = len(self.rows) != len(rows) or not text.endswith("\n")
 
     def _tensorboard(self):
         if self._writer is None:
@@ -141,10 +140,10 @@ def _lines(rows: list[dict]) -> str:
     return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
 
 
-def read_rows(uri: str) -> list[dict]:
+def _parse_rows(text: str) -> list[dict]:
     """The rows of a metrics.jsonl; a torn last line (a crash mid-append) is skipped."""
     rows = []
-    for line in storage.read_text(uri).splitlines():
+    for line in text.splitlines():
         try:
             rows.append(json.loads(line))
         except ValueError:
