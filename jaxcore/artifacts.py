@@ -127,11 +127,53 @@ def read_manifest(uri: str) -> Manifest | None:
     return Manifest(**{k: v for k, v in data.items() if k in known})
 
 
+POINTER_KIND = "difforge-artifact-pointer"
+
+
+def write_pointer(pointer_uri: str, manifest: Manifest) -> None:
+    """Point ``pointer_uri`` (an object such as ``.../LATEST``) at a finished artifact.
+
+    Written after the artifact's manifest, in one atomic write, so a reader of the pointer
+    always finds a complete artifact (the previous one until this write lands)."""
+    data = {
+        "kind": POINTER_KIND,
+        "artifact": manifest.uri,
+        "stage": manifest.stage,
+        "manifest_sha256": manifest.sha256,
+        "updated": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+    }
+    storage.write_text(pointer_uri, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def read_pointer(uri: str) -> str | None:
+    """The artifact URI a pointer object names; None when ``uri`` is no pointer (absent, a
+    folder, or another file)."""
+    try:
+        raw = storage.read_bytes(uri)
+    except (storage.StorageError, IsADirectoryError, NotADirectoryError):
+        return None
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict) or data.get("kind") != POINTER_KIND:
+        return None
+    target = data.get("artifact")
+    if not isinstance(target, str) or not target:
+        raise ArtifactError(f"{uri}: an artifact pointer without an 'artifact' URI")
+    return target
+
+
 def open_artifact(uri: str, stage: str | None = None) -> Manifest:
     """Open a finished artifact through its manifest; refuse anything else.
 
-    ``stage`` (e.g. "convert") is the stage expected to have produced it.
+    ``stage`` (e.g. "convert") is the stage expected to have produced it. ``uri`` may also
+    be a pointer (:func:`write_pointer`), which opens the artifact it names.
     """
+    target = read_pointer(uri)
+    if target is not None:
+        log.info("%s points at %s", uri, target)
+        uri = target
     manifest = read_manifest(uri)
     producer = f"the {stage} stage" if stage else "the stage that produces it"
     if manifest is None:

@@ -83,6 +83,9 @@ class ResolvedStep:
     step: StepConfig
     output_dir: str
     config: Any  # the stage's validated config dataclass
+    # the overrides on top of the step's base YAML (set + inputs + output_dir ...), as a
+    # scheduler passes them on the command line
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def substitute_root(value: Any, root: str) -> Any:
@@ -96,33 +99,52 @@ def substitute_root(value: Any, root: str) -> Any:
     return value
 
 
-def step_output(pipeline: PipelineConfig, step_name: str) -> str:
+LATEST = "LATEST"
+
+
+def step_output(pipeline: PipelineConfig, step_name: str, run: str = "") -> str:
+    """Where a step writes: ``<root>/<step>``, or ``<root>/<step>/<run>`` for one run of a
+    scheduled chain (each run its own artifacts)."""
+    if run:
+        return storage.join(pipeline.root, step_name, run)
     return storage.join(pipeline.root, step_name)
 
 
-def resolve_step(pipeline: PipelineConfig, step: StepConfig) -> ResolvedStep:
-    """The step's stage config: base YAML + ``set`` + input artifact URIs + output_dir."""
+def latest_pointer(pipeline: PipelineConfig, step_name: str) -> str:
+    """The pointer a scheduled chain's convert step moves to its newest artifact."""
+    return storage.join(pipeline.root, step_name, LATEST)
+
+
+def resolve_step(pipeline: PipelineConfig, step: StepConfig, run: str = "") -> ResolvedStep:
+    """The step's stage config: base YAML + ``set`` + input artifact URIs + output_dir.
+
+    With ``run`` (a scheduled chain), outputs go to per-run folders and a convert step is
+    incremental: it encodes only what its previous run's artifact lacks (``base`` and
+    ``latest`` = the step's ``LATEST`` pointer)."""
     from pipelines.cli import STAGES, load_entry
 
     cls = load_entry(STAGES[step.stage].config_class)
     data = read_yaml(step.config) if step.config else {}
     values = substitute_root(dict(step.set), pipeline.root)
     for key, source in step.inputs.items():
-        values[key] = step_output(pipeline, source)
-    output_dir = step_output(pipeline, step.name)
+        values[key] = step_output(pipeline, source, run)
+    output_dir = step_output(pipeline, step.name, run)
     values["output_dir"] = output_dir
+    if run and step.stage == "convert":
+        values["base"] = values["latest"] = latest_pointer(pipeline, step.name)
     try:
         config = from_dict(cls, apply_values(cls, data, values))
     except ConfigError as err:
         raise ConfigError(f"pipeline {pipeline.name!r}, step {step.name!r}: {err}") from None
-    return ResolvedStep(step, output_dir, config)
+    return ResolvedStep(step, output_dir, config, values)
 
 
-def load_pipeline_spec(pipeline: PipelineConfig) -> list[ResolvedStep]:
-    """Validate every step up front (errors name the step and key)."""
+def load_pipeline_spec(pipeline: PipelineConfig, run: str = "") -> list[ResolvedStep]:
+    """Validate every step up front (errors name the step and key); ``run``: see
+    :func:`resolve_step`."""
     for step in pipeline.steps:
         if step.config and not Path(step.config).exists() and not storage.is_gcs(step.config):
             raise ConfigError(
                 f"pipeline {pipeline.name!r}, step {step.name!r}: config file {step.config} does not exist"
             )
-    return [resolve_step(pipeline, step) for step in pipeline.steps]
+    return [resolve_step(pipeline, step, run) for step in pipeline.steps]

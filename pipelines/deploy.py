@@ -28,8 +28,6 @@ from pipelines.config import (
     PipelineConfig,
     ResolvedStep,
     load_pipeline_spec,
-    step_output,
-    substitute_root,
 )
 from stages.common.preemption import EXIT_PREEMPTED
 
@@ -124,13 +122,11 @@ def stage_argv(
     Fully explicit (base YAML + the step's ``set`` + input artifact URIs + output_dir), so a
     scheduler can run it alone; the stage refuses to start before its inputs are complete.
     """
+    del pipeline  # the resolved step carries its overrides
     argv = ["difforge", step.step.stage]
     if step.step.config:
         argv.append(step.step.config)
-    values = substitute_root(dict(step.step.set), pipeline.root)
-    values.update({key: step_output(pipeline, src) for key, src in step.step.inputs.items()})
-    values["output_dir"] = step.output_dir
-    values.update(extra or {})
+    values = {**step.values, **(extra or {})}
     return argv + [_override(k, v) for k, v in values.items()]
 
 
@@ -292,11 +288,20 @@ def _preemption_rules(container: str) -> list[dict]:
     ]
 
 
+# Argo fills this in per workflow run (a CronWorkflow's runs are named <name>-<timestamp>)
+ARGO_RUN = "{{workflow.name}}"
+
+
 def argo_cron_workflow(cfg: DeployConfig, pipeline: PipelineConfig) -> dict:
     """An Argo CronWorkflow whose DAG mirrors the pipeline: convert on Dataflow (a container
     that launches and waits for the job), train steps as JobSets (the task waits for the
-    JobSet's terminal state), evaluate/generate as containers."""
-    steps = load_pipeline_spec(pipeline)
+    JobSet's terminal state), evaluate/generate as containers.
+
+    Each scheduled run writes its own artifacts (``<root>/<step>/<workflow name>``) and its
+    convert steps are incremental: they convert against the step's ``LATEST`` pointer (the
+    last committed artifact) and move it when done, so a daily run encodes only what arrived
+    since the last one (see :mod:`stages.convert.incremental`)."""
+    steps = load_pipeline_spec(pipeline, run=ARGO_RUN)
     templates = []
     tasks = []
     for s in steps:

@@ -10,6 +10,7 @@ raw record bytes it passes over (no parsing), which is cheap next to a training 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Iterator
 
@@ -18,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxcore import sharding, storage
-from jaxcore.artifacts import ArtifactError, Manifest
+from jaxcore.artifacts import Manifest
 from jaxcore.families import TensorSpec
 from stages.common import records
 from stages.common.errors import StageInputError
@@ -39,6 +40,7 @@ class DataSpec:
     family: str
     features: tuple[TensorSpec, ...]  # latents first, then the conditioning
     timesteps_list: tuple[int, ...] = ()
+    excluded_ids: frozenset[str] = frozenset()  # records readers skip (see excluded_ids)
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -69,33 +71,72 @@ def _features(summary: dict, uri: str) -> tuple[TensorSpec, ...]:
     return tuple(sorted(specs, key=lambda f: f.name != records.LATENTS))
 
 
+REMOVED_FILE = "removed.jsonl"
+
+
+def split_shards(manifest: Manifest, split: str) -> list[dict]:
+    """Every shard one split of a convert artifact reads, ``{"uri", "size", "checksum"}``:
+    those an incremental convert inherited from its base (``base_shards``, absolute URIs),
+    then its own (``shards``, paths in the artifact)."""
+    info = (manifest.summary.get("splits") or {}).get(split) or {}
+    out = [dict(entry) for entry in info.get("base_shards") or ()]
+    listed = {f["path"]: f for f in manifest.files}
+    for rel in info.get("shards") or ():
+        entry = listed.get(rel)
+        if entry is None:
+            raise StageInputError(f"{manifest.uri}: shard {rel} is not in the manifest's files")
+        uri = storage.join(manifest.uri, rel)
+        out.append({"uri": uri, "size": entry["size"], "checksum": entry["checksum"]})
+    return out
+
+
+def excluded_ids(manifest: Manifest) -> frozenset[str]:
+    """Source ids readers skip: those an incremental convert with ``drop_removed`` listed as
+    gone from the source (their records stay in the base's shards)."""
+    removed = manifest.summary.get("removed") or {}
+    if not removed.get("excluded") or not removed.get("count"):
+        return frozenset()
+    path = storage.join(manifest.uri, removed.get("file", REMOVED_FILE))
+    return frozenset(json.loads(line)["id"] for line in storage.iter_lines(path) if line.strip())
+
+
+def _check_present(manifest: Manifest, shards: list[dict]) -> None:
+    """Each shard exists with the size the manifest gives (one listing per folder)."""
+    listings: dict[str, dict[str, int]] = {}
+    for entry in shards:
+        uri = entry["uri"]
+        folder, _, name = uri.rpartition("/")
+        if folder not in listings:
+            listings[folder] = {f.path: f.size for f in storage.list_files(folder)}
+        size = listings[folder].get(name)
+        if size is None:
+            raise StageInputError(f"{manifest.uri}: shard {uri} is listed but missing")
+        if size != entry["size"]:
+            raise StageInputError(
+                f"{manifest.uri}: shard {uri} has {size} bytes, the manifest says {entry['size']}"
+            )
+
+
 def split_spec(manifest: Manifest, split: str) -> DataSpec:
     """Read a split's shard list and tensors from a convert manifest; missing files are errors."""
     summary = manifest.summary
-    info = (summary.get("splits") or {}).get(split)
-    if not info or not info.get("shards"):
+    shards = split_shards(manifest, split)
+    if not shards:
         raise StageInputError(f"{manifest.uri}: the manifest has no {split!r} split with shards")
     family = summary.get("family")
     if not isinstance(family, str):
         raise StageInputError(f"{manifest.uri}: the manifest summary names no model 'family'")
-    shards = []
-    present = {f.path for f in storage.list_files(manifest.uri)}
-    for rel in info["shards"]:
-        try:
-            uri = manifest.path(rel)
-        except ArtifactError as err:
-            raise StageInputError(str(err)) from None
-        if rel not in present:
-            raise StageInputError(f"{manifest.uri}: shard {rel} is listed but missing")
-        shards.append(uri)
+    _check_present(manifest, shards)
+    info = summary["splits"][split]
     return DataSpec(
         artifact_uri=manifest.uri,
         split=split,
-        shards=tuple(shards),
+        shards=tuple(entry["uri"] for entry in shards),
         records=int(info.get("records", 0)),
         family=family,
         features=_features(summary, manifest.uri),
         timesteps_list=tuple(int(t) for t in summary.get("timesteps_list") or ()),
+        excluded_ids=excluded_ids(manifest),
     )
 
 
@@ -142,8 +183,10 @@ def tf_dataset(
     def parse(x):
         return records.parse_example(x, spec.shapes, with_timesteps)
 
+    keep = _keep_fn(spec.excluded_ids)
     if not repeat:  # every host reads every record (eval: scored as one global batch)
         ds = tf.data.TFRecordDataset([str(storage.local_copy(s)) for s in spec.shards])
+        ds = ds.filter(keep) if keep else ds
         ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return ds.batch(local_batch).prefetch(prefetch)
     total = streams or jax.process_count()
@@ -157,6 +200,7 @@ def tf_dataset(
     datasets = []
     for offset, files in enumerate(parts):
         ds = tf.data.TFRecordDataset(files)
+        ds = ds.filter(keep) if keep else ds  # before the shuffle: resume skips kept records
         stream_seed = seed if total == 1 else seed + 7919 * (first + offset)
         ds = ds.shuffle(shuffle_buffer, seed=stream_seed, reshuffle_each_iteration=True)
         ds = ds.repeat().skip(start_step * rows)
@@ -169,6 +213,27 @@ def tf_dataset(
         return {k: tf.concat([b[k] for b in batches], axis=0) for k in batches[0]}
 
     return tf.data.Dataset.zip(tuple(datasets)).map(concat).prefetch(prefetch)
+
+
+def _keep_fn(excluded: frozenset[str]):
+    """A tf.data predicate dropping records whose ``source_id`` is excluded (None: keep all)."""
+    if not excluded:
+        return None
+    import tensorflow as tf
+
+    table = tf.lookup.StaticHashTable(
+        tf.lookup.KeyValueTensorInitializer(
+            tf.constant(sorted(excluded)), tf.ones([len(excluded)], tf.int64)
+        ),
+        default_value=0,
+    )
+    id_spec = {records.SOURCE_ID: tf.io.FixedLenFeature([], tf.string)}
+
+    def keep(serialized):
+        sid = tf.io.parse_single_example(serialized, id_spec)[records.SOURCE_ID]
+        return tf.equal(table.lookup(sid), 0)
+
+    return keep
 
 
 def _explain_tf_error(spec: DataSpec, err: Exception) -> StageInputError:

@@ -198,10 +198,21 @@ class ConvertConfig:
     beam: BeamConfig = field(default_factory=BeamConfig)
     max_bad_fraction: float = 0.05
     run_name: str = "convert"
+    # incremental convert (stages/convert/incremental.py): an earlier convert artifact, or a
+    # pointer to one, whose rows are not encoded again; the pointer this run moves to its
+    # artifact once committed (a scheduled job passes the same URI as both); whether rows the
+    # source no longer has are left out of what train/evaluate read.
+    base: str | None = None
+    latest: str | None = None
+    drop_removed: bool = False
 
     def __post_init__(self):
         if not self.output_dir:
             raise ValueError("output_dir must name the artifact folder (local path or gs://)")
+        if self.drop_removed and not self.base:
+            raise ValueError("drop_removed needs base (rows are removed relative to a base)")
+        if self.latest and self.latest.rstrip("/") == self.output_dir.rstrip("/"):
+            raise ValueError("latest must be a pointer object outside output_dir")
         if not 0.0 <= self.max_bad_fraction <= 1.0:
             raise ValueError(f"max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
 

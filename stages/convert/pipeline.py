@@ -179,23 +179,44 @@ def row_ranges(num_rows: int, rows_per_read: int = ROWS_PER_READ) -> list[tuple[
     return [(s, min(s + rows_per_read, num_rows)) for s in range(0, num_rows, rows_per_read)]
 
 
+def index_ranges(
+    indices: Sequence[int], rows_per_read: int = ROWS_PER_READ
+) -> list[tuple[int, int]]:
+    """``(start, stop)`` ranges covering exactly the given row indices (an incremental
+    convert's new rows), consecutive indices merged, each at most ``rows_per_read`` long."""
+    ranges: list[tuple[int, int]] = []
+    for index in sorted(set(indices)):
+        if ranges and ranges[-1][1] == index and index - ranges[-1][0] < rows_per_read:
+            ranges[-1] = (ranges[-1][0], index + 1)
+        else:
+            ranges.append((index, index + 1))
+    return ranges
+
+
 def build_graph(
     pipeline: beam.Pipeline,
     *,
-    num_rows: int,
+    num_rows: int | None = None,
     dataset_config: DatasetConfig,
     media_config: MediaConfig,
     split_config: SplitConfig,
     handler: EncoderHandler,
+    ranges: Sequence[tuple[int, int]] | None = None,
+    first_eval_bucket: int = 0,
 ) -> dict[str, beam.PCollection]:
     """Attach the convert transforms; returns ``{"train", "eval", "dropped"}`` PCollections.
 
-    ``train``/``eval`` hold ``(source_id, serialized example)``, ``dropped`` dicts ``{source_id, reason,
-    detail}``. Writing them out is the caller's (see :func:`write_outputs`).
+    Reads rows ``0..num_rows`` or only the given ``ranges`` (an incremental convert);
+    ``first_eval_bucket``: where eval timesteps start being dealt (see
+    :func:`~stages.convert.split.assign_timesteps`). ``train``/``eval`` hold
+    ``(source_id, serialized example)``, ``dropped`` dicts ``{source_id, reason, detail}``.
+    Writing them out is the caller's (see :func:`write_outputs`).
     """
+    if (num_rows is None) == (ranges is None):
+        raise ValueError("give num_rows or ranges")
     rows = (
         pipeline
-        | "RowRanges" >> beam.Create(row_ranges(num_rows))
+        | "RowRanges" >> beam.Create(list(ranges) if ranges is not None else row_ranges(num_rows))
         | "ReadRows" >> beam.ParDo(ReadRows(dataset_config))
         | "SpreadRows" >> beam.Reshuffle()
     )
@@ -209,7 +230,12 @@ def build_graph(
         | "EvalId" >> beam.Map(lambda item: item["source_id"])
         | "CollectEvalIds" >> beam.combiners.ToList()
         | "AssignTimesteps"
-        >> beam.Map(split.assign_timesteps, split_config.timesteps_list, split_config.split_seed)
+        >> beam.Map(
+            split.assign_timesteps,
+            split_config.timesteps_list,
+            split_config.split_seed,
+            first_eval_bucket,
+        )
     )
     examples = encoded | "MakeRecord" >> beam.ParDo(
         MakeRecord(split_config), beam.pvalue.AsSingleton(eval_timesteps)

@@ -12,11 +12,11 @@ import logging
 import time
 
 from jaxcore import storage
-from jaxcore.artifacts import ArtifactWriter, Manifest
+from jaxcore.artifacts import ArtifactWriter, Manifest, write_pointer
 from stages.common import records
 from stages.common.errors import StageInputError
 from stages.common.preemption import Preempted, Preemption
-from stages.convert import split
+from stages.convert import incremental, split
 from stages.convert.config import ConvertConfig
 from stages.convert.encode import EncoderHandler, EncoderLoadError, plan_encoders
 from stages.convert.media import DROP_REASONS
@@ -26,6 +26,7 @@ from stages.convert.pipeline import (
     ROWS_READ,
     build_graph,
     dropped_counter,
+    index_ranges,
     pipeline_options,
     plan_shards,
     read_counters,
@@ -36,7 +37,7 @@ from stages.convert.pipeline import (
     write_empty_shards,
     write_outputs,
 )
-from stages.convert.source import describe, load_source, source_ids
+from stages.convert.source import ID_ROW_INDEX, describe, load_source, source_ids
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,15 @@ WORK_FOLDERS = (*records.SPLITS, DROPPED_FILE.split("/")[0])
 
 
 def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
-    """Convert ``config.dataset`` into a ``convert`` artifact at ``config.output_dir``."""
-    writer = ArtifactWriter(config.output_dir, STAGE, config)
+    """Convert ``config.dataset`` into a ``convert`` artifact at ``config.output_dir``; with
+    ``base``, only the rows the base lacks (see :mod:`stages.convert.incremental`)."""
+    base_manifest = incremental.resolve_base(config.base, config.latest)
+    inputs = {"base": base_manifest} if base_manifest is not None else {}
+    writer = ArtifactWriter(config.output_dir, STAGE, config, inputs)
     done = writer.existing(force)
     if done is not None:
         log.info("convert: %s is already finished (same config); skipping", done.uri)
+        _publish(config, done)
         return done
 
     dataset = load_source(config.dataset)
@@ -58,17 +63,37 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
     if not ids:
         raise StageInputError(f"source {config.dataset.source}: the dataset has no rows")
     del dataset  # workers open their own copy
+    if config.base and id_source == ID_ROW_INDEX:
+        raise StageInputError(
+            f"base={config.base}: an incremental convert needs stable ids, but "
+            "id_column=null uses row indices (which move when rows are added or removed)"
+        )
     try:
         encoders = plan_encoders(
             config.encoder, config.media.height, config.media.width, config.media.num_frames
         )
     except EncoderLoadError as err:
         raise StageInputError(str(err)) from None
+    base = incremental.load_base(base_manifest) if base_manifest is not None else None
+    if base is not None:
+        incremental.check_compatible(base.manifest, _settings(config, encoders))
+    new_indices = incremental.new_row_indices(ids, base)
+    removed = incremental.removed_ids(ids, base)
     ids_by_split = {s: [] for s in records.SPLITS}
-    for sid in ids:
+    for index in new_indices:
+        sid = ids[index]
         which = split.assign_split(sid, config.split.eval_fraction, config.split.split_seed)
         ids_by_split[which].append(sid)
     expected = {s: len(v) for s, v in ids_by_split.items()}
+    if base is not None:
+        log.info(
+            "convert: base %s knows %d ids; %d of %d source rows are new, %d removed",
+            base.uri,
+            len(base.ids),
+            len(new_indices),
+            len(ids),
+            len(removed),
+        )
     plan = plan_shards(
         expected,
         encoders,
@@ -88,22 +113,101 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
 
     for folder in WORK_FOLDERS:  # leftovers of a killed run (never a finished artifact)
         storage.delete_tree(storage.join(writer.uri, folder))
+    for name in (incremental.IDS_FILE, incremental.REMOVED_FILE):
+        storage.delete(storage.join(writer.uri, name))
 
+    ranges = index_ranges(new_indices)
+    first_bucket = base.eval_count() if base is not None else 0
     if config.beam.dry_run:
-        _, staged = _run_beam(config, info.num_rows, encoders, plan, writer.uri)
+        _, staged = _run_beam(config, ranges, first_bucket, encoders, plan, writer.uri)
         log.info("convert: dry run built the job (staging %s); nothing was submitted", staged)
         return None
     started = time.perf_counter()
-    counters, _ = _run_beam(config, info.num_rows, encoders, plan, writer.uri)
-    write_empty_shards(writer.uri, plan)
+    counters: dict = {}
+    if new_indices:
+        counters, _ = _run_beam(config, ranges, first_bucket, encoders, plan, writer.uri)
+        write_empty_shards(writer.uri, plan)
+    else:
+        log.info("convert: no new rows; the artifact lists the base's shards only")
     seconds = time.perf_counter() - started
     summary = _summary(config, info, encoders, plan, counters, writer.uri, seconds, id_source)
+    entries = _write_ids(config, writer.uri, base, ids_by_split, first_bucket, removed)
+    _add_base(summary, base, entries, removed, config.drop_removed)
     _check_bad_fraction(config, summary)
-    return writer.commit(summary)
+    manifest = writer.commit(summary)
+    _publish(config, manifest)
+    return manifest
+
+
+def _settings(config: ConvertConfig, encoders) -> dict:
+    """What a base must share with this run (see ``incremental.COMPATIBLE_KEYS``)."""
+    return {
+        "family": encoders.family,
+        "features": {f.name: f.to_dict() for f in encoders.features},
+        "media": _media(config),
+        "latents_normalization": encoders.latent_normalization,
+        "eval_fraction": config.split.eval_fraction,
+        "split_seed": config.split.split_seed,
+        "timesteps_list": list(config.split.timesteps_list),
+    }
+
+
+def _media(config: ConvertConfig) -> dict:
+    return {
+        "height": config.media.height,
+        "width": config.media.width,
+        "num_frames": config.media.num_frames,
+        "fps": config.media.fps,
+    }
+
+
+def _write_ids(config, uri, base, ids_by_split, first_bucket, removed) -> dict:
+    """``ids.jsonl`` (the base's ids plus this run's) and ``removed.jsonl``; returns the
+    entries. This run's eval timesteps are recomputed with the rule the job applied."""
+    dropped = incremental.dropped_ids(uri, DROPPED_FILE)
+    kept_eval = sorted(set(ids_by_split[split.EVAL]) - set(dropped))
+    timesteps = split.assign_timesteps(
+        kept_eval, config.split.timesteps_list, config.split.split_seed, first_bucket
+    )
+    entries = dict(base.ids) if base is not None else {}
+    entries.update(incremental.new_entries(ids_by_split, dropped, timesteps))
+    incremental.write_ids(uri, entries)
+    if base is not None:
+        incremental.write_removed(uri, removed, entries)
+    return entries
+
+
+def _add_base(summary: dict, base, entries, removed, drop_removed: bool) -> None:
+    """The union: base shards by URI and checksum, record totals over base and new rows."""
+    summary["ids_file"] = incremental.IDS_FILE
+    summary["known_ids"] = len(entries)
+    if base is None:
+        return
+    excluded = set(removed) if drop_removed else set()
+    for name in records.SPLITS:
+        info = summary["splits"][name]
+        info["new_records"] = info["records"]
+        info["base_shards"] = list(base.shards[name])
+        info["records"] = sum(
+            1 for sid, e in entries.items() if e.split == name and sid not in excluded
+        )
+    summary["base"] = {"uri": base.uri, "manifest_sha256": base.manifest.sha256}
+    summary["removed"] = {
+        "count": len(removed),
+        "file": incremental.REMOVED_FILE,
+        "excluded": bool(drop_removed),
+    }
+
+
+def _publish(config: ConvertConfig, manifest: Manifest) -> None:
+    """Move the ``latest`` pointer to this artifact (after its manifest: never to a partial one)."""
+    if config.latest:
+        write_pointer(config.latest, manifest)
+        log.info("convert: %s -> %s", config.latest, manifest.uri)
 
 
 def _run_beam(
-    config: ConvertConfig, num_rows: int, encoders, plan, output_dir: str
+    config: ConvertConfig, ranges, first_bucket: int, encoders, plan, output_dir: str
 ) -> tuple[dict, list[str]]:
     """Build and run the job; returns (Metrics counters, files a remote runner stages)."""
     import apache_beam as beam
@@ -114,7 +218,8 @@ def _run_beam(
     pipeline = beam.Pipeline(options=options)
     outputs = build_graph(
         pipeline,
-        num_rows=num_rows,
+        ranges=ranges,
+        first_eval_bucket=first_bucket,
         dataset_config=config.dataset,
         media_config=config.media,
         split_config=config.split,
@@ -186,12 +291,7 @@ def _summary(
         "dropped_file": DROPPED_FILE,
         "records_per_shard": plan.records_per_shard,
         "latents_normalization": encoders.latent_normalization,
-        "media": {
-            "height": config.media.height,
-            "width": config.media.width,
-            "num_frames": config.media.num_frames,
-            "fps": config.media.fps,
-        },
+        "media": _media(config),
         "eval_fraction": config.split.eval_fraction,
         "split_seed": config.split.split_seed,
         "timesteps_list": list(config.split.timesteps_list),

@@ -53,16 +53,20 @@ def shard_index(key: tuple[float, str], boundaries: Sequence[tuple[float, str]])
 
 
 def assign_timesteps(
-    eval_ids: Iterable[str], timesteps_list: Sequence[int], seed: int = 0
+    eval_ids: Iterable[str], timesteps_list: Sequence[int], seed: int = 0, first_bucket: int = 0
 ) -> dict[str, int]:
-    """source id -> timestep: ids ranked by hash, dealt round-robin over ``timesteps_list``.
+    """source id -> timestep: ids ranked by hash, dealt round-robin over ``timesteps_list``
+    starting at bucket ``first_bucket``.
 
-    Bucket sizes differ by at most one; the result depends only on the set of ids.
+    Bucket sizes differ by at most one; the result depends only on the set of ids. An
+    incremental convert deals its new eval ids from where its base stopped (``first_bucket``
+    = the base's eval count), so the union stays balanced and no earlier row changes bucket.
     """
     if not timesteps_list:
         raise ValueError("timesteps_list is empty")
     ranked = sorted(set(eval_ids), key=lambda i: (unit_hash(i, seed, "timestep"), i))
-    return {sid: int(timesteps_list[k % len(timesteps_list)]) for k, sid in enumerate(ranked)}
+    count = len(timesteps_list)
+    return {sid: int(timesteps_list[(first_bucket + k) % count]) for k, sid in enumerate(ranked)}
 
 
 def bucket_counts(timesteps: Iterable[int], timesteps_list: Sequence[int]) -> dict[str, int]:

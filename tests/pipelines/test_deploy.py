@@ -83,6 +83,11 @@ def test_argo_dag_and_schedule(pipeline_file, tmp_path):
     # convert runs on Dataflow
     data_cmd = templates["data"]["container"]["command"]
     assert data_cmd[:2] == ["difforge", "convert"] and "runner=DataflowRunner" in data_cmd
+    # each run writes its own artifacts; convert is incremental against the LATEST pointer
+    run = "gs://bucket/runs/nightly/data/{{workflow.name}}"
+    assert f"output_dir={run}" in data_cmd
+    pointer = "gs://bucket/runs/nightly/data/LATEST"
+    assert f"base={pointer}" in data_cmd and f"latest={pointer}" in data_cmd
     # train is a JobSet whose terminal state the task waits for
     resource = templates["train-low"]["resource"]
     assert resource["successCondition"] == "status.terminalState == Completed"
@@ -90,7 +95,9 @@ def test_argo_dag_and_schedule(pipeline_file, tmp_path):
     assert jobset["kind"] == "JobSet"
     pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "2x2x1"
-    assert pod["containers"][0]["command"][:2] == ["difforge", "train"]
+    train_cmd = pod["containers"][0]["command"]
+    assert train_cmd[:2] == ["difforge", "train"] and f"data={run}" in train_cmd
+    assert "output_dir=gs://bucket/runs/nightly/train_low/{{workflow.name}}" in train_cmd
     # preemption (exit 75 or an eviction) restarts the JobSet without using up max_restarts
     job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
     rules = job["podFailurePolicy"]["rules"]

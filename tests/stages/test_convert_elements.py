@@ -360,3 +360,24 @@ def test_auto_ids_hash_content_without_paths_and_prefer_an_id_column(tmp_path):
     table.add_column("id", ["one", "two"]).save_to_disk(str(tmp_path / "with_id"))
     config = DatasetConfig(source=str(tmp_path / "with_id"))
     assert source_ids(load_source(config), config) == (["one", "two"], "column:id")
+
+
+def test_new_eval_ids_continue_the_round_robin_of_their_base():
+    """An incremental convert deals its eval ids from where the base stopped: the union's
+    buckets are as balanced as one convert of every id, and no base id moves."""
+    timesteps = (125, 250, 375)
+    base_ids = [f"a{i}" for i in range(7)]
+    new_ids = [f"b{i}" for i in range(5)]
+    base = split.assign_timesteps(base_ids, timesteps)
+    new = split.assign_timesteps(new_ids, timesteps, first_bucket=len(base_ids))
+    counts = split.bucket_counts([*base.values(), *new.values()], timesteps)
+    assert sorted(counts.values()) == [4, 4, 4]
+    assert split.assign_timesteps(new_ids, timesteps, first_bucket=0) != new
+
+
+def test_index_ranges_cover_exactly_the_given_rows():
+    from stages.convert.pipeline import index_ranges
+
+    assert index_ranges([5, 1, 2, 3, 9]) == [(1, 4), (5, 6), (9, 10)]
+    assert index_ranges(range(7), rows_per_read=3) == [(0, 3), (3, 6), (6, 7)]
+    assert index_ranges([]) == []
