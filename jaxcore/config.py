@@ -259,18 +259,53 @@ def _deep_copy(data: Any) -> Any:
 def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
     """YAML file (optional) + overrides -> validated ``cls``.
 
-    A config class may define ``implied_by_overrides(given) -> {path: value}``: values the
+    A config class, or the class of any nested section, may define
+    ``implied_by_overrides(given, current) -> {path: value}`` (paths relative to its section;
+    ``current``: the section's values before the overrides, defaults filled in): values the
     command line implies for keys it did not set (e.g. a model source given there clears the
     YAML's other sources); they replace the YAML's before the overrides apply."""
     data = read_yaml(path) if path else {}
     values = dict(parse_override(text) for text in overrides)
-    implied_by = getattr(cls, "implied_by_overrides", None)
-    if implied_by is not None:
-        given = {tuple(resolve_key(cls, key)): value for key, value in values.items()}
-        implied = implied_by(given)
+    given = {tuple(resolve_key(cls, key)): value for key, value in values.items()}
+    implied: dict[tuple[str, ...], Any] = {}
+    for section, section_cls in _sections(cls):
+        implied_by = getattr(section_cls, "implied_by_overrides", None)
+        if implied_by is None:
+            continue
+        depth = len(section)
+        mine = {p[depth:]: v for p, v in given.items() if p[:depth] == section and p[depth:]}
+        current = _section_values(section_cls, data, section)
+        implied.update({(*section, *p): v for p, v in implied_by(mine, current).items()})
+    if implied:
         data = apply_values(cls, data, {".".join(p): v for p, v in implied.items()})
     data = apply_values(cls, data, values)
     return from_dict(cls, data)
+
+
+def _sections(cls: type, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], type]]:
+    """``cls`` and every nested dataclass section, with their paths."""
+    out = [(prefix, cls)]
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out += _sections(tp, (*prefix, f.name))
+    return out
+
+
+def _section_values(cls: type, data: Mapping, section: tuple[str, ...]) -> dict:
+    """A section's values as the YAML gives them, its defaults filled in (leaf fields only)."""
+    raw: Any = data
+    for name in section:
+        raw = raw.get(name) if isinstance(raw, Mapping) else None
+    raw = raw if isinstance(raw, Mapping) else {}
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name in raw:
+            out[f.name] = raw[f.name]
+        elif f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+    return out
 
 
 def config_json_kwargs(

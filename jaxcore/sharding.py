@@ -70,6 +70,22 @@ class MeshConfig:
     dcn_context_parallelism: int = 1
     dcn_tensor_parallelism: int = 1
 
+    @classmethod
+    def implied_by_overrides(cls, given, current) -> dict:
+        """An axis set to -1 on the command line takes the "remaining devices" role from the
+        YAML's -1 axis of the same kind (ici or dcn), which becomes 1: MaxDiffusion users type
+        ``ici_fsdp_parallelism=-1`` over a YAML whose data axis is -1. Two -1 axes given on
+        the command line still conflict (:func:`mesh_shape` names them)."""
+        implied = {}
+        for kind in ("ici", "dcn"):
+            names = [f"{kind}_{axis}_parallelism" for axis in MESH_AXES]
+            if not any(given.get((name,)) == -1 for name in names):
+                continue
+            for name in names:
+                if (name,) not in given and current.get(name) == -1:
+                    implied[(name,)] = 1
+        return implied
+
 
 def _fill_auto(sizes: Sequence[int], total: int, what: str) -> list[int]:
     sizes = list(sizes)

@@ -154,6 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         config = load_config(load_entry(entry.config_class), config_path, overrides)
         if args.dry_run:
+            if args.stage == "run":  # a pipeline's dry run resolves every step's config too
+                from pipelines.config import load_pipeline_spec
+
+                load_pipeline_spec(config)
             sys.stdout.write(to_yaml(config))
             return 0
         if args.stage in STAGE_NAMES:

@@ -221,10 +221,11 @@ class TrainConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     @classmethod
-    def implied_by_overrides(cls, given: Mapping[tuple[str, ...], Any]) -> dict:
+    def implied_by_overrides(cls, given: Mapping[tuple[str, ...], Any], current=None) -> dict:
         """What the command line means beyond its keys: a model source given there replaces
         the YAML's (two given there still conflict), and ``data=`` means records unless
         ``dataset_type`` is given too."""
+        del current
         implied = {}
         sources = [("model", key) for key in MODEL_SOURCES]
         if any(path in given for path in sources):

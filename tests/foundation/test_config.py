@@ -110,3 +110,23 @@ def test_roundtrip_yaml(tmp_path):
     again = load_config(Job, write(tmp_path, to_yaml(cfg)))
     assert again == cfg
     assert to_dict(cfg)["optim"]["betas"] == [0.9, 0.999]
+
+
+def test_a_minus_one_mesh_axis_on_the_command_line_takes_over_the_yamls():
+    """MaxDiffusion users type ici_fsdp_parallelism=-1 over a YAML whose data axis is -1 (the
+    README's train command): the YAML's auto axis becomes 1; explicit sizes are kept; two -1
+    given on the command line still reach mesh_shape's error."""
+    from pathlib import Path
+
+    from jaxcore.sharding import ShardingError, mesh_shape
+    from stages.train.config import TrainConfig
+
+    path = Path(__file__).resolve().parents[2] / "configs/stages/train.yml"
+    assert load_config(TrainConfig, path).mesh.ici_data_parallelism == -1
+    cfg = load_config(TrainConfig, path, ["ici_fsdp_parallelism=-1", "ici_tensor_parallelism=2"])
+    assert (cfg.mesh.ici_data_parallelism, cfg.mesh.ici_fsdp_parallelism) == (1, -1)
+    assert cfg.mesh.dcn_data_parallelism == -1  # another kind of axis: untouched
+    assert mesh_shape(cfg.mesh, 8) == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2}
+    both = load_config(TrainConfig, path, ["ici_fsdp_parallelism=-1", "ici_data_parallelism=-1"])
+    with pytest.raises(ShardingError, match="only one of"):
+        mesh_shape(both.mesh, 8)
