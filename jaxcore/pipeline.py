@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcore import sampling, sharding, storage
+from jaxcore import sampling, sharding, step_cache, storage
 from jaxcore.families.base import FamilyError, Geometry, Guidance, ImageInputs
 
 # What a Hugging Face snapshot of a pipeline needs (no pickles, no code).
@@ -310,6 +310,7 @@ class Pipeline:
         cfg_scale: float | Sequence[float] = 1.0,
         shift: float | None = None,
         scheduler: str | None = None,
+        batched_cfg: bool = True,
     ) -> jax.Array:
         """Run the whole denoising loop (one jitted call); returns the final latents.
 
@@ -317,7 +318,40 @@ class Pipeline:
         for a two-expert pipeline (one column: both experts use it). CFG runs when any first
         scale is > 1 (then ``uncond`` is required) and applies only to samples whose first
         scale is > 1. ``shift`` and ``scheduler`` default to the pipeline's scheduler config.
+        ``batched_cfg``: both CFG branches in one denoiser call of 2B rows (else two calls).
         """
+        x, _ = self.sample_with_stats(
+            latents,
+            cond,
+            uncond,
+            num_inference_steps=num_inference_steps,
+            cfg_scale=cfg_scale,
+            shift=shift,
+            scheduler=scheduler,
+            batched_cfg=batched_cfg,
+        )
+        return x
+
+    def sample_with_stats(
+        self,
+        latents,
+        cond: Mapping[str, Any],
+        uncond: Mapping[str, Any] | None = None,
+        *,
+        num_inference_steps: int,
+        cfg_scale: float | Sequence[float] = 1.0,
+        shift: float | None = None,
+        scheduler: str | None = None,
+        batched_cfg: bool = True,
+        cache: step_cache.CachePlan = step_cache.NO_CACHE,
+        cache_schedule=None,
+    ) -> tuple[jax.Array, dict]:
+        """:meth:`sample` with step caching (:mod:`jaxcore.step_cache`): ``cache`` the method,
+        ``cache_schedule`` MagCache's ``[num_inference_steps]`` bool compute mask. Returns
+        ``(latents, stats)``: per sample (this process's rows) ``block_stack_runs`` and
+        ``block_stack_skips`` (both CFG branches counted) and, when calibrating, ``ratios``
+        ``[steps, B]`` of the conditional branch (``[steps, B]`` of the negative one as
+        ``negative_ratios`` with CFG); empty without a cache."""
         # this process's rows (all rows on one host); the scales are per local row too
         rows = latents.shape[0]
         latents = self.shard_batch(latents)
@@ -347,26 +381,63 @@ class Pipeline:
         steps = int(state.timesteps.shape[0])
         expert = self.second_expert
         guidance = (cfg_on, scales)
+        cache_in = None
+        if cache.enabled:
+            if expert is not None:
+                raise ValueError("step caching is not supported for two-expert pipelines yet")
+            schedule = None if cache_schedule is None else jnp.asarray(cache_schedule, bool)
+            if cache.kind == "magcache" and (schedule is None or schedule.shape != (steps,)):
+                raise ValueError(f"magcache needs a [{steps}] compute schedule")
+            cache_in = {"state": None, "schedule": schedule}
         with self.context():
             if expert is None:
-                fn = sampling.denoise_fn(self.family, self.denoiser, step_fn, use_cfg)
-                args = (cond, uncond, *guidance, state, 0, steps, None)
-                x, _ = fn(self.denoiser_params, latents, *args)
+                fn = sampling.denoise_fn(
+                    self.family, self.denoiser, step_fn, use_cfg, None, cache, batched_cfg
+                )
+                args = (cond, uncond, *guidance, state, 0, steps, None, cache_in)
+                x, _, cache_out = fn(self.denoiser_params, latents, *args)
             elif expert.placement == "device":
                 fn = sampling.denoise_fn(
-                    self.family, self.denoiser, step_fn, use_cfg, expert.denoiser
+                    self.family,
+                    self.denoiser,
+                    step_fn,
+                    use_cfg,
+                    expert.denoiser,
+                    cache,
+                    batched_cfg,
                 )
                 second = (expert.params, jnp.float32(expert.boundary), scales_2)
-                args = (cond, uncond, *guidance, state, 0, steps, second)
-                x, _ = fn(self.denoiser_params, latents, *args)
+                args = (cond, uncond, *guidance, state, 0, steps, second, cache_in)
+                x, _, cache_out = fn(self.denoiser_params, latents, *args)
             else:
                 x = self._sample_swapping(
-                    latents, cond, uncond, cfg_on, scales, scales_2, state, step_fn, use_cfg
+                    latents,
+                    cond,
+                    uncond,
+                    cfg_on,
+                    scales,
+                    scales_2,
+                    state,
+                    step_fn,
+                    use_cfg,
+                    batched_cfg,
                 )
-            return self.family.finish_latents(x, cond)
+                cache_out = None
+            x = self.family.finish_latents(x, cond)
+        return x, _cache_stats(cache_out, rows, use_cfg, batched_cfg)
 
     def _sample_swapping(
-        self, latents, cond, uncond, cfg_on, scales, scales_2, state, step_fn, use_cfg
+        self,
+        latents,
+        cond,
+        uncond,
+        cfg_on,
+        scales,
+        scales_2,
+        state,
+        step_fn,
+        use_cfg,
+        batched_cfg=False,
     ):
         """Two experts, one on the devices at a time: the first for the steps at or above the
         boundary, then (its weights released) the second for the rest."""
@@ -382,8 +453,10 @@ class Pipeline:
                 continue
             host, shardings = self.host_experts()[which]
             params = jax.device_put(host, shardings)
-            fn = sampling.denoise_fn(self.family, module, step_fn, use_cfg)
-            x, state = fn(params, x, cond, uncond, cfg_on, scale, state, start, stop, None)
+            fn = sampling.denoise_fn(
+                self.family, module, step_fn, use_cfg, None, step_cache.NO_CACHE, batched_cfg
+            )
+            x, state, _ = fn(params, x, cond, uncond, cfg_on, scale, state, start, stop, None, None)
             jax.block_until_ready(x)  # the weights may go only once the steps are done
             del params
         return x
@@ -449,6 +522,29 @@ class Pipeline:
             scheduler=scheduler,
         )
         return np.asarray(self.decode(z))
+
+
+def _cache_stats(cache_out, rows: int, use_cfg: bool, batched_cfg: bool) -> dict:
+    """Per sample counters (and calibration ratios) from the loop's cache state."""
+    if cache_out is None:
+        return {}
+    cstate = cache_out["state"]
+    if use_cfg and not batched_cfg:
+        runs = [np.asarray(part["computed"]) for part in cstate]
+        skips = [np.asarray(part["skipped"]) for part in cstate]
+    else:
+        runs = np.split(np.asarray(cstate["computed"]), 2 if use_cfg else 1)
+        skips = np.split(np.asarray(cstate["skipped"]), 2 if use_cfg else 1)
+    stats = {
+        "block_stack_runs": sum(runs)[:rows].astype(int),
+        "block_stack_skips": sum(skips)[:rows].astype(int),
+    }
+    if cache_out["ratios"] is not None:
+        ratios = np.asarray(cache_out["ratios"])
+        stats["ratios"] = ratios[:, :rows]
+        if use_cfg:
+            stats["negative_ratios"] = ratios[:, rows : 2 * rows]
+    return stats
 
 
 def resolve_pipeline_dir(path_or_uri_or_repo_id: str | os.PathLike) -> Path:

@@ -15,6 +15,11 @@ host sync). Whether CFG runs at all follows the first scale, as in diffusers
 of steps (``start``, ``stop``), which is how the idle expert's weights can stay on the host: one
 range per expert, the weights swapped in between (:meth:`jaxcore.pipeline.Pipeline.sample`).
 
+With CFG the two branches run as one denoiser call on ``[cond; uncond]`` (2B rows; with a
+``data`` mesh axis they spread over its devices) unless ``batched_cfg`` is off (two calls);
+the result equals two calls within fp32 round-off. Step caching (:mod:`jaxcore.step_cache`:
+First-Block-Cache, MagCache, calibration) runs inside the same loop, its state in the carry.
+
 Initial noise is drawn per prompt from its seed alone (:func:`initial_latents`), never from a
 batch-level key, so outputs do not depend on batch composition, batch size or device count.
 """
@@ -27,6 +32,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxcore import step_cache
 
 
 def initial_latents(seed: int, shape: Sequence[int]) -> np.ndarray:
@@ -62,50 +69,133 @@ def first_expert_steps(timesteps, boundary: float) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def denoise_fn(family, module, step_fn, use_cfg: bool, second_module=None):
-    """jit(params, latents, cond, uncond, cfg_on[B], cfg_scale[B], state, start, stop, second)
-    -> (latents, state) after the steps ``start <= i < stop``.
+def denoise_fn(
+    family,
+    module,
+    step_fn,
+    use_cfg: bool,
+    second_module=None,
+    cache: step_cache.CachePlan = step_cache.NO_CACHE,
+    batched_cfg: bool = False,
+):
+    """jit(params, latents, cond, uncond, cfg_on[B], cfg_scale[B], state, start, stop, second,
+    cache_in) -> (latents, state, cache_out) after the steps ``start <= i < stop``.
 
     ``cond``/``uncond`` are dicts of conditioning tensors (``uncond`` is ignored without CFG);
     ``cfg_on`` says per sample whether CFG applies at all (diffusers: the first expert's scale
     is > 1), ``cfg_scale`` is the scale applied; ``state`` is a scheduler state whose
     ``timesteps`` the loop walks. ``second`` is ``None`` for one denoiser, else
     ``(params_2, boundary, cfg_scale_2[B])`` for ``second_module``.
+
+    ``batched_cfg``: the conditional and negative branches run as one batch of 2B (else two
+    calls). ``cache`` (:mod:`jaxcore.step_cache`): with a cache, ``cache_in`` is
+    ``{"state": a cache state or None (a fresh one), "schedule": [N] bool or None}`` and
+    ``cache_out`` ``{"state", "ratios": [N, rows] (calibration) or None}``; the state's rows
+    are the denoiser calls' rows (``[cond; uncond]`` batched, a pair of states otherwise).
     """
+    if cache.enabled and second_module is not None:
+        raise ValueError("step caching is not supported with two experts (Wan 2.2 A14B) yet")
 
-    def predict(mod, params, x, t, conditioning):
-        return family.apply(mod, params, x, t, conditioning).astype(jnp.float32)
+    def call(mod, params, x, t, conditioning, cstate, compute_now):
+        if not cache.enabled:
+            return family.apply(mod, params, x, t, conditioning).astype(jnp.float32), cstate, None
+        run = step_cache.runner(cache, cstate, compute_now)
+        prediction, (cstate, info) = family.apply(mod, params, x, t, conditioning, run_stack=run)
+        return prediction.astype(jnp.float32), cstate, info
 
-    def guided(mod, params, x, t, cond, uncond, cfg_on, scale):
-        prediction = predict(mod, params, x, t, cond)
+    def stacked(cond, uncond):
+        if set(cond) != set(uncond):
+            raise ValueError(
+                f"batched CFG needs the same conditioning names in both branches, got "
+                f"{sorted(cond)} and {sorted(uncond)}"
+            )
+        return {k: jnp.concatenate([cond[k], uncond[k]], axis=0) for k in cond}
+
+    def guided(mod, params, x, t, cond, uncond, cfg_on, scale, cstate, compute_now):
         if not use_cfg:
-            return prediction
-        negative = predict(mod, params, x, t, uncond)
+            return call(mod, params, x, t, cond, cstate, compute_now)
+        if batched_cfg:
+            both, cstate, info = call(
+                mod,
+                params,
+                jnp.concatenate([x, x], axis=0),
+                jnp.concatenate([t, t], axis=0),
+                stacked(cond, uncond),
+                cstate,
+                compute_now,
+            )
+            prediction, negative = jnp.split(both, 2, axis=0)
+        else:
+            first, second = cstate if cache.enabled else (None, None)
+            prediction, first, info_c = call(mod, params, x, t, cond, first, compute_now)
+            negative, second, info_u = call(mod, params, x, t, uncond, second, compute_now)
+            cstate = (first, second) if cache.enabled else cstate
+            info = None if info_c is None else jnp.concatenate([info_c, info_u])
         # diffusers applies CFG only when the (first) scale is > 1; keep that per sample.
-        return jnp.where(cfg_on, negative + scale * (prediction - negative), prediction)
+        mixed = jnp.where(cfg_on, negative + scale * (prediction - negative), prediction)
+        return mixed, cstate, info
 
-    def denoise(params, latents, cond, uncond, cfg_on_b, cfg_scale_b, state, start, stop, second):
+    def fresh_state(params, x, t, cond, uncond):
+        """A cache state sized by the streams the denoiser's block stack carries."""
+
+        def probe(streams, run_blocks, num_blocks):
+            return run_blocks(streams, 0, num_blocks), streams
+
+        def shapes(rows_x, rows_t, conditioning):
+            return jax.eval_shape(
+                lambda: family.apply(module, params, rows_x, rows_t, conditioning, run_stack=probe)
+            )[1]
+
+        if use_cfg and batched_cfg:
+            two = shapes(jnp.concatenate([x, x]), jnp.concatenate([t, t]), stacked(cond, uncond))
+            return step_cache.init_state(cache, two)
+        one = step_cache.init_state(cache, shapes(x, t, cond))
+        return (one, one) if use_cfg else one
+
+    def denoise(
+        params, latents, cond, uncond, cfg_on_b, cfg_scale_b, state, start, stop, second, cache_in
+    ):
         batch = latents.shape[0]
         per_sample = (batch,) + (1,) * (latents.ndim - 1)
         scale = cfg_scale_b.reshape(per_sample)
         cfg_on = cfg_on_b.reshape(per_sample)
+        schedule = cstate = ratios = None
+        if cache.enabled:
+            schedule, cstate = cache_in["schedule"], cache_in["state"]
+            if cstate is None:
+                t0 = jnp.broadcast_to(state.timesteps[0].astype(jnp.float32), (batch,))
+                cstate = fresh_state(params, latents, t0, cond, uncond)
+            if cache.kind == "calibrate":
+                rows = batch * (2 if use_cfg else 1)
+                ratios = jnp.zeros((state.timesteps.shape[0], rows), jnp.float32)
 
         def body(i, carry):
-            x, st = carry
+            x, st, cs, rs = carry
             t_now = st.timesteps[i].astype(jnp.float32)
             t = jnp.broadcast_to(t_now, (batch,))
+            compute_now = None if schedule is None else schedule[i]
             if second is None:
-                prediction = guided(module, params, x, t, cond, uncond, cfg_on, scale)
+                prediction, cs, info = guided(
+                    module, params, x, t, cond, uncond, cfg_on, scale, cs, compute_now
+                )
             else:
                 params_2, boundary, cfg_scale_2_b = second
                 scale_2 = cfg_scale_2_b.reshape(per_sample)
-                prediction = jax.lax.cond(
+                prediction, cs, info = jax.lax.cond(
                     t_now >= boundary,
-                    lambda: guided(module, params, x, t, cond, uncond, cfg_on, scale),
-                    lambda: guided(second_module, params_2, x, t, cond, uncond, cfg_on, scale_2),
+                    lambda: guided(module, params, x, t, cond, uncond, cfg_on, scale, cs, None),
+                    lambda: guided(
+                        second_module, params_2, x, t, cond, uncond, cfg_on, scale_2, cs, None
+                    ),
                 )
-            return step_fn(st, prediction, x)
+            if rs is not None:
+                rs = rs.at[i].set(info)
+            x, st = step_fn(st, prediction, x)
+            return x, st, cs, rs
 
-        return jax.lax.fori_loop(start, stop, body, (latents, state))
+        x, state, cstate, ratios = jax.lax.fori_loop(
+            start, stop, body, (latents, state, cstate, ratios)
+        )
+        return x, state, ({"state": cstate, "ratios": ratios} if cache.enabled else None)
 
     return jax.jit(denoise)

@@ -256,9 +256,18 @@ class Family(abc.ABC):
         """(module, params) from a diffusers denoiser directory (config.json + safetensors)."""
 
     @abc.abstractmethod
-    def apply(self, module, params, latents, timestep, conditioning: Mapping[str, Any]):
+    def apply(
+        self, module, params, latents, timestep, conditioning: Mapping[str, Any], run_stack=None
+    ):
         """The denoiser's prediction for ``latents [B, *latent_shape]`` at ``timestep [B]``
-        (scheduler scale, 0..1000) given the conditioning tensors by name."""
+        (scheduler scale, 0..1000) given the conditioning tensors by name.
+
+        ``run_stack`` (step caching, :mod:`jaxcore.step_cache`): the denoiser runs its block
+        stack through ``run_stack(streams, run_blocks, num_blocks) -> (streams, extra)``
+        (``streams``: a tuple of activations, the first the one caches measure;
+        ``run_blocks(streams, start, stop)`` runs blocks ``start..stop-1``) and the call
+        returns ``(prediction, extra)``. A family whose denoiser cannot do this raises
+        FamilyError when given one."""
 
     @abc.abstractmethod
     def export_denoiser(self, module, params) -> tuple[dict[str, np.ndarray], dict]:

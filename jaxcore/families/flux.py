@@ -234,7 +234,7 @@ class FluxFamily(Family):
         except flux_transformer.FluxConfigError as err:
             raise FamilyError(f"{directory}/config.json: {err}") from None
 
-    def apply(self, module, params, latents, timestep, conditioning):
+    def apply(self, module, params, latents, timestep, conditioning, run_stack=None):
         """Pack ``latents [B, C, h, w]``, run the transformer at ``timestep / 1000``, unpack."""
         _, _, h, w = latents.shape
         dtype = module.dtype
@@ -251,8 +251,12 @@ class FluxFamily(Family):
             flux_transformer.latent_image_ids(h, w),
             np.zeros((text.shape[1], 3), np.float32),
             guidance if module.config.guidance_embeds else None,
+            run_stack=run_stack,
         )
-        return flux_transformer.unpack_latents(tokens, h, w)
+        if run_stack is None:
+            return flux_transformer.unpack_latents(tokens, h, w)
+        tokens, extra = tokens
+        return flux_transformer.unpack_latents(tokens, h, w), extra
 
     def export_denoiser(self, module, params):
         state = weights.export_state_dict(params, flux_transformer.weight_map(module.config))

@@ -467,7 +467,7 @@ class WanFamily(Family):
         except wan_transformer.WanConfigError as err:
             raise FamilyError(f"{directory}/config.json: {err}") from None
 
-    def apply(self, module, params, latents, timestep, conditioning):
+    def apply(self, module, params, latents, timestep, conditioning, run_stack=None):
         x = latents
         if FIRST_FRAME in conditioning:
             x, timestep = _first_frame_inputs(module.config, x, timestep, conditioning)
@@ -476,7 +476,7 @@ class WanFamily(Family):
         args = [x.astype(module.dtype), timestep, conditioning[TEXT].astype(module.dtype)]
         if IMAGE_EMBEDS in conditioning:
             args.append(conditioning[IMAGE_EMBEDS].astype(module.dtype))
-        return module.apply({"params": params}, *args)
+        return module.apply({"params": params}, *args, run_stack=run_stack)
 
     def finish_latents(self, latents, conditioning):
         """TI2V: the first latent frame is the conditioning image's (diffusers blends after

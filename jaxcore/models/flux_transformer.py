@@ -669,7 +669,12 @@ class FluxTransformer(nn.Module):
         img_ids,
         txt_ids,
         guidance=None,
+        run_stack=None,
     ):
+        """The prediction; with ``run_stack`` (step caching, :mod:`jaxcore.step_cache`),
+        ``(prediction, extra)`` where the stack of double then single blocks ran as
+        ``run_stack((image, text), run_blocks, num_blocks) -> ((image, text), extra)``;
+        ``run_blocks(streams, start, stop)`` runs blocks ``start..stop-1`` of that stack."""
         cfg = self.config
         timestep = jnp.asarray(timestep)
         guidance = None if guidance is None else jnp.asarray(guidance)
@@ -708,26 +713,44 @@ class FluxTransformer(nn.Module):
             mesh=self.mesh,
         )
         double_cls = remat_block(DoubleStreamBlock, self.remat_policy)
-        for i in range(cfg.num_layers):
-            x, context = double_cls(**block_kw, name=f"transformer_blocks_{i}")(
-                x, context, temb, *rope
-            )
-
-        # diffusers concatenates and splits in every single block; once around them is the same
-        joint = sharding.constrain(jnp.concatenate([context, x], axis=1), _IMAGE_EMBED)
+        doubles = [
+            double_cls(**block_kw, name=f"transformer_blocks_{i}") for i in range(cfg.num_layers)
+        ]
         single_cls = remat_block(SingleStreamBlock, self.remat_policy)
-        for i in range(cfg.num_single_layers):
-            joint = single_cls(**block_kw, name=f"single_transformer_blocks_{i}")(
-                joint, temb, *rope
-            )
-        x = sharding.constrain(joint[:, text_len:], _IMAGE_EMBED)
+        singles = [
+            single_cls(**block_kw, name=f"single_transformer_blocks_{i}")
+            for i in range(cfg.num_single_layers)
+        ]
+
+        def run_blocks(streams, start, stop):
+            img, txt = streams
+            for block in doubles[start:stop]:
+                img, txt = block(img, txt, temb, *rope)
+            first, last = max(start, cfg.num_layers), stop
+            if first < last:
+                # diffusers concatenates and splits in every single block; once around the
+                # run is the same (concatenation and slicing are exact)
+                joint = sharding.constrain(jnp.concatenate([txt, img], axis=1), _IMAGE_EMBED)
+                for block in singles[first - cfg.num_layers : last - cfg.num_layers]:
+                    joint = block(joint, temb, *rope)
+                txt = joint[:, :text_len]
+                img = sharding.constrain(joint[:, text_len:], _IMAGE_EMBED)
+            return img, txt
+
+        num_blocks = cfg.num_layers + cfg.num_single_layers
+        extra = None
+        if run_stack is None:
+            x, context = run_blocks((x, context), 0, num_blocks)
+        else:
+            (x, context), extra = run_stack((x, context), run_blocks, num_blocks)
 
         scale, shift = Modulation(2, dim, self.param_dtype, name="norm_out")(temb)
         x = _modulate(x, shift, scale, self.dtype)
         out = dense(
             cfg.out_channels, ("embed", "conv_out"), "proj_out", self.dtype, self.param_dtype
         )(x)
-        return sharding.constrain(out, _IMAGE_EMBED)
+        out = sharding.constrain(out, _IMAGE_EMBED)
+        return out if run_stack is None else (out, extra)
 
 
 # ----------------------------------------------------------------------------------------------

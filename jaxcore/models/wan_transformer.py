@@ -659,8 +659,17 @@ class WanTransformer(nn.Module):
 
     @nn.compact
     def __call__(
-        self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None
+        self,
+        hidden_states,
+        timestep,
+        encoder_hidden_states,
+        encoder_hidden_states_image=None,
+        run_stack=None,
     ):
+        """The prediction; with ``run_stack`` (step caching, :mod:`jaxcore.step_cache`),
+        ``(prediction, extra)`` where the block stack ran as
+        ``run_stack((x,), run_blocks, num_blocks) -> ((x,), extra)`` and
+        ``run_blocks(streams, start, stop)`` runs blocks ``start..stop-1``."""
         cfg = self.config
         timestep = jnp.asarray(timestep)
         image = encoder_hidden_states_image
@@ -689,10 +698,24 @@ class WanTransformer(nn.Module):
         )(timestep, encoder_hidden_states, image)
 
         block_cls = remat_block(WanBlock, self.remat_policy)
-        for i in range(cfg.num_layers):
-            x = block_cls(
+        blocks = [
+            block_cls(
                 cfg, self.dtype, self.param_dtype, self.attention, self.mesh, name=f"blocks_{i}"
-            )(x, context, temb_6d, *rope, image)
+            )
+            for i in range(cfg.num_layers)
+        ]
+
+        def run_blocks(streams, start, stop):
+            (h,) = streams
+            for block in blocks[start:stop]:
+                h = block(h, context, temb_6d, *rope, image)
+            return (h,)
+
+        extra = None
+        if run_stack is None:
+            (x,) = run_blocks((x,), 0, cfg.num_layers)
+        else:
+            (x,), extra = run_stack((x,), run_blocks, cfg.num_layers)
 
         table = _modulation_table(self, 2, dim, self.param_dtype)
         if temb.ndim == 3:  # per-token timesteps: shift/scale [B, L, D]
@@ -707,7 +730,8 @@ class WanTransformer(nn.Module):
             self.dtype,
             self.param_dtype,
         )(x)
-        return unpatchify(x, grid, cfg.patch_size)
+        out = unpatchify(x, grid, cfg.patch_size)
+        return out if run_stack is None else (out, extra)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -197,17 +197,21 @@ def test_switching_sets_remerges_from_the_base_and_unmerging_is_exact(wan_dir, t
 
 
 def test_switching_sets_does_not_recompile(wan_dir, tmp_path):
-    from jaxcore import sampling
+    from jaxcore import sampling, step_cache
 
     a, b = _lora_pair(wan_dir, tmp_path / "loras")
     pipe = load_pipeline(wan_dir)
     cond = pipe.encode_prompts(["a red circle"], 16)
     latents = initial_latents(0, pipe.latent_shape(16, 16, 1))[None]
     _, step_fn = pipe.family.make_schedule(pipe, "unipc", 2, 3.0, latents.shape)
-    jitted = sampling.denoise_fn(pipe.family, pipe.denoiser, step_fn, False)  # the cached one
+    # the cached program Pipeline.sample uses (no CFG, no step cache, batched CFG)
+    jitted = sampling.denoise_fn(
+        pipe.family, pipe.denoiser, step_fn, False, None, step_cache.NO_CACHE, True
+    )
     pipe.apply_loras([(a, 0.8)])
     pipe.sample(latents, cond, num_inference_steps=2)
     compiled = jitted._cache_size()  # (other tests may have compiled other shapes before)
+    assert compiled >= 1
     for loras in ([(a, 0.8), (b, 0.5)], [], [(b, 1.0)]):
         pipe.apply_loras(loras)
         pipe.sample(latents, cond, num_inference_steps=2)
