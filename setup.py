@@ -22,6 +22,7 @@ BASE = [
     "pyyaml",
     "matplotlib",
     "ml_dtypes",
+    "scipy",  # SSIM's Gaussian window (generate's step-cache quality gate)
     "ftfy",  # Wan prompt cleaning, as diffusers does it when ftfy is installed (I2V needs it)
 ]
 
@@ -33,6 +34,7 @@ TEST = [
     "peft",  # diffusers' load_lora_weights: the LoRA oracle
     "gcp-storage-emulator",
     "ruff==0.17.6",
+    "scikit-image",  # SSIM / PSNR oracle for the step-cache quality gate
 ]
 
 setup(

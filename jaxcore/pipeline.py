@@ -348,10 +348,10 @@ class Pipeline:
     ) -> tuple[jax.Array, dict]:
         """:meth:`sample` with step caching (:mod:`jaxcore.step_cache`): ``cache`` the method,
         ``cache_schedule`` MagCache's ``[num_inference_steps]`` bool compute mask. Returns
-        ``(latents, stats)``: per sample (this process's rows) ``block_stack_runs`` and
-        ``block_stack_skips`` (both CFG branches counted) and, when calibrating, ``ratios``
-        ``[steps, B]`` of the conditional branch (``[steps, B]`` of the negative one as
-        ``negative_ratios`` with CFG); empty without a cache."""
+        ``(latents, stats)``: per sample ``block_stack_runs`` and ``block_stack_skips`` ``[B]``
+        (both CFG branches counted) and, when calibrating, ``ratios`` ``[B, steps]`` of the
+        conditional branch (the negative one's as ``negative_ratios`` with CFG); arrays
+        sharded like the batch; empty without a cache."""
         # this process's rows (all rows on one host); the scales are per local row too
         rows = latents.shape[0]
         latents = self.shard_batch(latents)
@@ -424,7 +424,7 @@ class Pipeline:
                 )
                 cache_out = None
             x = self.family.finish_latents(x, cond)
-        return x, _cache_stats(cache_out, rows, use_cfg, batched_cfg)
+        return x, _cache_stats(cache_out, use_cfg, batched_cfg)
 
     def _sample_swapping(
         self,
@@ -524,26 +524,27 @@ class Pipeline:
         return np.asarray(self.decode(z))
 
 
-def _cache_stats(cache_out, rows: int, use_cfg: bool, batched_cfg: bool) -> dict:
-    """Per sample counters (and calibration ratios) from the loop's cache state."""
+def _cache_stats(cache_out, use_cfg: bool, batched_cfg: bool) -> dict:
+    """Per sample counters (and calibration ratios) from the loop's cache state, as arrays
+    whose leading axis is the batch (sharded like it: a process reads its own rows)."""
     if cache_out is None:
         return {}
     cstate = cache_out["state"]
     if use_cfg and not batched_cfg:
-        runs = [np.asarray(part["computed"]) for part in cstate]
-        skips = [np.asarray(part["skipped"]) for part in cstate]
+        runs = cstate[0]["computed"] + cstate[1]["computed"]
+        skips = cstate[0]["skipped"] + cstate[1]["skipped"]
+    elif use_cfg:
+        runs = sum(jnp.split(cstate["computed"], 2))
+        skips = sum(jnp.split(cstate["skipped"], 2))
     else:
-        runs = np.split(np.asarray(cstate["computed"]), 2 if use_cfg else 1)
-        skips = np.split(np.asarray(cstate["skipped"]), 2 if use_cfg else 1)
-    stats = {
-        "block_stack_runs": sum(runs)[:rows].astype(int),
-        "block_stack_skips": sum(skips)[:rows].astype(int),
-    }
+        runs, skips = cstate["computed"], cstate["skipped"]
+    stats = {"block_stack_runs": runs, "block_stack_skips": skips}
     if cache_out["ratios"] is not None:
-        ratios = np.asarray(cache_out["ratios"])
-        stats["ratios"] = ratios[:, :rows]
+        ratios = cache_out["ratios"].T  # [rows, steps]
         if use_cfg:
-            stats["negative_ratios"] = ratios[:, rows : 2 * rows]
+            stats["ratios"], stats["negative_ratios"] = jnp.split(ratios, 2)
+        else:
+            stats["ratios"] = ratios
     return stats
 
 

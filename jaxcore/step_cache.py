@@ -44,7 +44,7 @@ import numpy as np
 
 from jaxcore import sharding
 
-KINDS = ("none", "first_block", "magcache")
+KINDS = ("none", "first_block", "magcache", "calibrate")
 # diffusers' defaults (FirstBlockCacheConfig, MagCacheConfig)
 DEFAULT_THRESHOLDS = {"first_block": 0.05, "magcache": 0.06}
 
@@ -60,10 +60,15 @@ FLUX_MAG_RATIOS = (1.0, 1.21094, 1.11719, 1.07812, 1.0625, 1.03906, 1.03125, 1.0
 class CacheConfig:
     """The ``cache`` section of generate.
 
-    ``kind``: ``none``, ``first_block`` or ``magcache``. ``threshold``: None = diffusers'
+    ``kind``: ``none``, ``first_block``, ``magcache`` or ``calibrate`` (a dense render that
+    measures MagCache's ratios; ``difforge calibrate``). ``threshold``: None = diffusers'
     default for the kind (0.05 / 0.06). MagCache: ``max_skip_steps``, ``retention_ratio`` and
-    the ratios, given as ``mag_ratios`` or read from a ``calibration`` artifact (difforge
-    calibrate) — exactly one of the two."""
+    the ratios, given as ``mag_ratios`` or read from a ``calibration`` artifact (a calibrate
+    run's) — exactly one of the two.
+
+    Quality gate: ``compare_dense`` renders every prompt dense too and records PSNR / SSIM of
+    the cached render against it (and the speed-up); ``min_psnr`` / ``min_ssim`` fail the run
+    when a prompt falls below them (they need ``compare_dense``)."""
 
     kind: str = "none"
     threshold: float | None = None
@@ -71,6 +76,9 @@ class CacheConfig:
     retention_ratio: float = 0.2
     mag_ratios: tuple[float, ...] | None = None
     calibration: str | None = None
+    compare_dense: bool = False
+    min_psnr: float | None = None
+    min_ssim: float | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -93,6 +101,10 @@ class CacheConfig:
             raise ValueError(
                 f"cache.mag_ratios / cache.calibration are for magcache, not {self.kind}"
             )
+        if (self.min_psnr is not None or self.min_ssim is not None) and not self.compare_dense:
+            raise ValueError("cache.min_psnr / cache.min_ssim need cache.compare_dense=true")
+        if self.compare_dense and self.kind in ("none", "calibrate"):
+            raise ValueError(f"cache.compare_dense compares a cached render: kind={self.kind}")
 
     @property
     def enabled(self) -> bool:
@@ -127,6 +139,20 @@ def plan_of(config: CacheConfig) -> CachePlan:
     if config.kind == "first_block":
         return CachePlan("first_block", config.effective_threshold)
     return CachePlan(config.kind)
+
+
+def fingerprint(config: CacheConfig, ratios: Sequence[float] | None = None) -> dict:
+    """What of the cache settings decides a render's pixels (for resume fingerprints)."""
+    if not config.enabled:
+        return {}
+    out = {"kind": config.kind, "threshold": config.effective_threshold}
+    if config.kind == "magcache":
+        out.update(
+            max_skip_steps=config.max_skip_steps,
+            retention_ratio=config.retention_ratio,
+            mag_ratios=None if ratios is None else [float(r) for r in ratios],
+        )
+    return out
 
 
 # --- MagCache's static schedule (host) ------------------------------------------------------

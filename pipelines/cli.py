@@ -52,6 +52,11 @@ STAGES: dict[str, StageEntry] = {
         "stages.generate.run:run",
         "bulk rendering of a prompt file to images/videos with a manifest and gallery",
     ),
+    "calibrate": StageEntry(
+        "stages.generate.config:GenerateConfig",
+        "stages.generate.run:calibrate",
+        "generate densely and measure MagCache's ratios (a cache.calibration artifact)",
+    ),
     "run": StageEntry(
         "pipelines.config:PipelineConfig",
         "pipelines.runner:run",
@@ -160,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 load_pipeline_spec(config)
             sys.stdout.write(to_yaml(config))
             return 0
-        if args.stage in STAGE_NAMES:
+        if args.stage in (*STAGE_NAMES, "calibrate"):
             from pipelines.demo.embedded import resolve
 
             config = resolve(config)  # "tiny" models, "synthetic:" datasets -> local paths

@@ -15,6 +15,7 @@ from typing import Literal
 
 from jaxcore.compute import ComputeConfig
 from jaxcore.sharding import MeshConfig
+from jaxcore.step_cache import CacheConfig
 
 SCHEDULERS = ("unipc", "flow_euler")
 
@@ -138,6 +139,8 @@ class GenerateConfig:
     compute: ComputeConfig = dataclasses.field(default_factory=ComputeConfig)
     output: OutputSection = dataclasses.field(default_factory=OutputSection)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    # step caching (First-Block-Cache, MagCache, calibration) and its quality gate
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
 
     def __post_init__(self):
         for key in ("pretrained_model_name_or_path", "prompt_file", "output_dir"):

@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 OUTPUTS, THUMBS, RECORDS = "outputs", "thumbs", "records"
 CONTACT_SHEET, GALLERY = "contact_sheet.png", "index.html"
+CACHE_REPORT, CACHE_COMPARISON = "cache_report.json", "cache_comparison.png"
 
 
 def media_path(name: str, num_frames: int) -> str:
@@ -118,6 +119,55 @@ def write_prompt_outputs(
     return record
 
 
+def write_dense(root: str, name: str, cached_fhwc: np.ndarray, dense_fhwc: np.ndarray) -> dict:
+    """The dense render's first frame beside a cached one (``cache.compare_dense``), and how
+    far the cached render is from it: ``{dense_output, psnr, ssim}``."""
+    from jaxcore.sampling import to_uint8
+    from stages.generate import quality
+
+    path = f"{OUTPUTS}/{name}.dense.png"
+    storage.write_bytes(storage.join(root, path), encode_png(to_uint8(dense_fhwc)[0]))
+    return {
+        "dense_output": path,
+        "psnr": round(quality.psnr(dense_fhwc, cached_fhwc), 4),
+        "ssim": round(quality.ssim(dense_fhwc, cached_fhwc), 6),
+    }
+
+
+def write_cache_report(root: str, records: Sequence[Mapping], report: Mapping) -> None:
+    """``cache_report.json`` (the quality gate's table) and ``cache_comparison.png`` (one row
+    per prompt: dense, cached, |difference| x4)."""
+    from PIL import Image
+
+    from stages.generate import quality
+
+    storage.write_text(
+        storage.join(root, CACHE_REPORT), json.dumps(report, indent=1, sort_keys=True)
+    )
+    rows = []
+    for record in records:
+        cache = record.get("cache") or {}
+        if "dense_output" not in cache:
+            continue
+        pair = []
+        for path in (
+            cache["dense_output"],
+            record["thumbnail"] if record["output"].endswith(".mp4") else record["output"],
+        ):
+            image = Image.open(io.BytesIO(storage.read_bytes(storage.join(root, path))))
+            pair.append(np.asarray(image.convert("RGB"), np.float32) / 255.0)
+        if pair[0].shape != pair[1].shape:  # a video's thumbnail: compare at its size
+            pair[0] = (
+                np.asarray(
+                    Image.fromarray((pair[0] * 255).astype(np.uint8)).resize(pair[1].shape[1::-1]),
+                    np.float32,
+                )
+                / 255.0
+            )
+        rows.append(tuple(pair))
+    storage.write_bytes(storage.join(root, CACHE_COMPARISON), quality.comparison_grid(rows))
+
+
 def load_records(root: str, threads: int = 8) -> dict[str, dict]:
     """{name: record} of every finished prompt under ``root`` (unreadable records are skipped:
     they are rendered again)."""
@@ -171,8 +221,37 @@ def contact_sheet(root: str, records: Iterable[Mapping], columns: int, size: int
     return buffer.getvalue()
 
 
-def gallery_html(records: Iterable[Mapping], title: str) -> str:
-    """A self-contained index.html: one card per prompt with its media, prompt and settings."""
+def _cache_section(report: Mapping | None) -> str:
+    """The quality gate's table and comparison grid, for the gallery."""
+    if report is None:
+        return ""
+    rows = "".join(
+        f"<tr><td>{html.escape(p['id'])}</td><td>{p['psnr']:.2f}</td><td>{p['ssim']:.4f}</td>"
+        f"<td>{p['block_stack_runs']}</td><td>{p['block_stack_skips']}</td></tr>"
+        for p in report["prompts"]
+    )
+    ratio = report["evaluation_ratio"]
+    speed = report["wall_speedup"]
+    head = (
+        f"mean PSNR {report['mean_psnr']:.2f} dB (min {report['min_psnr']:.2f}), mean SSIM "
+        f"{report['mean_ssim']:.4f} (min {report['min_ssim']:.4f}); "
+        f"{ratio:.2f}x fewer block-stack evaluations"
+        + (f", {speed:.2f}x wall time" if speed else "")
+    )
+    return (
+        f"<h2>Step cache vs dense</h2><p>{html.escape(head)}</p>"
+        "<table><tr><th>id</th><th>PSNR dB</th><th>SSIM</th><th>stack runs</th>"
+        f"<th>skips</th></tr>{rows}</table>"
+        f"<p>dense | cached | |difference| x4</p><p><img src='{CACHE_COMPARISON}' "
+        "alt='dense vs cached'></p>"
+    )
+
+
+def gallery_html(
+    records: Iterable[Mapping], title: str, cache_report: Mapping | None = None
+) -> str:
+    """A self-contained index.html: one card per prompt with its media, prompt and settings
+    (and, after a quality-gated cached run, the cache-vs-dense table and grid)."""
     cards = []
     for record in records:
         params = record["params"]
@@ -208,5 +287,5 @@ def gallery_html(records: Iterable[Mapping], title: str) -> str:
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>{style}</style></head><body>"
         f"<h1>{html.escape(title)}</h1><p><img src='{CONTACT_SHEET}' alt='contact sheet'></p>"
-        f"<div class='grid'>{''.join(cards)}</div></body></html>\n"
+        f"<div class='grid'>{''.join(cards)}</div>{_cache_section(cache_report)}</body></html>\n"
     )

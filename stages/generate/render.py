@@ -158,13 +158,43 @@ class _InFlight:
     batch: Batch
     video: object  # jax.Array [local rows, F, H, W, 3], still computing
     started: float
+    stats: dict = dataclasses.field(default_factory=dict)  # step-cache counters per row
+    dense: object = None  # the dense render beside a cached one (cache.compare_dense)
+    seconds: tuple[float, float] | None = None  # (cached, dense) device seconds when compared
+
+
+def _sample(pipe, latents, cond, uncond, scales, first: PromptSpec, scheduler, cache, plan):
+    """The batch's latents and cache stats with ``plan`` (a ``jaxcore.step_cache.CachePlan``)."""
+    schedule = None
+    if plan.kind == "magcache":
+        schedule = cache.schedule(scheduler, first.flow_shift, first.num_inference_steps)
+    return pipe.sample_with_stats(
+        latents,
+        cond,
+        uncond,
+        num_inference_steps=first.num_inference_steps,
+        cfg_scale=scales,
+        shift=first.flow_shift,
+        scheduler=scheduler,
+        cache=plan,
+        cache_schedule=schedule,
+    )
 
 
 def _dispatch(
-    pipe, batch: Batch, scheduler: str | None, max_sequence_length: int, lora_strict: bool
+    pipe,
+    batch: Batch,
+    scheduler: str | None,
+    max_sequence_length: int,
+    lora_strict: bool,
+    cache=None,
 ) -> _InFlight:
     """Host prep (LoRAs, noise, conditioning) for this process's rows, then queue the device
-    work. A batch shares one LoRA set (prompts are grouped by it)."""
+    work. A batch shares one LoRA set (prompts are grouped by it). ``cache``: the run's
+    :class:`stages.generate.caching.CacheRun` (None: no step caching); comparing with the
+    dense render times both synchronously."""
+    from jaxcore import step_cache
+
     started = time.perf_counter()
     first = batch.specs[0]
     pipe.apply_loras(first.loras, strict=lora_strict)
@@ -182,16 +212,45 @@ def _dispatch(
         images=[_images(s) for s in rows],
         size=(first.height, first.width, first.num_frames),
     )
-    z = pipe.sample(
-        latents,
-        cond,
-        uncond,
-        num_inference_steps=first.num_inference_steps,
-        cfg_scale=scales,
-        shift=first.flow_shift,
-        scheduler=scheduler,
-    )
-    return _InFlight(batch, pipe.decode(z), started)
+    plan = step_cache.NO_CACHE if cache is None else cache.plan
+    args = (pipe, latents, cond, uncond, scales, first, scheduler, cache)
+    z, stats = _sample(*args, plan)
+    video = pipe.decode(z)
+    if cache is None or not cache.config.compare_dense:
+        return _InFlight(batch, video, started, stats)
+    import jax
+
+    jax.block_until_ready(video)
+    cached_done = time.perf_counter()
+    dense = pipe.decode(_sample(*args, step_cache.NO_CACHE)[0])
+    jax.block_until_ready(dense)
+    seconds = (cached_done - started, time.perf_counter() - cached_done)
+    return _InFlight(batch, video, started, stats, dense, seconds)
+
+
+def _row_extras(flight: _InFlight) -> list[dict]:
+    """Per local row: step-cache counters (and calibration ratios), the dense render."""
+    rows = len(flight.batch.local_rows)
+    local = {k: _local_rows(v) for k, v in flight.stats.items()}
+    dense = None if flight.dense is None else _local_rows(flight.dense)
+    extras = []
+    for i in range(rows):
+        extra: dict = {}
+        if local:
+            extra["cache"] = {
+                "block_stack_runs": int(local["block_stack_runs"][i]),
+                "block_stack_skips": int(local["block_stack_skips"][i]),
+            }
+            for key in ("ratios", "negative_ratios"):
+                if key in local:
+                    extra["cache"][key] = [round(float(v), 6) for v in local[key][i]]
+        if dense is not None:
+            extra["dense"] = dense[i]
+            cached_s, dense_s = flight.seconds
+            batch = max(1, len(flight.batch.specs))
+            extra["cache"].update(cached_seconds=cached_s / batch, dense_seconds=dense_s / batch)
+        extras.append(extra)
+    return extras
 
 
 def _local_rows(array) -> np.ndarray:
@@ -214,14 +273,16 @@ def render_batches(
     *,
     scheduler: str | None,
     max_sequence_length: int,
-    on_result: Callable[[PromptSpec, np.ndarray, float, int], dict],
+    on_result: Callable[[PromptSpec, np.ndarray, float, int, dict], dict],
     writer_threads: int = 4,
     progress=None,
     lora_strict: bool = True,
     stop: Callable[[], bool] | None = None,
+    cache=None,
 ) -> list[dict]:
-    """Render every batch; ``on_result(spec, video_fhwc, seconds, batch_size)`` runs in the
-    writer pool for each real prompt of this process. Returns the records it produced.
+    """Render every batch; ``on_result(spec, video_fhwc, seconds, batch_size, extra)`` runs in
+    the writer pool for each real prompt of this process (``extra``: step-cache counters and
+    the dense render, see :func:`_row_extras`). Returns the records it produced.
     ``stop()`` true: no further batch starts (the one in flight and its files finish)."""
     futures: list[Future] = []
     with ThreadPoolExecutor(max_workers=writer_threads) as pool:
@@ -230,9 +291,15 @@ def render_batches(
             video = _local_rows(flight.video)  # blocks until the device is done
             seconds = (time.perf_counter() - flight.started) / max(1, len(flight.batch.specs))
             offset = flight.batch.local_rows[0]
+            extras = _row_extras(flight)
             for row, spec in flight.batch.local_real():
                 future = pool.submit(
-                    on_result, spec, video[row - offset], seconds, len(flight.batch.specs)
+                    on_result,
+                    spec,
+                    video[row - offset],
+                    seconds,
+                    len(flight.batch.specs),
+                    extras[row - offset],
                 )
                 if progress is not None:
                     future.add_done_callback(lambda _f: progress.update(1))
@@ -242,7 +309,7 @@ def render_batches(
         for batch in batches:
             if stop is not None and stop():
                 break
-            current = _dispatch(pipe, batch, scheduler, max_sequence_length, lora_strict)
+            current = _dispatch(pipe, batch, scheduler, max_sequence_length, lora_strict, cache)
             if pending is not None:
                 collect(pending)
             pending = current

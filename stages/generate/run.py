@@ -10,8 +10,9 @@ import time
 from jaxcore import storage
 from jaxcore.artifacts import ArtifactError, ArtifactWriter, Manifest
 from jaxcore.config import to_dict
+from stages.common.errors import StageInputError
 from stages.common.preemption import Preempted, Preemption
-from stages.generate import outputs
+from stages.generate import caching, outputs
 from stages.generate.config import GenerateConfig
 from stages.generate.prompts import (
     PromptSpec,
@@ -39,16 +40,22 @@ def _run_fingerprint(config: GenerateConfig, scheduler: str) -> str:
 
 
 def _fingerprint(
-    spec: PromptSpec, run_fingerprint: str, lora_checksums: dict, image_checksums: dict
+    spec: PromptSpec,
+    run_fingerprint: str,
+    lora_checksums: dict,
+    image_checksums: dict,
+    cache_fingerprint: dict | None = None,
 ) -> str:
-    """The prompt's own parameters, its LoRA and image files' contents and the run's
-    settings."""
+    """The prompt's own parameters, its LoRA and image files' contents, the run's settings
+    and the step cache's (with the MagCache ratios its group uses)."""
     payload = {
         "run": run_fingerprint,
         "params": spec.params(),
         "lora_sha256": [lora_checksums[use[0]] for use in spec.loras],
         "image_sha256": [image_checksums.get(u) for u in (spec.image, spec.last_image) if u],
     }
+    if cache_fingerprint:
+        payload["cache"] = cache_fingerprint
     blob = json.dumps(payload, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -83,6 +90,15 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     )
     source.check_guidance(specs)
     scheduler = config.sampling.scheduler or defaults["scheduler"]
+    cache = caching.prepare(config.cache)
+
+    def fingerprint(spec: PromptSpec) -> str:
+        steps, shift = spec.num_inference_steps, spec.flow_shift
+        extra = cache.fingerprint(scheduler, shift, steps)
+        if config.cache.compare_dense:
+            extra["compare_dense"] = True
+        return _fingerprint(spec, run_fp, lora_sha, image_sha, extra)
+
     prompt_sha = _prompt_file_sha256(config.prompt_file)
     writer = ArtifactWriter(config.output_dir, "generate", config, source.inputs)
     done = writer.existing(force)
@@ -108,15 +124,10 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
         outputs.remove_stale_partials(writer.uri)
     _barrier("generate-start")
     finished = outputs.load_records(writer.uri)
-    todo = [
-        s
-        for s in specs
-        if finished.get(s.name, {}).get("fingerprint")
-        != _fingerprint(s, run_fp, lora_sha, image_sha)
-    ]
+    todo = [s for s in specs if finished.get(s.name, {}).get("fingerprint") != fingerprint(s)]
     log.info("generate: %d prompts, %d to render", len(specs), len(todo))
 
-    def write(spec: PromptSpec, video, seconds: float, batch_size: int) -> dict:
+    def write(spec: PromptSpec, video, seconds: float, batch_size: int, extra: dict) -> dict:
         record = {
             "id": spec.id,
             "name": spec.name,
@@ -125,11 +136,17 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
             "params": spec.params(),
             "scheduler": scheduler,
             "loras": [{**lora_entry(*use), "sha256": lora_sha[use[0]]} for use in spec.loras],
-            "fingerprint": _fingerprint(spec, run_fp, lora_sha, image_sha),
+            "fingerprint": fingerprint(spec),
             "seconds": seconds,
             "batch_size": batch_size,
             "process_index": jax.process_index(),
         }
+        if "cache" in extra:
+            record["cache"] = {"kind": config.cache.kind, **extra["cache"]}
+        if "dense" in extra:
+            record["cache"].update(
+                outputs.write_dense(writer.uri, spec.name, video, extra["dense"])
+            )
         return outputs.write_prompt_outputs(
             writer.uri,
             record,
@@ -159,6 +176,7 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
             progress=progress,
             lora_strict=config.model.lora_strict,
             stop=lambda: preemption.requested,
+            cache=cache if config.cache.enabled else None,
         )
     if preemption.requested:
         raise Preempted(
@@ -169,8 +187,8 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     _barrier("generate-rendered")
     if jax.process_index() != 0:
         return None  # process 0 writes the gallery and the manifest
-    fingerprints = (run_fp, lora_sha, image_sha)
-    return _finish(config, writer, specs, fingerprints, prompt_sha, provenance, len(todo), elapsed)
+    checks = (fingerprint, lora_sha, prompt_sha)
+    return _finish(config, writer, specs, checks, provenance, len(todo), elapsed, scheduler)
 
 
 def _barrier(name: str) -> None:
@@ -182,16 +200,16 @@ def _barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def _finish(config, writer, specs, fingerprints, prompt_sha, provenance, rendered, elapsed):
-    """Check every prompt has its record, write the contact sheet and gallery, commit."""
-    run_fp, lora_sha, image_sha = fingerprints
+def _finish(config, writer, specs, checks, provenance, rendered, elapsed, scheduler):
+    """Check every prompt has its record, write the contact sheet and gallery (and the cache
+    report), then commit; a prompt below the cache's quality floor fails the run after the
+    report is written."""
+    fingerprint, lora_sha, prompt_sha = checks
     records = outputs.load_records(writer.uri)
     ordered = []
     for spec in specs:
         record = records.get(spec.name)
-        if record is None or record.get("fingerprint") != _fingerprint(
-            spec, run_fp, lora_sha, image_sha
-        ):
+        if record is None or record.get("fingerprint") != fingerprint(spec):
             raise ArtifactError(
                 f"{writer.uri}: prompt {spec.id!r} (line {spec.line}) has no finished output"
             )
@@ -201,7 +219,12 @@ def _finish(config, writer, specs, fingerprints, prompt_sha, provenance, rendere
     )
     storage.write_bytes(writer.file(outputs.CONTACT_SHEET), sheet)
     title = config.run_name or f"difforge generate: {config.prompt_file}"
-    storage.write_text(writer.file(outputs.GALLERY), outputs.gallery_html(ordered, title))
+    report = caching.quality_summary(ordered, config.cache)
+    if report is not None:
+        outputs.write_cache_report(writer.uri, ordered, report)
+    storage.write_text(
+        writer.file(outputs.GALLERY), outputs.gallery_html(ordered, title, cache_report=report)
+    )
     summary = {
         "prompt_file": config.prompt_file,
         "prompt_file_sha256": prompt_sha,
@@ -227,4 +250,49 @@ def _finish(config, writer, specs, fingerprints, prompt_sha, provenance, rendere
             for r in ordered
         ],
     }
+    if config.cache.enabled:
+        summary["cache"] = _cache_summary(config, ordered, report)
+    if config.cache.kind == "calibrate":
+        summary[caching.CALIBRATION_KEY] = caching.calibration_summary(ordered, scheduler)
+    if report is not None and report["below_floor"]:
+        raise StageInputError(
+            f"generate: the cached render of {len(report['below_floor'])} prompt(s) "
+            f"{report['below_floor'][:5]} is below the quality floor (min_psnr="
+            f"{config.cache.min_psnr}, min_ssim={config.cache.min_ssim}; lowest PSNR "
+            f"{report['min_psnr']:.2f} dB, SSIM {report['min_ssim']:.4f}); see "
+            f"{writer.file(outputs.CACHE_REPORT)}. Nothing was committed."
+        )
     return writer.commit(summary)
+
+
+def _cache_summary(config, records, report) -> dict:
+    """The manifest's step-cache section: settings, block-stack evaluations, the quality
+    report, and a calibrate run's ratios."""
+    runs = sum(r["cache"]["block_stack_runs"] for r in records)
+    skips = sum(r["cache"]["block_stack_skips"] for r in records)
+    out = {
+        "config": to_dict(config.cache),
+        "block_stack_runs": runs,
+        "block_stack_skips": skips,
+        "evaluation_ratio": (runs + skips) / runs if runs else None,
+    }
+    if report is not None:
+        out["quality"] = {k: v for k, v in report.items() if k != "prompts"}
+        out["report"] = outputs.CACHE_REPORT
+    return out
+
+
+def calibrate(config: GenerateConfig, *, force: bool = False) -> Manifest:
+    """``difforge calibrate``: generate densely, recording MagCache's per-step ratios of every
+    prompt; the manifest's ``magcache_calibration`` is what ``cache.calibration=<this
+    artifact>`` reads (see :mod:`stages.generate.caching`)."""
+    import dataclasses
+
+    from jaxcore.step_cache import CacheConfig
+
+    if config.cache.kind not in ("none", "calibrate"):
+        raise StageInputError(
+            f"difforge calibrate measures dense renders; cache.kind={config.cache.kind} is not "
+            "allowed here"
+        )
+    return run(dataclasses.replace(config, cache=CacheConfig(kind="calibrate")), force=force)

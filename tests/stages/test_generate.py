@@ -178,7 +178,7 @@ def _render(pipe, specs, batch_size: int) -> dict[str, np.ndarray]:
 
     results = {}
 
-    def keep(spec, video, seconds, size):
+    def keep(spec, video, seconds, size, extra):
         results[spec.id] = video
         return {}
 
