@@ -37,6 +37,7 @@ BENCHMARKS = {
     "train_step": "bench.train_step",
     "vae": "bench.vae",
     "generate": "bench.generate",
+    "step_cache": "bench.step_cache",
     "convert": "bench.convert",
     "compile_cache": "bench.compile_cache",
     "memory": "bench.memory",
@@ -46,6 +47,7 @@ GOALS = {
     "flux_forward": "difforge >= 1.0x diffusers eager",
     "train_step": "MFU >= 0.70",
     "generate": "share of wall time outside device compute < 0.10",
+    "step_cache": "MagCache (diffusers' defaults) >= 1.8x fewer block-stack evaluations at PSNR >= 30 dB",
     "memory_load": "peak RSS growth < 1.3 x weight bytes",
     "memory_attention": "flash temp memory grows linearly (exponent ~1)",
 }

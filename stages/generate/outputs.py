@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 OUTPUTS, THUMBS, RECORDS = "outputs", "thumbs", "records"
 CONTACT_SHEET, GALLERY = "contact_sheet.png", "index.html"
 CACHE_REPORT, CACHE_COMPARISON = "cache_report.json", "cache_comparison.png"
+IDENTICAL_PSNR = 200.0
 
 
 def media_path(name: str, num_frames: int) -> str:
@@ -129,7 +130,8 @@ def write_dense(root: str, name: str, cached_fhwc: np.ndarray, dense_fhwc: np.nd
     storage.write_bytes(storage.join(root, path), encode_png(to_uint8(dense_fhwc)[0]))
     return {
         "dense_output": path,
-        "psnr": round(quality.psnr(dense_fhwc, cached_fhwc), 4),
+        # identical renders have an infinite PSNR; JSON has no inf: 200 dB stands for it
+        "psnr": round(min(quality.psnr(dense_fhwc, cached_fhwc), IDENTICAL_PSNR), 4),
         "ssim": round(quality.ssim(dense_fhwc, cached_fhwc), 6),
     }
 
