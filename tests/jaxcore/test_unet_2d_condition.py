@@ -299,6 +299,7 @@ def test_export_round_trips_the_checkpoint(unets):
         np.testing.assert_array_equal(exported[key], value, err_msg=key)
 
 
+@pytest.mark.slow  # ~11 s; the UNet is not trained by any stage yet
 def test_gradient_is_finite(tmp_path):
     """Training goes through the whole model: every parameter gets a finite, non-zero gradient."""
     _perturbed_model(MICRO).save_pretrained(tmp_path, safe_serialization=True)

@@ -3,12 +3,15 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from jaxcore import artifacts
 from pipelines import cli
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~75 s; each stage has its own default end-to-end test and test_runner covers the chaining
 def test_two_stage_chain(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     root = tmp_path / "run"

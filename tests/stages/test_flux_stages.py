@@ -214,6 +214,7 @@ def test_sharded_flux_step_equals_single_device(flux_dir):
     assert worst < 5e-5, worst
 
 
+@pytest.mark.slow  # ~45 s; Flux's train step stays in the default tier (sharded == single device)
 def test_flux_trains_evaluates_and_renders_its_checkpoint(flux_dir, tmp_path):
     data_uri = str(tmp_path / "data")
     write_convert_artifact(data_uri, TinyDataConfig(**FLUX))

@@ -227,7 +227,10 @@ def test_kill_and_resume_renders_only_the_rest(tiny_dir, tmp_path):
         "guidance_scale=1",
         "save_arrays=true",
     ]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
+    }
     records = killed / "records"
 
     def start_and_stop(sig, at_least: int) -> int:

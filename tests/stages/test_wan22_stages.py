@@ -194,10 +194,22 @@ def _write_clips(directory: Path, count: int, frames: int = 5) -> Path:
 
 
 @pytest.mark.parametrize("variant", ["wan21_i2v", pytest.param("flf2v", marks=pytest.mark.slow)])
-def test_i2v_records_train_and_render(tmp_path, variant):
+def test_i2v_records_equal_generates_conditioning(tmp_path, variant):
     """convert stores each clip's first-frame conditioning (mask + encoded clip; Wan 2.1 also
     the CLIP tokens, first and last frame for FLF2V) equal to what generate computes for that
-    frame as the conditioning image; train takes the records; the checkpoint renders."""
+    frame as the conditioning image."""
+    _convert_i2v_and_check(tmp_path, variant)
+
+
+@pytest.mark.slow  # ~50 s more: train on the records, render from the checkpoint
+@pytest.mark.parametrize("variant", ["wan21_i2v", "flf2v"])
+def test_i2v_records_train_and_render(tmp_path, variant):
+    """The records of an image-to-video convert train; the checkpoint renders an image prompt."""
+    pipeline_dir, convert_out = _convert_i2v_and_check(tmp_path, variant)
+    _train_and_render_i2v(tmp_path, variant, pipeline_dir, convert_out)
+
+
+def _convert_i2v_and_check(tmp_path, variant):
     from jaxcore import families
     from jaxcore.families import wan
     from stages.common import data, records
@@ -252,7 +264,10 @@ def test_i2v_records_train_and_render(tmp_path, variant):
     expected = family.encode_images(pipe, [(wan.to_pil(video[:, 0]), last)], 16, 16, 5)
     for name in ("image_condition", "image_embeds"):
         np.testing.assert_allclose(row[name], expected[name][0], atol=2e-5, err_msg=name)
+    return pipeline_dir, convert_out
 
+
+def _train_and_render_i2v(tmp_path, variant, pipeline_dir, convert_out):
     train_out = tmp_path / "train"
     assert (
         cli.main(
