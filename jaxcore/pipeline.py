@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcore import sampling, sharding, step_cache, storage
+from jaxcore import sampling, schedulers, sharding, step_cache, storage
 from jaxcore.families.base import FamilyError, Geometry, Guidance, ImageInputs
 
 # What a Hugging Face snapshot of a pipeline needs (no pickles, no code).
@@ -244,13 +244,19 @@ class Pipeline:
         guidance_scale: float,
         true_cfg_scale: float = 1.0,
         guidance_scale_2: float | None = None,
+        guidance_rescale: float = 0.0,
     ) -> Guidance:
-        return self.family.guidance(
+        """The family's :class:`Guidance` for these settings; ``guidance_rescale`` (diffusers'
+        SD / SDXL option, 0 = off) is refused by families whose pipelines lack it."""
+        guidance = self.family.guidance(
             self.configs,
             guidance_scale=guidance_scale,
             true_cfg_scale=true_cfg_scale,
             guidance_scale_2=guidance_scale_2,
         )
+        if guidance_rescale:
+            guidance = self.family.with_guidance_rescale(self.configs, guidance, guidance_rescale)
+        return guidance
 
     def encode_prompts(self, prompts: Sequence[str], max_sequence_length: int) -> dict:
         """``{conditioning name: [B, ...]}`` float32 on the host."""
@@ -273,6 +279,9 @@ class Pipeline:
         ``[B]`` arrays. ``images``: per prompt ``(image, last_image)`` (PIL images or None) for
         image-to-video models, with ``size`` = (height, width, num_frames) of the render; their
         tensors join both conditionings (diffusers gives the negative branch the same image).
+        The family's size conditioning (:meth:`Family.size_conditioning`, SDXL's ``time_ids``)
+        joins both too; the negative branch goes through :meth:`Family.negative_conditioning`
+        (SDXL zeroes empty negative prompts).
         """
         prompts = list(prompts)
         if len(guidances) != len(prompts) or len(negative_prompts) != len(prompts):
@@ -281,7 +290,10 @@ class Pipeline:
         texts = prompts + (list(negative_prompts) if use_cfg else [])
         encoded = self.encode_prompts(texts, max_sequence_length)
         cond = {k: v[: len(prompts)] for k, v in encoded.items()}
-        uncond = {k: v[len(prompts) :] for k, v in encoded.items()} if use_cfg else None
+        uncond = None
+        if use_cfg:
+            uncond = {k: v[len(prompts) :] for k, v in encoded.items()}
+            uncond = self.family.negative_conditioning(self, list(negative_prompts), uncond)
         for name in sorted({n for g in guidances for n in g.embedded}):
             values = np.asarray([g.embedded[name] for g in guidances], np.float32)
             cond[name] = values
@@ -291,9 +303,14 @@ class Pipeline:
         if len(images) != len(prompts):
             raise ValueError("images must have one (image, last_image) pair per prompt")
         encoded_images = self.family.encode_images(self, images, *(size or (0, 0, 0)))
-        cond.update(encoded_images)
+        height, width = size[:2] if size is not None else (None, None)
+        shared = {
+            **encoded_images,
+            **self.family.size_conditioning(self, height, width, len(prompts)),
+        }
+        cond.update(shared)
         if uncond is not None:
-            uncond.update(encoded_images)
+            uncond.update(shared)
         scales = np.asarray([g.cfg_scale for g in guidances], np.float32)
         if self.second_expert is not None:
             second = [g.cfg_scale if g.cfg_scale_2 is None else g.cfg_scale_2 for g in guidances]
@@ -311,14 +328,21 @@ class Pipeline:
         shift: float | None = None,
         scheduler: str | None = None,
         batched_cfg: bool = True,
+        guidance_rescale: float | Sequence[float] = 0.0,
+        seeds: Sequence[int] | None = None,
     ) -> jax.Array:
         """Run the whole denoising loop (one jitted call); returns the final latents.
 
+        ``latents``: standard-normal initial noise; it is multiplied by the scheduler's
+        ``init_noise_sigma`` here (as diffusers' ``prepare_latents`` does).
         ``cfg_scale`` may be one value or one per sample, or ``[B, 2]`` (first, second expert)
         for a two-expert pipeline (one column: both experts use it). CFG runs when any first
         scale is > 1 (then ``uncond`` is required) and applies only to samples whose first
         scale is > 1. ``shift`` and ``scheduler`` default to the pipeline's scheduler config.
         ``batched_cfg``: both CFG branches in one denoiser call of 2B rows (else two calls).
+        ``guidance_rescale``: one value or one per sample (``Guidance.guidance_rescale``);
+        applied after CFG where > 0. ``seeds``: one per row (this process's rows), the per-step
+        noise of stochastic schedulers (Euler ancestral, ...); required by those only.
         """
         x, _ = self.sample_with_stats(
             latents,
@@ -329,6 +353,8 @@ class Pipeline:
             shift=shift,
             scheduler=scheduler,
             batched_cfg=batched_cfg,
+            guidance_rescale=guidance_rescale,
+            seeds=seeds,
         )
         return x
 
@@ -345,6 +371,8 @@ class Pipeline:
         batched_cfg: bool = True,
         cache: step_cache.CachePlan = step_cache.NO_CACHE,
         cache_schedule=None,
+        guidance_rescale: float | Sequence[float] = 0.0,
+        seeds: Sequence[int] | None = None,
     ) -> tuple[jax.Array, dict]:
         """:meth:`sample` with step caching (:mod:`jaxcore.step_cache`): ``cache`` the method,
         ``cache_schedule`` MagCache's ``[num_inference_steps]`` bool compute mask. Returns
@@ -366,14 +394,23 @@ class Pipeline:
             raise ValueError("a cfg_scale > 1 needs the negative conditioning (uncond)")
         cond = {k: self.shard_batch(v) for k, v in cond.items()}
         uncond = cond if uncond is None else {k: self.shard_batch(v) for k, v in uncond.items()}
-        state, step_fn = self.family.make_schedule(
+        if seeds is not None and len(seeds) != rows:
+            raise ValueError(f"{len(seeds)} seeds for a batch of {rows} rows")
+        state, step_fn = self.family.make_seeded_schedule(
             self,
             scheduler or self.default_scheduler,
             num_inference_steps,
             self.default_shift if shift is None else float(shift),
             latents.shape,
+            seeds=None if seeds is None else [int(s) for s in seeds],
         )
         latents = latents.astype(jnp.float32)
+        sigma = schedulers.init_noise_sigma(state)
+        if not isinstance(sigma, float) or sigma != 1.0:  # the flow samplers leave it as is
+            latents = latents * jnp.asarray(sigma, jnp.float32)
+        rescales = np.broadcast_to(np.asarray(guidance_rescale, np.float32), (rows,))
+        # None compiles no rescaling at all (the program of every family without it)
+        rescale = self.shard_batch(np.array(rescales)) if use_cfg and (rescales > 0).any() else None
         # CFG on or off per sample follows the first scale for both experts (diffusers'
         # do_classifier_free_guidance reads guidance_scale only)
         cfg_on = self.shard_batch(np.asarray(scales > 1.0))
@@ -394,7 +431,7 @@ class Pipeline:
                 fn = sampling.denoise_fn(
                     self.family, self.denoiser, step_fn, use_cfg, None, cache, batched_cfg
                 )
-                args = (cond, uncond, *guidance, state, 0, steps, None, cache_in)
+                args = (cond, uncond, *guidance, state, 0, steps, None, cache_in, rescale)
                 x, _, cache_out = fn(self.denoiser_params, latents, *args)
             elif expert.placement == "device":
                 fn = sampling.denoise_fn(
@@ -407,7 +444,7 @@ class Pipeline:
                     batched_cfg,
                 )
                 second = (expert.params, jnp.float32(expert.boundary), scales_2)
-                args = (cond, uncond, *guidance, state, 0, steps, second, cache_in)
+                args = (cond, uncond, *guidance, state, 0, steps, second, cache_in, rescale)
                 x, _, cache_out = fn(self.denoiser_params, latents, *args)
             else:
                 x = self._sample_swapping(
@@ -421,6 +458,7 @@ class Pipeline:
                     step_fn,
                     use_cfg,
                     batched_cfg,
+                    rescale,
                 )
                 cache_out = None
             x = self.family.finish_latents(x, cond)
@@ -438,6 +476,7 @@ class Pipeline:
         step_fn,
         use_cfg,
         batched_cfg=False,
+        rescale=None,
     ):
         """Two experts, one on the devices at a time: the first for the steps at or above the
         boundary, then (its weights released) the second for the rest."""
@@ -456,7 +495,9 @@ class Pipeline:
             fn = sampling.denoise_fn(
                 self.family, module, step_fn, use_cfg, None, step_cache.NO_CACHE, batched_cfg
             )
-            x, state, _ = fn(params, x, cond, uncond, cfg_on, scale, state, start, stop, None, None)
+            x, state, _ = fn(
+                params, x, cond, uncond, cfg_on, scale, state, start, stop, None, None, rescale
+            )
             jax.block_until_ready(x)  # the weights may go only once the steps are done
             del params
         return x
@@ -489,6 +530,7 @@ class Pipeline:
         guidance_scale: float,
         true_cfg_scale: float = 1.0,
         guidance_scale_2: float | None = None,
+        guidance_rescale: float = 0.0,
         images: Sequence | None = None,
         shift: float | None = None,
         scheduler: str | None = None,
@@ -502,7 +544,7 @@ class Pipeline:
         self.geometry.check(height, width, num_frames)
         shape = self.latent_shape(height, width, num_frames)
         latents = np.stack([sampling.initial_latents(s, shape) for s in seeds])
-        guidance = self.guidance(guidance_scale, true_cfg_scale, guidance_scale_2)
+        guidance = self.guidance(guidance_scale, true_cfg_scale, guidance_scale_2, guidance_rescale)
         negatives = list(negative_prompts or [""] * len(prompts))
         cond, uncond, scales = self.conditioning(
             prompts,
@@ -520,6 +562,8 @@ class Pipeline:
             cfg_scale=scales,
             shift=shift,
             scheduler=scheduler,
+            guidance_rescale=guidance.guidance_rescale,
+            seeds=seeds,
         )
         return np.asarray(self.decode(z))
 

@@ -22,6 +22,12 @@ First-Block-Cache, MagCache, calibration) runs inside the same loop, its state i
 
 Initial noise is drawn per prompt from its seed alone (:func:`initial_latents`), never from a
 batch-level key, so outputs do not depend on batch composition, batch size or device count.
+
+Classic (DDPM-trained) samplers: the denoiser sees ``scale_model_input(state, x)`` (Euler's
+``x / sqrt(sigma^2 + 1)``; the identity for every other sampler, the flow ones included), the
+step gets the unscaled ``x``; the caller multiplies the initial latents by
+``init_noise_sigma(state)`` (:mod:`jaxcore.schedulers`). Guidance rescale (diffusers'
+``guidance_rescale``, :func:`rescale_guidance`) runs per sample after CFG where it is > 0.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcore import step_cache
+from jaxcore import schedulers, step_cache
 
 
 def initial_latents(seed: int, shape: Sequence[int]) -> np.ndarray:
@@ -68,6 +74,19 @@ def first_expert_steps(timesteps, boundary: float) -> int:
     return int(np.sum(t >= np.float32(boundary)))
 
 
+def rescale_guidance(guided: jax.Array, cond_prediction: jax.Array, rescale: jax.Array):
+    """diffusers' ``rescale_noise_cfg`` (Lin et al., "Common Diffusion Noise Schedules and
+    Sample Steps are Flawed", arXiv 2305.08891, section 3.4): per sample, scale the CFG result
+    to the standard deviation of the conditional prediction, then mix ``rescale`` of that with
+    ``1 - rescale`` of the CFG result. Standard deviations are over every non-batch axis with
+    Bessel's correction (torch's ``Tensor.std``); ``rescale`` broadcasts per sample."""
+    axes = tuple(range(1, guided.ndim))
+    std_cond = jnp.std(cond_prediction, axis=axes, keepdims=True, ddof=1)
+    std_guided = jnp.std(guided, axis=axes, keepdims=True, ddof=1)
+    rescaled = guided * (std_cond / std_guided)
+    return rescale * rescaled + (1 - rescale) * guided
+
+
 @functools.lru_cache(maxsize=32)
 def denoise_fn(
     family,
@@ -79,7 +98,7 @@ def denoise_fn(
     batched_cfg: bool = False,
 ):
     """jit(params, latents, cond, uncond, cfg_on[B], cfg_scale[B], state, start, stop, second,
-    cache_in) -> (latents, state, cache_out) after the steps ``start <= i < stop``.
+    cache_in, rescale=None) -> (latents, state, cache_out) after the steps ``start <= i < stop``.
 
     ``cond``/``uncond`` are dicts of conditioning tensors (``uncond`` is ignored without CFG);
     ``cfg_on`` says per sample whether CFG applies at all (diffusers: the first expert's scale
@@ -92,6 +111,10 @@ def denoise_fn(
     ``{"state": a cache state or None (a fresh one), "schedule": [N] bool or None}`` and
     ``cache_out`` ``{"state", "ratios": [N, rows] (calibration) or None}``; the state's rows
     are the denoiser calls' rows (``[cond; uncond]`` batched, a pair of states otherwise).
+
+    ``rescale``: None, or ``[B]`` guidance-rescale factors applied after CFG where both CFG is
+    on and the factor is > 0 (:func:`rescale_guidance`); None traces no rescaling at all. The
+    denoiser is fed ``schedulers.scale_model_input(state, x)`` at every step.
     """
     if cache.enabled and second_module is not None:
         raise ValueError("step caching is not supported with two experts (Wan 2.2 A14B) yet")
@@ -111,7 +134,7 @@ def denoise_fn(
             )
         return {k: jnp.concatenate([cond[k], uncond[k]], axis=0) for k in cond}
 
-    def guided(mod, params, x, t, cond, uncond, cfg_on, scale, cstate, compute_now):
+    def guided(mod, params, x, t, cond, uncond, cfg_on, scale, cstate, compute_now, rescale):
         if not use_cfg:
             return call(mod, params, x, t, cond, cstate, compute_now)
         if batched_cfg:
@@ -133,6 +156,9 @@ def denoise_fn(
             info = None if info_c is None else jnp.concatenate([info_c, info_u])
         # diffusers applies CFG only when the (first) scale is > 1; keep that per sample.
         mixed = jnp.where(cfg_on, negative + scale * (prediction - negative), prediction)
+        if rescale is not None:
+            on, factor = rescale
+            mixed = jnp.where(on, rescale_guidance(mixed, prediction, factor), mixed)
         return mixed, cstate, info
 
     def fresh_state(params, x, t, cond, uncond):
@@ -153,12 +179,27 @@ def denoise_fn(
         return (one, one) if use_cfg else one
 
     def denoise(
-        params, latents, cond, uncond, cfg_on_b, cfg_scale_b, state, start, stop, second, cache_in
+        params,
+        latents,
+        cond,
+        uncond,
+        cfg_on_b,
+        cfg_scale_b,
+        state,
+        start,
+        stop,
+        second,
+        cache_in,
+        rescale_b=None,
     ):
         batch = latents.shape[0]
         per_sample = (batch,) + (1,) * (latents.ndim - 1)
         scale = cfg_scale_b.reshape(per_sample)
         cfg_on = cfg_on_b.reshape(per_sample)
+        rescale = None
+        if rescale_b is not None:  # (where it applies, the factor), per sample
+            factor = rescale_b.reshape(per_sample).astype(jnp.float32)
+            rescale = (cfg_on & (factor > 0), factor)
         schedule = cstate = ratios = None
         if cache.enabled:
             schedule, cstate = cache_in["schedule"], cache_in["state"]
@@ -174,18 +215,31 @@ def denoise_fn(
             t_now = st.timesteps[i].astype(jnp.float32)
             t = jnp.broadcast_to(t_now, (batch,))
             compute_now = None if schedule is None else schedule[i]
+            x_in = schedulers.scale_model_input(st, x)  # x itself for all but Euler
             if second is None:
                 prediction, cs, info = guided(
-                    module, params, x, t, cond, uncond, cfg_on, scale, cs, compute_now
+                    module, params, x_in, t, cond, uncond, cfg_on, scale, cs, compute_now, rescale
                 )
             else:
                 params_2, boundary, cfg_scale_2_b = second
                 scale_2 = cfg_scale_2_b.reshape(per_sample)
                 prediction, cs, info = jax.lax.cond(
                     t_now >= boundary,
-                    lambda: guided(module, params, x, t, cond, uncond, cfg_on, scale, cs, None),
                     lambda: guided(
-                        second_module, params_2, x, t, cond, uncond, cfg_on, scale_2, cs, None
+                        module, params, x_in, t, cond, uncond, cfg_on, scale, cs, None, rescale
+                    ),
+                    lambda: guided(
+                        second_module,
+                        params_2,
+                        x_in,
+                        t,
+                        cond,
+                        uncond,
+                        cfg_on,
+                        scale_2,
+                        cs,
+                        None,
+                        rescale,
                     ),
                 )
             if rs is not None:

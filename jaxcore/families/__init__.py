@@ -27,9 +27,12 @@ from jaxcore.families.base import (
     read_model_index,
 )
 from jaxcore.families.flux import FluxFamily
+from jaxcore.families.sd import SDFamily
 from jaxcore.families.wan import WanFamily
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (WanFamily(), FluxFamily())}
+FAMILIES: dict[str, Family] = {
+    family.name: family for family in (WanFamily(), FluxFamily(), SDFamily())
+}
 
 
 def get(name: str) -> Family:

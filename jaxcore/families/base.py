@@ -26,8 +26,15 @@ What a family tells the stages:
   (:meth:`Family.finish_latents`).
 - **two experts** (Wan 2.2 A14B): :meth:`Family.load_pipeline` may give the pipeline a second
   denoiser and the timestep where it takes over (:class:`jaxcore.pipeline.SecondExpert`).
-- **the training target**: :attr:`Family.objective` ("flow_matching" for every family so far;
-  "epsilon" / "v_prediction" are the seam for UNet families).
+- **the training target**: :attr:`Family.objective` ("flow_matching" for the flow families;
+  "epsilon" / "v_prediction" for UNet families, where it depends on the pipeline's scheduler
+  config: :meth:`Family.pipeline_objective`).
+- **size and negative conditioning** (SDXL): tensors that depend on the render size and join
+  both CFG branches (:meth:`Family.size_conditioning`), and how the negative branch's encoded
+  prompts are finished (:meth:`Family.negative_conditioning`).
+- **stochastic samplers and guidance rescale**: :meth:`Family.make_seeded_schedule` hands the
+  batch's seeds to samplers that draw noise every step; :meth:`Family.with_guidance_rescale`
+  accepts diffusers' ``guidance_rescale`` where the family's pipelines have it.
 
 Timesteps at this interface are always on the scheduler's scale, ``[0, num_train_timesteps]``
 (Wan's convention); a family whose denoiser wants another (Flux: ``t / 1000``) converts inside
@@ -113,11 +120,14 @@ class Guidance:
     Flux's ``true_cfg_scale``). ``embedded``: extra per-sample conditioning scalars the denoiser
     takes as input (Flux dev's guidance embedding), by name. ``cfg_scale_2``: the scale while
     the second expert predicts (Wan 2.2's ``guidance_scale_2``); None without a second expert.
+    ``guidance_rescale``: diffusers' ``guidance_rescale`` (SD / SDXL; 0 = off), applied after
+    CFG (:func:`jaxcore.sampling.rescale_guidance`).
     """
 
     cfg_scale: float = 1.0
     embedded: Mapping[str, float] = dataclasses.field(default_factory=dict)
     cfg_scale_2: float | None = None
+    guidance_rescale: float = 0.0
 
     @property
     def uses_cfg(self) -> bool:
@@ -418,6 +428,28 @@ class Family(abc.ABC):
     def make_schedule(self, pipe, scheduler: str, num_inference_steps: int, shift, latent_shape):
         """(scheduler state, step_fn) for one sampling run (see :mod:`jaxcore.schedulers`)."""
 
+    def make_seeded_schedule(
+        self,
+        pipe,
+        scheduler: str,
+        num_inference_steps: int,
+        shift,
+        latent_shape,
+        seeds: Sequence[int] | None = None,
+    ):
+        """:meth:`make_schedule` for a batch whose rows have these ``seeds`` (one per row, or
+        None): what :meth:`jaxcore.pipeline.Pipeline.sample` calls. Samplers that draw noise
+        every step (Euler ancestral, ...) take it from the seeds. The default ignores them (the
+        family's samplers are deterministic)."""
+        del seeds
+        return self.make_schedule(pipe, scheduler, num_inference_steps, shift, latent_shape)
+
+    def pipeline_objective(self, pipe) -> str:
+        """The training target of a loaded pipeline's denoiser; the default is
+        :attr:`objective` (UNet families read the scheduler config's ``prediction_type``)."""
+        del pipe
+        return self.objective
+
     @abc.abstractmethod
     def guidance(
         self,
@@ -429,6 +461,33 @@ class Family(abc.ABC):
     ) -> Guidance:
         """The user's guidance settings -> this family's :class:`Guidance` for a pipeline with
         these component configs; a setting the family does not have is an error naming it."""
+
+    def with_guidance_rescale(self, configs, guidance: Guidance, guidance_rescale: float):
+        """``guidance`` with diffusers' ``guidance_rescale`` (not 0). The default refuses it:
+        the family's diffusers pipelines have no such option."""
+        del configs, guidance
+        raise FamilyError(
+            f"guidance_rescale={guidance_rescale}: the {self.name} family's diffusers pipelines "
+            "have no guidance_rescale (Stable Diffusion's option); leave it 0"
+        )
+
+    # --- size and negative conditioning (defaults: none, as encoded) ----------------------------
+    def size_conditioning(
+        self, pipe, height: int | None, width: int | None, batch: int
+    ) -> dict[str, np.ndarray]:
+        """Conditioning tensors ``{name: [batch, ...]}`` that depend on the render size (SDXL's
+        ``time_ids``) and join both the conditional and the negative branch; ``height`` and
+        ``width`` are None when the caller did not give the size. Default: none."""
+        del pipe, height, width, batch
+        return {}
+
+    def negative_conditioning(
+        self, pipe, negative_prompts: Sequence[str], uncond: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """The negative branch's conditioning from its encoded ``negative_prompts`` (SDXL zeroes
+        the rows of empty ones). Default: as encoded."""
+        del pipe, negative_prompts
+        return uncond
 
     # --- image conditioning and experts (defaults: text-only, one denoiser) ---------------------
     def image_inputs(self, configs: Mapping[str, Any]) -> ImageInputs:

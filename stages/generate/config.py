@@ -17,8 +17,6 @@ from jaxcore.compute import ComputeConfig
 from jaxcore.sharding import MeshConfig
 from jaxcore.step_cache import CacheConfig
 
-SCHEDULERS = ("unipc", "flow_euler")
-
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSection:
@@ -39,7 +37,11 @@ class SamplingSection:
     guidance_scale_2: float | None = None
     true_cfg_scale: float = 1.0  # Flux's true CFG (with the negative prompt) when > 1
     flow_shift: float | None = None  # None: the pipeline's scheduler_config.json value
-    scheduler: Literal["unipc", "flow_euler"] | None = None  # None: the pipeline's scheduler
+    # None: the pipeline's scheduler; else a name of jaxcore.schedulers.ALL_SCHEDULERS (the
+    # family says which it samples with: flow samplers for Wan/Flux, classic ones for SD)
+    scheduler: str | None = None
+    # SD / SDXL: diffusers' guidance_rescale (0 = off); other families refuse a nonzero value
+    guidance_rescale: float = 0.0
     negative_prompt: str = ""
     seed: int = 0
     max_sequence_length: int = 512
@@ -55,6 +57,14 @@ class SamplingSection:
             raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        from jaxcore.schedulers import ALL_SCHEDULERS
+
+        if self.scheduler is not None and self.scheduler not in ALL_SCHEDULERS:
+            raise ValueError(
+                f"scheduler must be one of {list(ALL_SCHEDULERS)} (or null), got {self.scheduler!r}"
+            )
+        if not 0.0 <= self.guidance_rescale <= 1.0:
+            raise ValueError(f"guidance_rescale must be in [0, 1], got {self.guidance_rescale}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,12 +60,14 @@ class ModelSource:
         one-expert model), checked before any weights load."""
         for spec in specs:
             try:
-                self.family.guidance(
+                guidance = self.family.guidance(
                     self.configs,
                     guidance_scale=spec.guidance_scale,
                     true_cfg_scale=spec.true_cfg_scale,
                     guidance_scale_2=spec.guidance_scale_2,
                 )
+                if spec.guidance_rescale:
+                    self.family.with_guidance_rescale(self.configs, guidance, spec.guidance_rescale)
             except families.FamilyError as err:
                 raise StageInputError(f"line {spec.line} (id {spec.id!r}): {err}") from None
 

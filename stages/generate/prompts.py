@@ -36,7 +36,13 @@ from stages.common.errors import StageInputError
 from stages.generate.config import SamplingSection
 
 FIELDS_INT = ("seed", "height", "width", "num_frames", "num_inference_steps")
-FIELDS_FLOAT = ("guidance_scale", "guidance_scale_2", "true_cfg_scale", "flow_shift")
+FIELDS_FLOAT = (
+    "guidance_scale",
+    "guidance_scale_2",
+    "true_cfg_scale",
+    "flow_shift",
+    "guidance_rescale",
+)
 FIELDS_STR = ("id", "prompt", "negative_prompt", "latents", "image", "last_image")
 FIELDS_LIST = ("loras",)
 KNOWN_FIELDS = frozenset((*FIELDS_INT, *FIELDS_FLOAT, *FIELDS_STR, *FIELDS_LIST))
@@ -51,6 +57,7 @@ PER_PROMPT_DEFAULTS = (
     "guidance_scale_2",
     "true_cfg_scale",
     "flow_shift",
+    "guidance_rescale",
 )
 # Per-prompt values whose None is meaningful (the pipeline's own choice).
 OPTIONAL_VALUES = ("flow_shift", "guidance_scale_2")
@@ -81,6 +88,7 @@ class PromptSpec:
     # (path, scale, expert) merged into the denoiser ("high") or a second expert ("low")
     loras: tuple[tuple[str, float, str], ...] = ()
     guidance_scale_2: float | None = None  # the second expert's scale (two-expert models)
+    guidance_rescale: float = 0.0  # SD / SDXL's rescale of the CFG result (0 = off)
     image: str | None = None  # URI of the conditioning image (image-to-video)
     last_image: str | None = None  # URI of the last frame's image (first-last-frame models)
 
@@ -101,8 +109,9 @@ class PromptSpec:
         )
 
     def params(self) -> dict:
-        """The render parameters, as recorded in the per-prompt record and the manifest."""
-        return {
+        """The render parameters, as recorded in the per-prompt record and the manifest
+        (``guidance_rescale`` only when set, so earlier runs' fingerprints still match)."""
+        out = {
             "prompt": self.prompt,
             "negative_prompt": self.negative_prompt,
             "seed": self.seed,
@@ -119,6 +128,9 @@ class PromptSpec:
             "image": self.image,
             "last_image": self.last_image,
         }
+        if self.guidance_rescale:
+            out["guidance_rescale"] = self.guidance_rescale
+        return out
 
 
 def derive_seed(base_seed: int, prompt_id: str) -> int:
@@ -250,6 +262,10 @@ def _check_values(
             raise StageInputError(f"{where}: {key} must be >= 1, got {fields[key]}")
     if fields["seed"] < 0:
         raise StageInputError(f"{where}: seed must be >= 0, got {fields['seed']}")
+    if not 0.0 <= fields["guidance_rescale"] <= 1.0:
+        raise StageInputError(
+            f"{where}: guidance_rescale must be in [0, 1], got {fields['guidance_rescale']}"
+        )
     if fields["flow_shift"] is not None and fields["flow_shift"] <= 0:
         raise StageInputError(f"{where}: flow_shift must be > 0, got {fields['flow_shift']}")
     if geometry is not None:

@@ -164,7 +164,9 @@ class _InFlight:
     compiled: bool = False  # the first batch of its group (its timings include compilation)
 
 
-def _sample(pipe, latents, cond, uncond, scales, first: PromptSpec, scheduler, cache, plan):
+def _sample(
+    pipe, latents, cond, uncond, scales, first: PromptSpec, scheduler, cache, per_row, plan
+):
     """The batch's latents and cache stats with ``plan`` (a ``jaxcore.step_cache.CachePlan``)."""
     schedule = None
     if plan.kind == "magcache":
@@ -179,6 +181,7 @@ def _sample(pipe, latents, cond, uncond, scales, first: PromptSpec, scheduler, c
         scheduler=scheduler,
         cache=plan,
         cache_schedule=schedule,
+        **per_row,
     )
 
 
@@ -203,7 +206,8 @@ def _dispatch(
     rows = [batch.row_spec(r) for r in batch.local_rows]
     latents = np.stack([initial_noise(s, shape) for s in rows])
     guidances = [
-        pipe.guidance(s.guidance_scale, s.true_cfg_scale, s.guidance_scale_2) for s in rows
+        pipe.guidance(s.guidance_scale, s.true_cfg_scale, s.guidance_scale_2, s.guidance_rescale)
+        for s in rows
     ]
     cond, uncond, scales = pipe.conditioning(
         [s.prompt for s in rows],
@@ -214,7 +218,11 @@ def _dispatch(
         size=(first.height, first.width, first.num_frames),
     )
     plan = step_cache.NO_CACHE if cache is None else cache.plan
-    args = (pipe, latents, cond, uncond, scales, first, scheduler, cache)
+    per_row = {  # each row's own seed: samplers that draw noise per step draw it from it
+        "seeds": [s.seed for s in rows],
+        "guidance_rescale": [g.guidance_rescale for g in guidances],
+    }
+    args = (pipe, latents, cond, uncond, scales, first, scheduler, cache, per_row)
     z, stats = _sample(*args, plan)
     video = pipe.decode(z)
     if cache is None or not cache.config.compare_dense:

@@ -241,8 +241,8 @@ def test_registry_builds_each_scheduler():
 
 
 def test_registry_rejects_unknown_name():
-    with pytest.raises(ValueError, match="unknown scheduler 'ddim'"):
-        schedulers.make_scheduler("ddim", 8, shift=5.0)
+    with pytest.raises(ValueError, match="unknown scheduler 'lms'"):
+        schedulers.make_scheduler("lms", 8, shift=5.0)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,231 @@
+"""Tiny random-init diffusers ``StableDiffusionPipeline`` (SD 2.x-like) and
+``StableDiffusionXLPipeline`` directories, built with diffusers/transformers (PyTorch) and written
+with ``save_pretrained``: the reference the SD family is tested against.
+
+Every parameter is perturbed (``p += 0.1 * randn``) so that a mis-mapped weight, a skipped norm
+or a wrong bias changes the output. The tokenizers are the offline tiny CLIP byte-pair ones of
+``pipelines.demo.tokenizers``. Shapes are SD's in miniature: a 2-level VAE (2x), a 2-level UNet
+with linear projections, 8-multiple image sizes (diffusers' check), CLIP text encoders of
+SD 2's kind (gelu, last layer) and SDXL's (CLIP-L-like + a projected bigG-like, penultimate
+layers) with ``text_time`` added conditioning.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+CLIP_MAX_LENGTH = 20
+VAE = dict(
+    block_out_channels=(8, 16),
+    down_block_types=("DownEncoderBlock2D",) * 2,
+    up_block_types=("UpDecoderBlock2D",) * 2,
+    layers_per_block=1,
+    latent_channels=4,
+    norm_num_groups=4,
+    sample_size=16,
+)
+SD_UNET = dict(  # SD 2.x-like: cross-attention down first, linear projections, heads per level
+    block_out_channels=(32, 64),
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    layers_per_block=1,
+    attention_head_dim=(2, 4),
+    norm_num_groups=8,
+    cross_attention_dim=32,
+    use_linear_projection=True,
+    sample_size=8,
+)
+XL_UNET = dict(  # SDXL-like: plain first level, deeper transformers below, text_time
+    block_out_channels=(32, 64),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    layers_per_block=1,
+    transformer_layers_per_block=(1, 2),
+    attention_head_dim=(2, 4),
+    norm_num_groups=8,
+    cross_attention_dim=40,  # 16 (text_encoder) + 24 (text_encoder_2)
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=8,
+    projection_class_embeddings_input_dim=12 + 6 * 8,  # text_encoder_2 projection_dim + 6 ids
+    sample_size=8,
+)
+SD_CLIP = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    hidden_act="gelu",  # OpenCLIP-H's
+    max_position_embeddings=CLIP_MAX_LENGTH,
+)
+XL_CLIP = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    hidden_act="quick_gelu",  # CLIP-L's
+    max_position_embeddings=CLIP_MAX_LENGTH,
+)
+XL_CLIP_2 = dict(
+    hidden_size=24,
+    intermediate_size=48,
+    projection_dim=12,
+    num_hidden_layers=3,
+    num_attention_heads=3,
+    hidden_act="gelu",  # OpenCLIP-bigG's
+    max_position_embeddings=CLIP_MAX_LENGTH,
+)
+# stabilityai/stable-diffusion-2-base's scheduler: PNDM (PLMS), scaled-linear betas, leading
+# spacing with offset 1; its saved config also carries DDIM's clip_sample=false
+SD2_BASE_SCHEDULE = dict(
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    set_alpha_to_one=False,
+    skip_prk_steps=True,
+    steps_offset=1,
+    prediction_type="epsilon",
+)
+SD2_BASE_EXTRA_KEYS = {"clip_sample": False}
+# SD 2.1 768-v-like DDIM with the zero-terminal-SNR fix (trailing spacing)
+V_ZERO_SNR_SCHEDULE = dict(
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    clip_sample=False,
+    set_alpha_to_one=False,
+    steps_offset=1,
+    prediction_type="v_prediction",
+    rescale_betas_zero_snr=True,
+    timestep_spacing="trailing",
+)
+# SDXL base's Euler schedule, as a DPM++ 2M Karras config (diffusers' popular choice)
+XL_SCHEDULE = dict(
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    steps_offset=1,
+    timestep_spacing="leading",
+    use_karras_sigmas=True,
+    algorithm_type="dpmsolver++",
+    solver_order=2,
+)
+
+
+def _perturbed(model, seed: int):
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=generator))
+    return model.eval()
+
+
+def _clip(tokenizer, config: dict, seed: int, projection: bool = False):
+    import transformers
+
+    clip_config = transformers.CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **config,
+    )
+    cls = transformers.CLIPTextModelWithProjection if projection else transformers.CLIPTextModel
+    return _perturbed(cls(clip_config), seed)
+
+
+def _tokenizer(directory: Path, name: str):
+    from pipelines.demo.tokenizers import build_tiny_clip_tokenizer
+
+    return build_tiny_clip_tokenizer(directory / f"_{name}", model_max_length=CLIP_MAX_LENGTH)
+
+
+def _scheduler(kind: str, config: dict):
+    import diffusers
+
+    return getattr(diffusers, kind)(**config)
+
+
+def _add_scheduler_keys(directory: Path, keys: dict | None) -> None:
+    """Write keys the scheduler class does not take into its saved config, as released
+    pipelines carry them (SD 2-base's PNDM config has DDIM's ``clip_sample: false``)."""
+    if keys:
+        path = directory / "scheduler" / "scheduler_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **keys}, indent=2))
+
+
+def build_sd_pipeline(
+    directory: str | Path,
+    *,
+    seed: int = 0,
+    scheduler: str = "PNDMScheduler",
+    schedule: dict | None = None,
+    extra_scheduler_keys: dict | None = None,
+    unet: dict | None = None,
+    vae: dict | None = None,
+) -> Path:
+    """Write a tiny SD 2.x-like ``StableDiffusionPipeline`` into ``directory`` (SD 2-base's
+    PNDM scheduler config by default); returns it."""
+    import torch
+    from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
+
+    directory = Path(directory)
+    tokenizer = _tokenizer(directory, "tokenizer")
+    torch.manual_seed(seed)
+    pipe = StableDiffusionPipeline(
+        unet=_perturbed(UNet2DConditionModel(**{**SD_UNET, **(unet or {})}), seed),
+        vae=_perturbed(AutoencoderKL(**{**VAE, **(vae or {})}), seed + 1),
+        text_encoder=_clip(tokenizer, SD_CLIP, seed + 2),
+        tokenizer=tokenizer,
+        scheduler=_scheduler(scheduler, schedule or SD2_BASE_SCHEDULE),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(directory)
+    if schedule is None and extra_scheduler_keys is None:
+        extra_scheduler_keys = SD2_BASE_EXTRA_KEYS
+    _add_scheduler_keys(directory, extra_scheduler_keys)
+    shutil.rmtree(directory / "_tokenizer")
+    return directory
+
+
+def build_sdxl_pipeline(
+    directory: str | Path,
+    *,
+    seed: int = 0,
+    scheduler: str = "DPMSolverMultistepScheduler",
+    schedule: dict | None = None,
+    unet: dict | None = None,
+    vae: dict | None = None,
+    force_zeros_for_empty_prompt: bool = True,
+) -> Path:
+    """Write a tiny SDXL-like ``StableDiffusionXLPipeline`` into ``directory``; returns it."""
+    import torch
+    from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
+
+    directory = Path(directory)
+    tokenizer = _tokenizer(directory, "tokenizer")
+    tokenizer_2 = _tokenizer(directory, "tokenizer_2")
+    torch.manual_seed(seed)
+    pipe = StableDiffusionXLPipeline(
+        unet=_perturbed(UNet2DConditionModel(**{**XL_UNET, **(unet or {})}), seed),
+        vae=_perturbed(
+            AutoencoderKL(**{**VAE, "scaling_factor": 0.13025, **(vae or {})}), seed + 1
+        ),
+        text_encoder=_clip(tokenizer, XL_CLIP, seed + 2),
+        text_encoder_2=_clip(tokenizer_2, XL_CLIP_2, seed + 3, projection=True),
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer_2,
+        scheduler=_scheduler(scheduler, schedule or XL_SCHEDULE),
+        force_zeros_for_empty_prompt=force_zeros_for_empty_prompt,
+        add_watermarker=False,
+    )
+    pipe.save_pretrained(directory)
+    shutil.rmtree(directory / "_tokenizer")
+    shutil.rmtree(directory / "_tokenizer_2")
+    return directory
