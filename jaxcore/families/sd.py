@@ -52,11 +52,13 @@ import numpy as np
 from jaxcore import sharding, weights
 from jaxcore.compute import ComputeConfig
 from jaxcore.families.base import (
+    Encoders,
     Family,
     FamilyError,
     Geometry,
     Guidance,
     TensorSpec,
+    read_json,
     read_model_index,
     read_scheduler_config,
 )
@@ -199,6 +201,79 @@ def _load_vae(directory: Path, config: autoencoder_kl.AutoencoderKLConfig, compu
         )
     except autoencoder_kl.AutoencoderKLConfigError as err:
         raise FamilyError(f"{directory / 'vae'}: {err}") from None
+
+
+def scale_latents(z: jax.Array, config: autoencoder_kl.AutoencoderKLConfig, xl: bool):
+    """Raw VAE latents -> the pipelines' latents (the inverse of :func:`unscale_latents`)."""
+    if xl and config.latents_mean is not None and config.latents_std is not None:
+        shape = (1, -1, 1, 1)
+        mean = jnp.asarray(config.latents_mean, z.dtype).reshape(shape)
+        std = jnp.asarray(config.latents_std, z.dtype).reshape(shape)
+        return (z - mean) * config.scaling_factor / std
+    return z * config.scaling_factor
+
+
+def size_ids(height: int, width: int, batch: int) -> np.ndarray:
+    """SDXL's ``add_time_ids`` for a ``height x width`` image that was neither resized from
+    another size nor cropped: ``(H, W, 0, 0, H, W)`` per row, float32 ``[B, 6]``."""
+    row = np.asarray([height, width, 0, 0, height, width], np.float32)
+    return np.tile(row, (batch, 1))
+
+
+def tokenizer_length(directory: Path) -> int:
+    """The CLIP tokenizer's ``model_max_length`` (77): the pipelines pad every prompt to it."""
+    config = read_json(directory / "tokenizer" / "tokenizer_config.json", "a CLIP tokenizer")
+    length = config.get("model_max_length")
+    if not isinstance(length, int) or not 0 < length < 10_000:
+        raise FamilyError(f"{directory}/tokenizer: model_max_length {length!r} is not a length")
+    return length
+
+
+class SDEncoders(Encoders):
+    """The VAE encoder and CLIP text encoder(s) of an SD / SDXL pipeline directory (convert).
+
+    Media -> the VAE posterior *mean* scaled as the pipelines scale latents (diffusers'
+    training scripts sample the posterior; the mean keeps records deterministic); captions ->
+    ``encoder_hidden_states`` (+ SDXL's pooled ``text_embeds``) exactly as the pipelines encode
+    prompts; SDXL records also carry ``time_ids`` for their own size, uncropped (diffusers'
+    SDXL training script records the source size and crop it made; convert resizes and
+    centre-crops, so here original = target = the record's size)."""
+
+    def __init__(self, directory: Path, configs: Mapping, compute: ComputeConfig, batch_size: int):
+        self.batch_size = batch_size
+        self.xl = is_xl(configs)
+        self.vae_config = configs["vae"]
+        self.vae, self.vae_params = _load_vae(directory, self.vae_config, compute, None, None)
+        self.text = _load_text_encoders(directory, compute, self.xl)
+        self.variant = SDVariant(xl=self.xl)
+
+    def _padded(self, rows, what: str):
+        count = len(rows)
+        if not 1 <= count <= self.batch_size:
+            raise ValueError(f"{count} {what} do not fit in encoder batch_size={self.batch_size}")
+        return list(rows) + [rows[-1]] * (self.batch_size - count), count
+
+    def encode_media(self, videos: np.ndarray) -> np.ndarray:
+        videos = np.asarray(videos, np.float32)
+        if videos.ndim != 5 or videos.shape[2] != 1:
+            raise ValueError(
+                f"SD encodes images: videos must be [B, 3, 1, H, W], got {videos.shape}"
+            )
+        padded, count = self._padded(list(videos[:, :, 0]), "images")
+        posterior = autoencoder_kl.encode(self.vae, self.vae_params, np.stack(padded))
+        latents = scale_latents(posterior.mean.astype(jnp.float32), self.vae_config, self.xl)
+        return np.asarray(latents, np.float32)[:count]
+
+    def encode_text(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
+        padded, count = self._padded(list(captions), "captions")
+        encoded = encode_text(self.text, self.variant, padded)
+        return {name: value[:count] for name, value in encoded.items()}
+
+    def encode_media_conditioning(self, videos: np.ndarray) -> dict[str, np.ndarray]:
+        if not self.xl:
+            return {}
+        batch, _, _, height, width = np.shape(videos)
+        return {TIME_IDS: size_ids(height, width, batch)}
 
 
 def unscale_latents(z: jax.Array, config: autoencoder_kl.AutoencoderKLConfig, xl: bool):
@@ -442,15 +517,32 @@ class SDFamily(Family):
         s = configs["vae"].spatial_compression
         return (configs["unet"].in_channels, height // s, width // s)
 
+    def record_features(self, directory, height, width, num_frames, max_sequence_length):
+        """As the base class, with the text padded to the tokenizer's length (77), which is
+        what the pipelines condition on; ``max_sequence_length`` is not an SD setting."""
+        del max_sequence_length
+        length = tokenizer_length(Path(directory))
+        return super().record_features(directory, height, width, num_frames, length)
+
     def load_encoders(self, directory, compute, max_sequence_length, batch_size):
-        raise FamilyError(
-            f"{directory}: convert (training records) is not supported for Stable Diffusion "
-            "yet; this family renders (generate) only"
-        )
+        del max_sequence_length  # the tokenizers' own length (see record_features)
+        directory = Path(directory)
+        return SDEncoders(directory, self.component_configs(directory), compute, batch_size)
 
     def latent_normalization(self, configs) -> dict:
         vae = configs["vae"]
-        return {"formula": "z * scaling_factor", "scaling_factor": vae.scaling_factor}
+        xl_stats = is_xl(configs) and vae.latents_mean is not None and vae.latents_std is not None
+        return {
+            "latent_sampling": "mean",
+            "formula": (
+                "(z - latents_mean) * scaling_factor / latents_std"
+                if xl_stats
+                else "z * scaling_factor"
+            ),
+            "scaling_factor": vae.scaling_factor,
+            "latents_mean": vae.latents_mean if xl_stats else None,
+            "latents_std": vae.latents_std if xl_stats else None,
+        }
 
     # --- inference --------------------------------------------------------------------------
     def load_pipeline(
@@ -529,8 +621,7 @@ class SDFamily(Family):
                 "SDXL conditions on the render size (time_ids): pass size=(height, width, "
                 "num_frames) to Pipeline.conditioning"
             )
-        ids = np.asarray([height, width, 0, 0, height, width], np.float32)
-        return {TIME_IDS: np.tile(ids, (batch, 1))}
+        return {TIME_IDS: size_ids(height, width, batch)}
 
     def decode(self, pipe, latents):
         vae, params = pipe.components["vae"]
