@@ -363,6 +363,15 @@ def unet_flops(config: unet.UNet2DConditionConfig, h: int, w: int, text_tokens: 
 # --- the family ---------------------------------------------------------------------------------
 
 
+SD_TRAINING_SCHEDULE = {
+    "num_train_timesteps": 1000,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "prediction_type": "epsilon",
+}
+
+
 class SDFamily(Family):
     name = "sd"
     description = (
@@ -594,6 +603,14 @@ class SDFamily(Family):
 
     def pipeline_objective(self, pipe) -> str:
         return str(pipe.scheduler_config.get("prediction_type", "epsilon"))
+
+    def noise_schedule(self, pipeline_dir) -> dict:
+        """The DDPM schedule the UNet trains with: the pipeline's scheduler_config.json; without
+        a pipeline (a model YAML), Stable Diffusion's own (scaled_linear betas 0.00085..0.012
+        over 1000 steps, epsilon)."""
+        if pipeline_dir is None:
+            return dict(SD_TRAINING_SCHEDULE)
+        return read_scheduler_config(pipeline_dir)
 
     def encode_prompts(self, pipe, prompts, max_sequence_length):
         del max_sequence_length  # CLIP's length is its tokenizer's (diffusers has no option)

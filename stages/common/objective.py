@@ -5,8 +5,25 @@ binds :class:`ObjectiveSection` onto it and applies it to any family's denoiser 
 :meth:`jaxcore.families.Family.apply`, so train and evaluate score samples identically.
 MaxDiffusion's ``sigma = (1 - t) sigma_min + t`` (a little noise left at t = 0) is kept.
 
-Families declare their target (:attr:`Family.objective`): every family so far is
-``flow_matching``; epsilon / v-prediction (the UNet families) plug in here.
+Families declare their target (:attr:`Family.objective`). ``flow_matching`` (Wan, Flux) needs
+nothing else. ``epsilon`` / ``v_prediction`` (the UNet families) are DDPM-trained
+(:mod:`jaxcore.ddpm_objective`, diffusers' ``train_text_to_image*.py``) and need the noise
+schedule the denoiser was trained with, which only the pipeline knows. That is resolved once,
+outside the jitted step, into a :class:`TrainingTarget` (frozen, hashable: closed over by the
+step) by :func:`training_target`, which reads it through the family's optional hook:
+
+    ``family.noise_schedule(pipeline_dir) -> Mapping | None``
+
+``pipeline_dir``: the diffusers pipeline directory the denoiser was loaded from, or None when it
+does not come from one (a model YAML, a bare denoiser folder). It returns the pipeline's
+``scheduler/scheduler_config.json`` as a dict (diffusers keys: ``num_train_timesteps``, the
+betas, ``rescale_betas_zero_snr``, ``prediction_type``, ...; keys of other diffusers schedulers
+are ignored), the family's default schedule for None, and None for a flow-matching family (the
+hook may be absent there). The schedule's ``prediction_type`` is the target (SD 2.1 768:
+``v_prediction``), whatever the family's class-level :attr:`Family.objective` says.
+
+The target travels with a train artifact (:meth:`TrainingTarget.to_dict` /
+:meth:`TrainingTarget.from_dict`) so evaluate scores with the schedule training used.
 """
 
 from __future__ import annotations
@@ -18,19 +35,25 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jaxcore import ddpm_objective as ddpm
 from jaxcore import flow_matching as fm
+from jaxcore.schedulers import classic
 from stages.common import records
 from stages.common.errors import StageInputError
 
 SIGMA_MIN = fm.MAXDIFFUSION_SIGMA_MIN
 NUM_TRAIN_TIMESTEPS = 1000.0
-OBJECTIVES = ("flow_matching",)
+FLOW_MATCHING = "flow_matching"
+OBJECTIVES = (FLOW_MATCHING, *ddpm.KINDS)
+# ObjectiveSection keys of the DDPM objectives only (a nonzero value is refused for flow matching)
+DDPM_KEYS = ("noise_offset", "snr_gamma", "input_perturbation")
 
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveSection:
-    """Flow-matching objective (Wan / SD3): timestep sampling and optional loss weighting.
+    """The training objective's options; which apply depends on the family's target.
 
+    Flow matching (Wan / Flux / SD3): timestep sampling and optional loss weighting.
     ``timestep_sampling``: "uniform" t~U[0,1); "logit_normal" t=sigmoid(N(logit_mean,
     logit_std)); "shifted" (MaxDiffusion's Wan trainer) t~U then t'=s*t/(1+(s-1)t) with
     s=``timestep_shift``. ``loss_weighting``: "none" or "gaussian" (a bell around
@@ -50,6 +73,14 @@ class ObjectiveSection:
     # Train only on t in [lo, hi) (the distribution above, truncated). Set by model.expert
     # for one expert of a two-expert model.
     timestep_range: tuple[float, float] = (0.0, 1.0)
+    # Epsilon / v-prediction (DDPM, diffusers' train_text_to_image*.py; the keys above but
+    # guidance_scale do not apply: timesteps are uniform integers). ``noise_offset``: add
+    # noise_offset * N(0, 1) per sample and channel to the noise. ``snr_gamma``: min-SNR-gamma
+    # loss weights (5 is the paper's); None: unweighted. ``input_perturbation``: noise the model
+    # input with noise + input_perturbation * N(0, 1), the target keeping the noise.
+    noise_offset: float = 0.0
+    snr_gamma: float | None = None
+    input_perturbation: float = 0.0
 
     def __post_init__(self):
         if self.timestep_shift <= 0:
@@ -62,13 +93,137 @@ class ObjectiveSection:
             raise ValueError(
                 f"timestep_range must be [lo, hi] with 0 <= lo < hi <= 1, got {self.timestep_range}"
             )
+        if not self.noise_offset >= 0 or not self.input_perturbation >= 0:
+            raise ValueError("noise_offset and input_perturbation must be >= 0")
+        if self.snr_gamma is not None and not self.snr_gamma > 0:
+            raise ValueError(f"snr_gamma must be > 0 (or null: no weighting), got {self.snr_gamma}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingTarget:
+    """What the denoiser regresses, resolved once per run: ``kind`` (one of :data:`OBJECTIVES`)
+    and, for epsilon / v-prediction, the DDPM noise schedule (static, hashable)."""
+
+    kind: str
+    schedule: classic.NoiseScheduleConfig | None = None
+
+    def __post_init__(self):
+        if self.kind not in OBJECTIVES:
+            raise StageInputError(f"unknown training objective {self.kind!r}; known: {OBJECTIVES}")
+        if (self.kind == FLOW_MATCHING) != (self.schedule is None):
+            raise StageInputError(
+                f"objective {self.kind!r}: a noise schedule goes with epsilon / v_prediction only"
+            )
+
+    @property
+    def is_ddpm(self) -> bool:
+        return self.schedule is not None
+
+    def to_dict(self) -> dict:
+        """What a train manifest records (``noise_schedule``: diffusers scheduler-config keys)."""
+        schedule = None if self.schedule is None else dataclasses.asdict(self.schedule)
+        if schedule is not None and schedule["trained_betas"] is not None:
+            schedule["trained_betas"] = list(schedule["trained_betas"])
+        return {"objective": self.kind, "noise_schedule": schedule}
+
+    @classmethod
+    def from_dict(cls, data: Mapping | None, where: str = "train manifest") -> TrainingTarget:
+        """The target a train manifest recorded; None (artifacts from before the DDPM
+        objectives) is flow matching, the only objective there was."""
+        if not data:
+            return FLOW_TARGET
+        schedule = data.get("noise_schedule")
+        if schedule is not None:
+            schedule = _schedule(schedule, where)
+        return cls(str(data.get("objective")), schedule)
+
+
+FLOW_TARGET = TrainingTarget(FLOW_MATCHING)
+
+
+def _schedule(config: Mapping, where: str) -> classic.NoiseScheduleConfig:
+    try:
+        return classic.read_config(classic.NoiseScheduleConfig, config, where)
+    except classic.ClassicConfigError as err:
+        raise StageInputError(str(err)) from None
+
+
+def noise_schedule_of(family, pipeline_dir) -> Mapping | None:
+    """The family's ``noise_schedule(pipeline_dir)`` hook (see the module docstring); None when
+    the family has none (flow matching)."""
+    hook = getattr(family, "noise_schedule", None)
+    return None if hook is None else hook(pipeline_dir)
+
+
+def check_options(kind: str, cfg: ObjectiveSection) -> None:
+    """Refuse an option that does not apply to ``kind`` (it would be silently ignored), naming
+    the key: the DDPM keys with flow matching; the flow-matching loss weighting and timestep
+    range with epsilon / v-prediction."""
+    if kind == FLOW_MATCHING:
+        given = [key for key in DDPM_KEYS if getattr(cfg, key)]
+        if given:
+            raise StageInputError(
+                f"objective.{given[0]}={getattr(cfg, given[0])!r} applies to epsilon / "
+                "v_prediction training only; this model trains with flow matching"
+            )
+        return
+    if cfg.loss_weighting != "none":
+        raise StageInputError(
+            f"objective.loss_weighting={cfg.loss_weighting!r} is flow matching's; {kind} "
+            "training weights with objective.snr_gamma (min-SNR)"
+        )
+    if cfg.timestep_range != (0.0, 1.0):
+        raise StageInputError(
+            f"objective.timestep_range={list(cfg.timestep_range)} is flow matching's; {kind} "
+            "training draws every DDPM timestep"
+        )
+
+
+def training_target(family, cfg: ObjectiveSection, pipeline_dir=None) -> TrainingTarget:
+    """The run's :class:`TrainingTarget`: the family's objective, and for epsilon /
+    v-prediction the noise schedule of ``pipeline_dir`` (through ``family.noise_schedule``),
+    whose ``prediction_type`` decides between the two. ``cfg`` is checked against it."""
+    check_objective(family)
+    if family.objective == FLOW_MATCHING:
+        check_options(FLOW_MATCHING, cfg)
+        return FLOW_TARGET
+    config = noise_schedule_of(family, pipeline_dir)
+    if config is None:
+        raise StageInputError(
+            f"the {family.name} family trains with {family.objective!r}, which needs the noise "
+            f"schedule of its pipeline, but it gives none (family.noise_schedule({pipeline_dir!r}))"
+        )
+    where = f"{pipeline_dir}/scheduler/scheduler_config.json" if pipeline_dir else "noise schedule"
+    schedule = _schedule(config, where)
+    if schedule.prediction_type not in ddpm.KINDS:
+        raise StageInputError(
+            f"{where}: prediction_type={schedule.prediction_type!r} cannot be trained; "
+            f"implemented: {ddpm.KINDS}"
+        )
+    check_options(schedule.prediction_type, cfg)
+    return TrainingTarget(schedule.prediction_type, schedule)
+
+
+def _target_or_flow(family, target: TrainingTarget | None) -> TrainingTarget:
+    """``target``, or flow matching when none is given and the family trains with it; a DDPM
+    family without one is refused (its schedule cannot be guessed)."""
+    if target is not None:
+        return target
+    check_objective(family)
+    if family.objective != FLOW_MATCHING:
+        raise StageInputError(
+            f"the {family.name} family trains with {family.objective!r}: the loss needs its "
+            "noise schedule, objective.training_target(family, cfg, pipeline_dir)"
+        )
+    return FLOW_TARGET
 
 
 def check_objective(family) -> None:
     """Refuse a family whose training target is not implemented here (names both)."""
-    if family.objective not in OBJECTIVES:
+    objective = getattr(family, "objective", None)
+    if objective not in OBJECTIVES:
         raise StageInputError(
-            f"the {family.name} family trains with {family.objective!r}; implemented: {OBJECTIVES}"
+            f"the {family.name} family trains with {objective!r}; implemented: {OBJECTIVES}"
         )
 
 
@@ -142,13 +297,87 @@ def loss_at(family, module, params, latents, conditioning, t, noise) -> jax.Arra
     return per_sample_loss(prediction, velocity_target(latents, noise))
 
 
-def training_loss(
-    family, module, params, batch, key, cfg: ObjectiveSection, embedded=None
+def ddpm_loss_at(
+    family,
+    module,
+    params,
+    latents,
+    conditioning,
+    timesteps,
+    noise,
+    target: TrainingTarget,
+    input_noise=None,
 ) -> jax.Array:
-    """Mean weighted loss of one batch, with timesteps and noise drawn from ``key``."""
+    """Per-sample epsilon / v MSE of ``latents`` at integer DDPM ``timesteps`` [B].
+
+    ``input_noise`` (input perturbation) builds the model input instead of ``noise``; the
+    target is always built from ``noise``, as diffusers' scripts do.
+    """
+    schedule = target.schedule
+    model_noise = noise if input_noise is None else input_noise
+    x_t = ddpm.add_noise(schedule, latents, model_noise, timesteps)
+    # the UNet takes the integer timestep itself (diffusers passes the long tensor)
+    prediction = family.apply(module, params, x_t, timesteps.astype(jnp.float32), conditioning)
+    wanted = ddpm.target(target.kind, schedule, latents, noise, timesteps)
+    return per_sample_loss(prediction, wanted)
+
+
+def eval_loss_at(
+    family, module, params, latents, conditioning, timesteps, noise, target=None
+) -> jax.Array:
+    """Per-sample loss at the records' fixed ``timesteps`` [B] (0..1000 scale), unweighted.
+
+    Flow matching: at ``t = timesteps / 1000``. Epsilon / v: at the integer DDPM timestep
+    ``clip(round(timesteps), 0, T - 1)`` (:func:`jaxcore.ddpm_objective.eval_timesteps`; 1000
+    scores at 999), with plain noise: the training-only noise offset, input perturbation and
+    min-SNR weights are not part of the yardstick.
+    """
+    target = _target_or_flow(family, target)
+    if not target.is_ddpm:
+        t = timesteps.astype(jnp.float32) / NUM_TRAIN_TIMESTEPS
+        return loss_at(family, module, params, latents, conditioning, t, noise)
+    steps = ddpm.eval_timesteps(timesteps, target.schedule.num_train_timesteps)
+    return ddpm_loss_at(family, module, params, latents, conditioning, steps, noise, target)
+
+
+def training_loss(
+    family, module, params, batch, key, cfg: ObjectiveSection, embedded=None, target=None
+) -> jax.Array:
+    """Mean weighted loss of one batch, with timesteps and noise drawn from ``key``.
+
+    ``target``: the run's :class:`TrainingTarget` (static); None means flow matching, and is
+    refused for a family that trains with epsilon / v-prediction.
+    """
+    target = _target_or_flow(family, target)
+    check_options(target.kind, cfg)  # at trace time
     latents, conditioning = split_batch(batch, embedded)
+    if target.is_ddpm:
+        return _ddpm_training_loss(family, module, params, latents, conditioning, key, cfg, target)
     key_t, key_noise = jax.random.split(key)
     t = sample_t(key_t, latents.shape[0], cfg)
     noise = jax.random.normal(key_noise, latents.shape, jnp.float32)
     per_sample = loss_at(family, module, params, latents, conditioning, t, noise)
     return jnp.mean(per_sample * loss_weight(t, cfg))
+
+
+def _ddpm_training_loss(
+    family, module, params, latents, conditioning, key, cfg: ObjectiveSection, target
+) -> jax.Array:
+    """diffusers' train_text_to_image*.py step: uniform integer timesteps, offset noise, input
+    perturbation, epsilon / v target, optional min-SNR-gamma weights, mean over the batch."""
+    key_t, key_noise, key_offset, key_perturb = jax.random.split(key, 4)
+    schedule = target.schedule
+    timesteps = ddpm.sample_timesteps(key_t, latents.shape[0], schedule.num_train_timesteps)
+    noise = jax.random.normal(key_noise, latents.shape, jnp.float32)
+    if cfg.noise_offset:
+        noise = ddpm.offset_noise(key_offset, noise, cfg.noise_offset)
+    input_noise = None
+    if cfg.input_perturbation:
+        input_noise = ddpm.perturb_noise(key_perturb, noise, cfg.input_perturbation)
+    per_sample = ddpm_loss_at(
+        family, module, params, latents, conditioning, timesteps, noise, target, input_noise
+    )
+    if cfg.snr_gamma is not None:
+        snr = ddpm.snr(schedule, timesteps)
+        per_sample = per_sample * ddpm.min_snr_weights(snr, cfg.snr_gamma, target.kind)
+    return jnp.mean(per_sample)

@@ -2,7 +2,11 @@
 
 Each eval record is scored at the fixed timestep it carries, with noise drawn from a key
 derived from its ``source_id`` (not its position), so a score does not depend on shard order,
-batch size or mesh. The per-sample loss is the flow-matching MSE; losses are averaged per
+batch size or mesh. The per-sample loss is the training objective's unweighted MSE
+(:func:`stages.common.objective.eval_loss_at`: flow matching at ``t = timestep / 1000``;
+epsilon / v-prediction at the integer DDPM timestep ``clip(round(timestep), 0, T - 1)``, so
+1000 is scored at 999, without the training-only noise offset, input perturbation or min-SNR
+weights); losses are averaged per
 timestep bucket, and the eval loss is the mean of the bucket means (SD3 arXiv 2403.03206,
 MaxDiffusion ``BaseWanTrainer.eval``, MLPerf text-to-image validation).
 """
@@ -14,7 +18,6 @@ import hashlib
 from collections.abc import Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxcore import sharding
@@ -54,13 +57,15 @@ def record_noise(seed: int, id_hashes: jax.Array, shape: tuple[int, ...]) -> jax
 
 
 def per_record_loss(
-    family, module, params, tensors, timesteps, id_hashes, seed: int, embedded=None
+    family, module, params, tensors, timesteps, id_hashes, seed: int, embedded=None, target=None
 ):
-    """Loss of each record at its own timestep (0..1000) and its own noise."""
+    """Loss of each record at its own timestep (0..1000) and its own noise; ``target``: the
+    run's :class:`~stages.common.objective.TrainingTarget` (None: flow matching)."""
     latents, conditioning = objective.split_batch(tensors, embedded)
     noise = record_noise(seed, id_hashes, latents.shape[1:])
-    t = timesteps.astype(jnp.float32) / objective.NUM_TRAIN_TIMESTEPS
-    return objective.loss_at(family, module, params, latents, conditioning, t, noise)
+    return objective.eval_loss_at(
+        family, module, params, latents, conditioning, timesteps, noise, target
+    )
 
 
 def eval_batches(spec: DataSpec, batch_size: int, max_records: int | None) -> Iterator[dict]:
@@ -101,14 +106,17 @@ def _global(x: np.ndarray, mesh) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
 
 
-def make_eval_fn(family, module, mesh, param_shardings, spec: DataSpec, seed: int, embedded=None):
+def make_eval_fn(
+    family, module, mesh, param_shardings, spec: DataSpec, seed: int, embedded=None, target=None
+):
     """Jitted ``(params, batch from eval_batches) -> per-record loss`` for ``spec``'s tensors;
-    ``embedded``: the denoiser's scalar inputs, as training used them."""
+    ``embedded``: the denoiser's scalar inputs, and ``target``: the training target (noise
+    schedule), as training used them."""
     tensor_shardings = {f.name: batch_sharding(mesh, 1 + len(f.shape)) for f in spec.features}
     embedded = dict(embedded or {})
     fn = jax.jit(
         lambda p, tensors, ts, ids: per_record_loss(
-            family, module, p, tensors, ts, ids, seed, embedded
+            family, module, p, tensors, ts, ids, seed, embedded, target
         ),
         in_shardings=(
             param_shardings,

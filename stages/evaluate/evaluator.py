@@ -6,7 +6,7 @@ import logging
 
 from jaxcore import sharding
 from jaxcore.artifacts import Manifest
-from stages.common import checkpoints, data, scoring
+from stages.common import checkpoints, data, objective, scoring
 from stages.common.errors import StageInputError
 from stages.evaluate.config import EvaluateConfig
 
@@ -30,7 +30,12 @@ def evaluate_checkpoints(
     param_sh = checkpoints.param_shardings(family, module, mesh)
     # the denoiser's scalar inputs (Flux dev: guidance) as training used them
     embedded = train_manifest.summary.get("embedded_inputs") or {}
-    eval_fn = scoring.make_eval_fn(family, module, mesh, param_sh, spec, config.eval_seed, embedded)
+    # the training target and noise schedule (manifests from before it: flow matching)
+    where = f"{train_manifest.uri} objective"
+    target = objective.TrainingTarget.from_dict(train_manifest.summary.get("objective"), where)
+    eval_fn = scoring.make_eval_fn(
+        family, module, mesh, param_sh, spec, config.eval_seed, embedded, target
+    )
     ways = sharding.batch_axis_size(mesh)
     batch = -(-config.eval_batch_size // ways) * ways
     results = {}

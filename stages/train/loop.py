@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jaxcore import sharding, storage
+from jaxcore.artifacts import open_artifact
 from jaxcore.families import TensorSpec
 from stages.common import checkpoints, data, objective, records, scoring
 from stages.common.errors import StageInputError
@@ -55,6 +56,7 @@ class TrainResult:
     preempted: bool
     model_source: dict
     embedded_inputs: dict  # the denoiser's scalar inputs training used (Flux dev: guidance)
+    objective: dict  # the training target and its noise schedule (TrainingTarget.to_dict)
     exported_denoiser: str | None = None  # folder of the diffusers export, if any
     lora: dict | None = None  # rank, alpha, targets and the exported file of a LoRA run
 
@@ -80,6 +82,7 @@ class Run:
     local_dir: Path
     train_flops: float
     peak_flops: float
+    target: objective.TrainingTarget = objective.FLOW_TARGET
     eval_fn: Any = None
     start: int = 0
     eval_history: list[dict] = dataclasses.field(default_factory=list)
@@ -182,6 +185,23 @@ def _with_expert_range(config: TrainConfig, built: model.Model) -> TrainConfig:
     return dataclasses.replace(config, objective=objective_cfg)
 
 
+def training_target(config: TrainConfig, built: model.Model) -> objective.TrainingTarget:
+    """The run's training target: epsilon / v-prediction read the noise schedule of the
+    pipeline the denoiser was loaded from (None for a model YAML: the family's default); a
+    denoiser from a train artifact keeps the target that run recorded."""
+    origin = built.provenance
+    if origin.get("source") == "train_artifact":
+        manifest = open_artifact(origin["path"], "train")
+        target = objective.TrainingTarget.from_dict(manifest.summary.get("objective"))
+        objective.check_options(target.kind, config.objective)
+        return target
+    pipeline_dir = None
+    if origin.get("source") == "pretrained":
+        parent = Path(origin["path"]).parent
+        pipeline_dir = parent if (parent / "model_index.json").is_file() else None
+    return objective.training_target(built.family, config.objective, pipeline_dir)
+
+
 def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
     """Mesh, data, model, optimiser, compiled step and checkpoint manager of one run."""
     if config.jax_cache_dir:
@@ -193,7 +213,7 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
 
     built = model.build_model(config.model, config.compute, mesh, jax.random.key(config.seed))
     config = _with_expert_range(config, built)
-    objective.check_objective(built.family)
+    target = training_target(config, built)
     built.family.check_heads(built.module.config, mesh)
     features = batch_features(config, built, train_spec)
 
@@ -215,6 +235,7 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
         config.seed,
         frozen_shardings=trainable.frozen_shardings,
         effective=trainable.effective,
+        target=target,
     )
     ckpt = config.checkpointing
     mngr = checkpoints.manager(
@@ -243,6 +264,7 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
         local_dir=local_dir,
         train_flops=training_flops(built, features, batch),
         peak_flops=metrics.peak_flops_per_device(config.metrics.peak_flops_per_device),
+        target=target,
     )
     if eval_spec is not None:
         built.family.check_features(built.module.config, eval_spec.by_name, eval_spec.artifact_uri)
@@ -254,6 +276,7 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
             eval_spec,
             config.evaluation.eval_seed,
             run.embedded_inputs,
+            target,
         )
     return run
 
@@ -505,6 +528,7 @@ def finish(run: Run, preempted: bool, final_loss: float | None) -> TrainResult:
         preempted=preempted,
         model_source={**run.model.provenance, "seed": run.config.seed},
         embedded_inputs=run.embedded_inputs,
+        objective=run.target.to_dict(),
         exported_denoiser=exported,
         lora=None if run.lora_info is None else {**run.lora_info, "file": exported_lora},
     )

@@ -53,6 +53,7 @@ def run(config: TrainConfig, *, force: bool = False) -> Manifest | None:
             "family": result.family,
             "model_config": result.model_config,
             "embedded_inputs": result.embedded_inputs,
+            "objective": result.objective,
             "model_source": result.model_source,
             "eval_history": result.eval_history,
             "best_checkpoint_step": result.best_checkpoint_step,

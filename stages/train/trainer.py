@@ -96,12 +96,14 @@ def make_train_step(
     *,
     frozen_shardings=None,
     effective=None,
+    target=None,
 ) -> TrainStep:
     """Jit the step with explicit in/out shardings; params and opt_state buffers are donated.
 
     ``features``: the batch's tensors (TensorSpecs); each is sharded on its batch axis.
     ``effective(params, frozen)``: the denoiser parameters the loss sees (default: ``params``;
     LoRA: the frozen base plus the adapters); only ``params`` are differentiated and updated.
+    ``target``: the run's :class:`~stages.common.objective.TrainingTarget` (None: flow matching).
     """
     effective = effective or (lambda params, frozen: params)
     batch_shardings = {f.name: batch_sharding(mesh, 1 + len(f.shape)) for f in features}
@@ -112,7 +114,7 @@ def make_train_step(
         key = jax.random.fold_in(jax.random.key(seed), step)
         loss, grads = jax.value_and_grad(
             lambda p: objective.training_loss(
-                family, module, effective(p, frozen), batch, key, objective_cfg, embedded
+                family, module, effective(p, frozen), batch, key, objective_cfg, embedded, target
             )
         )(params)
         updates, opt_state = tx.update(grads, opt_state, params)
