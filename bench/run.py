@@ -89,14 +89,22 @@ def machine_facts() -> dict:
     }
 
 
+def _limit(records: list[dict], role: str) -> float | None:
+    """GFLOP/s of the matmul record holding ``role`` (the fastest GEMM of its dtype)."""
+    found = next((r for r in records if r["bench"] == "matmul" and r.get("role") == role), None)
+    return found["gflop_per_s"] if found and "gflop_per_s" in found else None
+
+
 def add_derived(records: list[dict]) -> None:
-    """Fraction of the matmul limit for every FLOP-counted record; ratios to difforge."""
-    limit = next((r for r in records if r["bench"] == "matmul" and r["impl"] == "xla"), None)
-    limit_gflops = limit["gflop_per_s"] if limit else None
+    """Fractions of the fp32 and bf16 GEMM limits (the fastest library's, see bench.matmul)
+    for every FLOP-counted record; ratios to difforge."""
+    limit, limit_bf16 = _limit(records, "limit"), _limit(records, "limit_bf16")
     ours = {(r["bench"], r["case"]): r for r in records if r["impl"] == "difforge"}
     for record in records:
-        if limit_gflops and "gflop_per_s" in record:
-            record["frac_of_limit"] = record["gflop_per_s"] / limit_gflops
+        if limit and "gflop_per_s" in record:
+            record["frac_of_limit"] = record["gflop_per_s"] / limit
+        if limit_bf16 and "gflop_per_s" in record:
+            record["frac_of_bf16_limit"] = record["gflop_per_s"] / limit_bf16
         base = ours.get((record["bench"], record["case"]))
         if base is not None and record is not base and "median_s" in record:
             record["vs_difforge"] = record["median_s"] / base["median_s"]
@@ -128,6 +136,8 @@ def _note(record: dict) -> str:
     for key in ("growth_exponent", "speedup", "outside_compute_share", "encoder_items_per_s"):
         if key in record:
             notes.append(f"{key} {record[key]:.3g}")
+    if record.get("role"):
+        notes.append(record["role"])
     if record.get("error"):
         notes.append(f"ERROR {record['error']}")
     return "; ".join(notes)
@@ -140,11 +150,13 @@ def markdown_table(records: list[dict], facts: dict) -> str:
         f"{facts['cpu_threads']} CPU threads, load average at start {facts['load_average_at_start']})",
         "",
         "`vs difforge` = other's median / difforge's median (> 1: difforge is faster; < 1: "
-        "difforge is SLOWER). `% limit` = GFLOP/s over the XLA matmul limit (MFU for train_step).",
+        "difforge is SLOWER). `% limit` = GFLOP/s over the machine's fastest fp32 GEMM among "
+        "XLA, torch and numpy (MFU for train_step); `% bf16 limit` = over the fastest bf16-in / "
+        "fp32-accumulate GEMM (XLA, torch). The matmul rows marked `limit` set them.",
         "",
         "| bench | case | impl | median / value | spread (min-max) | GFLOP/s | % limit | "
-        "vs difforge | notes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "% bf16 limit | vs difforge | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         spread = (
@@ -154,6 +166,7 @@ def markdown_table(records: list[dict], facts: dict) -> str:
         )
         gflops = f"{r['gflop_per_s']:.1f}" if "gflop_per_s" in r else ""
         frac = f"{100 * r['frac_of_limit']:.0f}%" if "frac_of_limit" in r else ""
+        frac_bf16 = f"{100 * r['frac_of_bf16_limit']:.0f}%" if "frac_of_bf16_limit" in r else ""
         ratio = ""
         if "vs_difforge" in r:
             ratio = f"{r['vs_difforge']:.2f}x" + (
@@ -161,7 +174,7 @@ def markdown_table(records: list[dict], facts: dict) -> str:
             )
         lines.append(
             f"| {r['bench']} | {r['case']} | {r['impl']} | {_fmt_value(r)} | {spread} | "
-            f"{gflops} | {frac} | {ratio} | {_note(r)} |"
+            f"{gflops} | {frac} | {frac_bf16} | {ratio} | {_note(r)} |"
         )
     lines += ["", "Goals:", *(f"- {k}: {v}" for k, v in GOALS.items()), ""]
     return "\n".join(lines)

@@ -55,14 +55,22 @@ def test_check_record_names_the_bad_key():
 
 def test_derived_fractions_ratios_and_table():
     records = [
-        timed_record("matmul", "n", "xla", [1.0], flops=100e9),
+        timed_record("matmul", "n", "xla", [2.0], flops=100e9, dtype="fp32"),
+        timed_record("matmul", "n", "numpy", [1.0], flops=100e9, dtype="fp32"),
+        timed_record("matmul", "n-bf16", "torch", [0.5], flops=100e9, dtype="bf16"),
         timed_record("fwd", "S", "difforge", [2.0], flops=100e9),
         timed_record("fwd", "S", "diffusers_eager", [8.0], flops=100e9),
         value_record("memory_load", "m", "difforge", 1.1, "x weight bytes"),
     ]
+    from bench.matmul import mark_limits
+
+    mark_limits(records)
+    assert records[1]["role"] == "limit" and records[2]["role"] == "limit_bf16"  # the fastest
     bench_run.add_derived(records)
-    assert records[1]["frac_of_limit"] == pytest.approx(0.5)
-    assert records[2]["vs_difforge"] == pytest.approx(4.0)
+    fwd, eager = records[3], records[4]
+    assert fwd["frac_of_limit"] == pytest.approx(0.5)  # numpy's 100 GFLOP/s, not XLA's 50
+    assert fwd["frac_of_bf16_limit"] == pytest.approx(0.25)
+    assert eager["vs_difforge"] == pytest.approx(4.0)
     facts = {"date": "d", "backend": "cpu", "cpu_threads": 2, "load_average_at_start": None}
     table = bench_run.markdown_table(records, facts)
     assert "| fwd | S | diffusers_eager | 8.00 s |" in table and "4.00x" in table
