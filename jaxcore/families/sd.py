@@ -485,6 +485,15 @@ class SDFamily(Family):
             *added,
         )
 
+    def lora_to_diffusers(self, state_dict, denoiser_config, where: str):
+        from jaxcore.lora import sd
+
+        return sd.to_diffusers(state_dict, denoiser_config, where)
+
+    def lora_weight_map(self, denoiser_config):
+        """diffusers weight keys of the UNet -> our parameters (where LoRA deltas go)."""
+        return unet.weight_map(denoiser_config)
+
     def export_denoiser(self, module, params):
         state = weights.export_state_dict(params, unet.weight_map(module.config))
         return state, {"_class_name": "UNet2DConditionModel", **module.config.to_dict()}

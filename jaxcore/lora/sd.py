@@ -1,0 +1,189 @@
+"""Stable Diffusion / SDXL UNet LoRA files -> :class:`~jaxcore.lora.base.Converted`.
+
+Key layouts, each key placed on its own (a file may mix them):
+
+- ``diffusers`` (PEFT): ``unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q
+  .lora_A.weight`` (``unet.`` may be missing), as ``StableDiffusion(XL)Pipeline.save_lora_weights``
+  writes them; the older attention-processor names (``...attn1.processor.to_q_lora.down.weight``,
+  ``to_out_lora`` = ``to_out.0``) too.
+- ``kohya`` (sd-scripts, most hub LoRAs): ``lora_unet_<module with _ for .>.lora_down.weight``
+  with ``.alpha``; SD 1.x/2.x files use diffusers' module names, SDXL files the original
+  (SGM / LDM) block names ``input_blocks.4.1``, ``middle_block.1``, ``output_blocks.2.1``, mapped
+  here to ``down_blocks.1.attentions.0``, ``mid_block.attentions.0``, ``up_blocks.0.attentions.2``
+  from the UNet's ``layers_per_block`` (diffusers' ``_maybe_map_sgm_blocks_to_diffusers``).
+
+Scale per layer: ``alpha / rank`` when the file gives an alpha, else 1 (diffusers' loading).
+Only Linear layers take a LoRA here (attention projections, feed-forward, linear
+``proj_in``/``proj_out``, time embeddings); what has no Linear form — text-encoder LoRAs
+(``lora_te*``, ``text_encoder.``), LoCon convolution LoRAs (resnets, 1x1-conv ``proj_in`` of
+SD 1.x), norms, DoRA magnitudes — is returned in ``unmatched``, never silently dropped
+(``lora_strict=false`` skips them with a warning). Reference: diffusers 0.42
+``StableDiffusionLoraLoaderMixin`` / ``lora_conversion_utils._convert_non_diffusers_lora_to_diffusers``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxcore.lora.base import Converted, LoraError, LoraLayer, alpha_scale
+
+if TYPE_CHECKING:
+    from jaxcore.models.unet_2d_condition import UNet2DConditionConfig
+
+DIFFUSERS, KOHYA = "diffusers", "kohya"
+
+_PARTS = {
+    "lora_A.weight": "down",
+    "lora_B.weight": "up",
+    "lora_down.weight": "down",
+    "lora_up.weight": "up",
+    "lora.down.weight": "down",
+    "lora.up.weight": "up",
+    "alpha": "alpha",
+}
+# the attention-processor names of older diffusers LoRA files
+_PROCESSOR = re.compile(r"\.processor\.(to_q|to_k|to_v|to_out)_lora\.(down|up)\.weight$")
+
+
+def linear_modules(config: UNet2DConditionConfig) -> set[str]:
+    """diffusers names of the UNet's Linear layers: the weights whose torch shape is 2-D."""
+    from flax.core import meta
+
+    from jaxcore.lora.merge import _torch_shape
+    from jaxcore.models import unet_2d_condition as unet
+
+    params = meta.unbox(unet.abstract_params(unet.UNet2DConditionModel(config)))
+    names = set()
+    for path, (key, transform) in unet.weight_map(config).items():
+        leaf = params
+        for part in path:
+            leaf = leaf[part]
+        if key.endswith(".weight") and len(_torch_shape(transform, leaf.shape)) == 2:
+            names.add(key.removesuffix(".weight"))
+    return names
+
+
+def sgm_to_diffusers(module: str, layers_per_block: int) -> str | None:
+    """An SGM / LDM UNet module path (``input_blocks.4.1.transformer_blocks...``) -> the
+    diffusers one, or None when it is not in an attention block (resnets, convs)."""
+    per = layers_per_block + 1
+    match = re.match(r"input_blocks\.(\d+)\.1\.(.+)$", module)
+    if match:
+        index, rest = int(match.group(1)), match.group(2)
+        level, within = divmod(index - 1, per)
+        return f"down_blocks.{level}.attentions.{within}.{rest}"
+    match = re.match(r"middle_block\.1\.(.+)$", module)
+    if match:
+        return f"mid_block.attentions.0.{match.group(1)}"
+    match = re.match(r"output_blocks\.(\d+)\.1\.(.+)$", module)
+    if match:
+        index, rest = int(match.group(1)), match.group(2)
+        level, within = divmod(index, per)
+        return f"up_blocks.{level}.attentions.{within}.{rest}"
+    return None
+
+
+class _Locator:
+    """File key -> (format, diffusers module, part), or None."""
+
+    def __init__(self, config: UNet2DConditionConfig):
+        self.modules = linear_modules(config)
+        self.layers_per_block = config.layers_per_block
+        if not isinstance(self.layers_per_block, int):
+            self.layers_per_block = int(self.layers_per_block[0])
+        self.kohya = {name.replace(".", "_"): name for name in self.modules}
+        # SGM names of the attention Linears, by their kohya spelling
+        self.sgm = {}
+        for name in self.modules:
+            sgm = _diffusers_to_sgm(name, self.layers_per_block)
+            if sgm is not None:
+                self.sgm[sgm.replace(".", "_")] = name
+
+    def __call__(self, key: str) -> tuple[str, str, str] | None:
+        processor = _PROCESSOR.search(key)
+        if processor:
+            projection = "to_out.0" if processor.group(1) == "to_out" else processor.group(1)
+            module = key[: processor.start()].removeprefix("unet.") + f".{projection}"
+            return (DIFFUSERS, module, processor.group(2)) if module in self.modules else None
+        for suffix, part in _PARTS.items():
+            if key.endswith(f".{suffix}"):
+                return self._place(key[: -len(suffix) - 1], part)
+        return None
+
+    def _place(self, module: str, part: str) -> tuple[str, str, str] | None:
+        if module.startswith("lora_unet_"):
+            flat = module.removeprefix("lora_unet_")
+            name = self.kohya.get(flat) or self.sgm.get(flat)
+            return None if name is None else (KOHYA, name, part)
+        name = module.removeprefix("unet.")
+        return (DIFFUSERS, name, part) if name in self.modules else None
+
+
+def _diffusers_to_sgm(name: str, layers_per_block: int) -> str | None:
+    """The inverse of :func:`sgm_to_diffusers` for attention-block modules."""
+    per = layers_per_block + 1
+    match = re.match(r"down_blocks\.(\d+)\.attentions\.(\d+)\.(.+)$", name)
+    if match:
+        level, within, rest = int(match.group(1)), int(match.group(2)), match.group(3)
+        return f"input_blocks.{1 + level * per + within}.1.{rest}"
+    match = re.match(r"mid_block\.attentions\.0\.(.+)$", name)
+    if match:
+        return f"middle_block.1.{match.group(1)}"
+    match = re.match(r"up_blocks\.(\d+)\.attentions\.(\d+)\.(.+)$", name)
+    if match:
+        level, within, rest = int(match.group(1)), int(match.group(2)), match.group(3)
+        return f"output_blocks.{level * per + within}.1.{rest}"
+    return None
+
+
+def _matrix(key: str, value: np.ndarray, where: str) -> np.ndarray:
+    value = np.asarray(value)
+    if value.ndim > 2 and all(n == 1 for n in value.shape[2:]):
+        value = value.reshape(value.shape[:2])
+    if value.ndim != 2:
+        raise LoraError(f"{where}: {key} has shape {list(value.shape)}, not a Linear's [a, b]")
+    return value
+
+
+def to_diffusers(
+    state_dict: Mapping[str, np.ndarray], config: UNet2DConditionConfig, where: str
+) -> Converted:
+    """A UNet LoRA file's tensors -> LoRA layers by diffusers module name; keys no rule
+    places are returned in ``unmatched``; a malformed layer is a LoraError naming the key."""
+    locate = _Locator(config)
+    modules: dict[str, dict[str, tuple[str, np.ndarray]]] = {}
+    formats: set[str] = set()
+    unmatched = []
+    for key, value in state_dict.items():
+        placed = locate(key)
+        if placed is None:
+            unmatched.append(key)
+            continue
+        fmt, module, part = placed
+        parts = modules.setdefault(module, {})
+        if part in parts:
+            raise LoraError(f"{where}: {key} and {parts[part][0]} are the same layer {module}")
+        parts[part] = (key, value)
+        formats.add(fmt)
+    layers = {}
+    for module, parts in modules.items():
+        if "down" not in parts or "up" not in parts:
+            if set(parts) == {"alpha"}:
+                unmatched.append(parts["alpha"][0])
+                continue
+            have = next(iter(parts.values()))[0]
+            raise LoraError(f"{where}: {have} has no matching down/up factor")
+        (down_key, down), (up_key, up) = parts["down"], parts["up"]
+        down, up = _matrix(down_key, down, where), _matrix(up_key, up, where)
+        if up.shape[1] != down.shape[0]:
+            raise LoraError(
+                f"{where}: rank mismatch: {down_key} is {list(down.shape)} but {up_key} is "
+                f"{list(up.shape)}"
+            )
+        alpha = parts["alpha"][1] if "alpha" in parts else None
+        layers[module] = LoraLayer(down=down, up=up, scale=alpha_scale(alpha, down.shape[0]))
+    return Converted(layers, tuple(sorted(unmatched)), "+".join(sorted(formats)) or "none")
