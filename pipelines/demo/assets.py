@@ -52,6 +52,16 @@ DEMO_COLOURS: tuple[str, ...] = ("red", "green", "blue", "yellow")
 DEMO_BACKGROUNDS: tuple[str, ...] = ("white", "black")
 DEMO_SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 DEMO_IMAGE_SIZE = 32
+# (colour, shape, background) combinations the demo's training data leaves out while its prompts
+# still ask for them: 4 of the 24 (1/6), one per colour, two per background, every shape. Each
+# one's pairs (colour-shape, colour-background, shape-background) all occur in training, so
+# rendering them right takes composing what the model learnt, not recalling a training image.
+DEMO_HELD_OUT: tuple[tuple[str, str, str], ...] = (
+    ("red", "triangle", "white"),
+    ("green", "square", "black"),
+    ("blue", "circle", "white"),
+    ("yellow", "triangle", "black"),
+)
 
 # The demo VAE (its architecture; latents_mean/std are measured by fit-vae).
 DEMO_VAE_ARCHITECTURE = dict(
@@ -77,17 +87,34 @@ def demo_combinations() -> list[tuple[str, str, str]]:
     return list(itertools.product(DEMO_COLOURS, DEMO_SHAPES, DEMO_BACKGROUNDS))
 
 
-def make_demo_items(num_items: int, image_size: int, seed: int) -> list[dict]:
+def training_combinations(
+    held_out: Sequence[tuple[str, str, str]] = DEMO_HELD_OUT,
+) -> list[tuple[str, str, str]]:
+    """:func:`demo_combinations` less ``held_out``, in the same order."""
+    unknown = set(map(tuple, held_out)) - set(demo_combinations())
+    if unknown:
+        raise ValueError(f"held-out combinations {sorted(unknown)} are not demo combinations")
+    held = set(map(tuple, held_out))
+    return [c for c in demo_combinations() if c not in held]
+
+
+def make_demo_items(
+    num_items: int,
+    image_size: int,
+    seed: int,
+    held_out: Sequence[tuple[str, str, str]] = DEMO_HELD_OUT,
+) -> list[dict]:
     """Shape items of the demo palette, like :func:`pipelines.demo.shapes.make_items` makes them.
 
-    Combinations are dealt from a seeded shuffle of :func:`demo_combinations`, reshuffled each
-    round, so with ``num_items >= 24`` every prompt's combination is in the dataset and the
-    classes stay balanced. Position and size come from :func:`pipelines.demo.shapes.draw_shape`.
+    Combinations are dealt from a seeded shuffle of :func:`training_combinations` (every demo
+    combination but ``held_out``; pass ``()`` for all 24), reshuffled each round, so with
+    ``num_items`` >= their number every one is in the dataset and the classes stay balanced.
+    Position and size come from :func:`pipelines.demo.shapes.draw_shape`.
     """
     if num_items < 1:
         raise ValueError(f"num_items must be >= 1, got {num_items}")
     rng = np.random.default_rng(seed)
-    combos = demo_combinations()
+    combos = training_combinations(held_out)
     items = []
     for i in range(num_items):
         if i % len(combos) == 0:
@@ -118,14 +145,20 @@ def decode_items(items: Sequence[dict]) -> np.ndarray:
     )
 
 
-def write_demo_dataset(directory: str | os.PathLike, num_items: int, image_size: int, seed: int):
+def write_demo_dataset(
+    directory: str | os.PathLike,
+    num_items: int,
+    image_size: int,
+    seed: int,
+    held_out: Sequence[tuple[str, str, str]] = DEMO_HELD_OUT,
+):
     """The demo dataset in the ``imagefolder`` layout of :mod:`pipelines.demo.shapes` (PNGs plus
     ``metadata.jsonl`` with ``file_name``, ``id``, ``text``, ``colour``, ``shape``,
-    ``background``), readable with ``datasets.load_dataset(directory)``."""
+    ``background``), readable with ``datasets.load_dataset(directory)``; without ``held_out``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     lines = []
-    for item in make_demo_items(num_items, image_size, seed):
+    for item in make_demo_items(num_items, image_size, seed, held_out):
         name = f"{item['id']}.png"
         (directory / name).write_bytes(item["image_bytes"])
         meta = {k: v for k, v in item.items() if k != "image_bytes"}
@@ -135,7 +168,8 @@ def write_demo_dataset(directory: str | os.PathLike, num_items: int, image_size:
 
 
 def demo_prompts(seed: int = 0) -> list[dict]:
-    """The 24 demo prompts ``{id, prompt, seed}``, one per :func:`demo_combinations` entry."""
+    """The 24 demo prompts ``{id, prompt, seed}``, one per :func:`demo_combinations` entry
+    (held-out combinations included: the check grades them apart)."""
     return [
         {
             "id": f"{colour}-{shape}-on-{background}",
@@ -336,7 +370,7 @@ def fit_demo_vae(
     train = np.concatenate(
         [
             decode_items(synthetic.make_items(num_images - half, image_size, image_size, seed)),
-            decode_items(make_demo_items(half, image_size, seed)),
+            decode_items(make_demo_items(half, image_size, seed, held_out=())),
         ]
     )
     config = demo_vae_config()
@@ -370,7 +404,7 @@ def evaluate_vae(module, params, image_size: int = DEMO_IMAGE_SIZE, *, seed: int
     from pipelines.demo import vae_fitting
 
     general = decode_items(synthetic.make_items(128, image_size, image_size, seed))
-    demo_items = make_demo_items(48, image_size, seed)
+    demo_items = make_demo_items(48, image_size, seed, held_out=())
     demo = decode_items(demo_items)
     demo_rec = vae_fitting.reconstruct(module, params, demo)
     report = check_colours(list(demo_rec), [it["text"] for it in demo_items])
@@ -448,8 +482,12 @@ def build_demo_assets(
     image_size: int = DEMO_IMAGE_SIZE,
     model_yaml: str | os.PathLike = DEMO_MODEL_YAML,
     vae_dir: str | os.PathLike = DEMO_VAE_DIR,
+    held_out: Sequence[tuple[str, str, str]] = (),
 ) -> DemoAssets:
     """Write ``root/assets/{shapes, tiny_wan, prompts.jsonl}``; skip each one already complete.
+
+    ``held_out``: combinations left out of the dataset (the demo's ``hold_out=true`` passes
+    :data:`DEMO_HELD_OUT`); the prompts always cover all 24.
 
     ``shapes``: :func:`write_demo_dataset`; ``tiny_wan``: a random-init diffusers WanPipeline
     from ``model_yaml`` (:func:`pipelines.demo.tiny.build_tiny_wan_pipeline`) whose ``vae/``
@@ -463,10 +501,17 @@ def build_demo_assets(
     _check_vae_dir(vae_dir)
     assets = Path(root) / "assets"
     assets.mkdir(parents=True, exist_ok=True)
+    dataset_stamp = {
+        "asset": "shapes",
+        "num_items": num_items,
+        "seed": seed,
+        "image_size": image_size,
+        "held_out": [list(c) for c in held_out],
+    }
     dataset = _build_dir(
         assets / "shapes",
-        {"asset": "shapes", "num_items": num_items, "seed": seed, "image_size": image_size},
-        lambda tmp: write_demo_dataset(tmp, num_items, image_size, seed),
+        dataset_stamp,
+        lambda tmp: write_demo_dataset(tmp, num_items, image_size, seed, tuple(held_out)),
     )
 
     def build_pipeline(tmp: Path) -> None:

@@ -7,8 +7,13 @@
 2. The pipeline ``configs/pipelines/demo.yml``: convert -> train from scratch -> evaluate ->
    generate (with the checkpoint evaluation named best).
 3. The check: the dominant colour of each generated shape must be the prompt's colour
-   (:func:`pipelines.demo.assets.check_colours`); the report goes to
-   ``<root>/demo_check.json`` and the run fails below ``min_pass_fraction``.
+   (:func:`pipelines.demo.assets.check_colours`); the run fails below ``min_pass_fraction``.
+   Colour, shape and background are also graded one by one
+   (:func:`pipelines.demo.grading.grade`), on all prompts and apart on the combinations the
+   training data holds out with ``hold_out=true`` (:data:`pipelines.demo.assets.DEMO_HELD_OUT`), next to the
+   classifiers' own accuracy on ground truth; ``min_colour``, ``min_shape`` and
+   ``min_background`` (default ``None``: report only) make those a bar too, on all prompts and
+   on the held-out ones alike. Everything goes to ``<root>/demo_check.json``.
 """
 
 from __future__ import annotations
@@ -36,10 +41,21 @@ class DemoConfig:
     num_items: int = 1200
     seed: int = 0
     min_pass_fraction: float = 0.8
+    # Leave DEMO_HELD_OUT's 4 combinations out of the training data, so their renders show
+    # composition. Off by default: today's model does not compose well enough for the colour
+    # bar with them held out (one run from scratch: 19/24 colours, held-out 2/4).
+    hold_out: bool = False
+    # Bars on the per-attribute accuracy of :func:`pipelines.demo.grading.grade`, met on all
+    # prompts and on the held-out combinations alike; None reports without judging.
+    min_colour: float | None = None
+    min_shape: float | None = None
+    min_background: float | None = None
 
     def __post_init__(self):
-        if not 0.0 <= self.min_pass_fraction <= 1.0:
-            raise ValueError(f"min_pass_fraction must be in [0, 1], got {self.min_pass_fraction}")
+        for name in ("min_pass_fraction", "min_colour", "min_shape", "min_background"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
         if storage.is_gcs(self.root):
             raise ValueError("root: the demo writes its assets locally; use a local folder")
 
@@ -55,47 +71,119 @@ def _rendered(manifest: artifacts.Manifest) -> tuple[list[np.ndarray], list[str]
     return images, prompts
 
 
+def held_out_combinations(config: DemoConfig) -> tuple[tuple[str, str, str], ...]:
+    """The combinations the demo's training data leaves out (none unless ``hold_out``)."""
+    from pipelines.demo.assets import DEMO_HELD_OUT
+
+    return tuple(DEMO_HELD_OUT) if config.hold_out else ()
+
+
+def check_renders(images: list[np.ndarray], prompts: list[str], config: DemoConfig) -> dict:
+    """The demo's verdict on its renders, as written to ``demo_check.json``.
+
+    ``passed``: the colour check's pass fraction reaches ``min_pass_fraction`` and each set
+    ``min_<attribute>`` bar is met by the graded accuracy on all prompts and on the held-out
+    ones (``failures`` says which were not). Also: ``checks`` (the colour check per prompt),
+    ``accuracy`` (per attribute, on all / seen / held-out prompts), ``counts``,
+    ``held_out_combinations``, ``classifier_accuracy`` (clean / degraded ground truth) and
+    ``rows`` (the grading per prompt).
+    """
+    from pipelines.demo import grading
+    from pipelines.demo.assets import check_colours
+
+    held_out = held_out_combinations(config)
+    report = check_colours(images, prompts)
+    graded = grading.grade(images, prompts, held_out).to_dict()
+    failures = []
+    if not report.passed(config.min_pass_fraction):
+        failures.append(
+            f"only {report.pass_fraction:.0%} of the generated images show the prompt's colour "
+            f"(needed {config.min_pass_fraction:.0%})"
+        )
+    bars = {a: getattr(config, f"min_{a}") for a in grading.ATTRIBUTES}
+    for attribute, bar in bars.items():
+        for subset in ("all", "held_out"):
+            accuracy = graded["accuracy"][attribute][subset]
+            if bar is not None and accuracy is not None and accuracy < bar:
+                failures.append(
+                    f"{attribute} accuracy on {subset} prompts {accuracy:.0%} < {bar:.0%}"
+                )
+    return {
+        "pass_fraction": report.pass_fraction,
+        "min_pass_fraction": config.min_pass_fraction,
+        "passed": not failures,
+        "failures": failures,
+        "bars": bars,
+        "accuracy": graded["accuracy"],
+        "counts": graded["counts"],
+        "held_out_combinations": [list(c) for c in held_out],
+        "classifier_accuracy": grading.classifier_accuracy(),
+        "checks": report.to_dict()["checks"],
+        "rows": graded["rows"],
+    }
+
+
 def run(config: DemoConfig, *, force: bool = False):
-    """Assets, the chain, the colour check. Returns the generate artifact's manifest."""
+    """Assets, the chain, the check. Returns the generate artifact's manifest."""
     from pipelines import runner
     from pipelines.config import PipelineConfig
-    from pipelines.demo.assets import build_demo_assets, check_colours
+    from pipelines.demo.assets import build_demo_assets
 
-    assets = build_demo_assets(config.root, num_items=config.num_items, seed=config.seed)
+    assets = build_demo_assets(
+        config.root,
+        num_items=config.num_items,
+        seed=config.seed,
+        held_out=held_out_combinations(config),
+    )
     log.info("demo assets: %s", assets)
     pipeline = load_config(PipelineConfig, config.pipeline, [f"root={config.root}"])
     runner.run(pipeline, force=force)
     render = artifacts.open_artifact(storage.join(config.root, "render"), "generate")
     images, prompts = _rendered(render)
-    report = check_colours(images, prompts)
-    result = {
-        "pass_fraction": report.pass_fraction,
-        "min_pass_fraction": config.min_pass_fraction,
-        "passed": report.passed(config.min_pass_fraction),
-        **report.to_dict(),
-    }
+    result = check_renders(images, prompts, config)
     storage.write_text(storage.join(config.root, "demo_check.json"), json.dumps(result, indent=2))
-    _print_report(report, config)
+    print(format_report(result, config))
     if not result["passed"]:
-        raise DemoCheckError(
-            f"only {report.pass_fraction:.0%} of the generated images show the prompt's colour "
-            f"(needed {config.min_pass_fraction:.0%}); see {config.root}/demo_check.json"
-        )
+        raise DemoCheckError("; ".join(result["failures"]) + f"; see {config.root}/demo_check.json")
     return render
 
 
-def _print_report(report, config: DemoConfig) -> None:
-    lines = ["", "prompt                                        colour found   ok"]
-    for check in report.checks:
-        found = check.found or "-"
-        lines.append(f"{check.prompt:<45} {found:<12} {'yes' if check.passed else 'NO'}")
-    passed = sum(c.passed for c in report.checks)
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def format_report(result: dict, config: DemoConfig) -> str:
+    """The printed summary of :func:`check_renders`' result."""
+    header = f"{'prompt':<42} {'held':<5}{'colour':<9}{'shape':<10}{'background':<11}check"
+    lines = ["", header]
+    for row, check in zip(result["rows"], result["checks"], strict=True):
+        found = [
+            (row[a]["found"] or "-") + ("" if row[a]["correct"] else "*")
+            for a in ("colour", "shape", "background")
+        ]
+        lines.append(
+            f"{row['prompt']:<42} {'yes' if row['held_out'] else '':<5}{found[0]:<9}"
+            f"{found[1]:<10}{found[2]:<11}{'yes' if check['passed'] else 'NO'}"
+        )
+    lines.append("(* = not what the prompt asks for)")
+    for attribute, accuracy in result["accuracy"].items():
+        own = result["classifier_accuracy"].get(attribute)
+        grader = (
+            f"; classifier on ground truth {own['clean']:.1%} clean, {own['degraded']:.1%} degraded"
+            if own
+            else ""
+        )
+        lines.append(
+            f"{attribute:<10} accuracy {_percent(accuracy['all'])} (seen "
+            f"{_percent(accuracy['seen'])}, held out {_percent(accuracy['held_out'])}){grader}"
+        )
+    passed = sum(c["passed"] for c in result["checks"])
     lines += [
-        f"colour check: {passed}/{len(report.checks)} prompts ({report.pass_fraction:.0%}); "
+        f"colour check: {passed}/{len(result['checks'])} prompts ({result['pass_fraction']:.0%}); "
         f"needed {config.min_pass_fraction:.0%}",
         f"gallery: {config.root}/render/index.html   contact sheet: "
         f"{config.root}/render/contact_sheet.png",
         f"loss curve: {config.root}/train/loss_curve.png   eval plots: {config.root}/evaluate/",
         "",
     ]
-    print("\n".join(lines))
+    return "\n".join(lines)

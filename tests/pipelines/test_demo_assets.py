@@ -1,6 +1,7 @@
 """pipelines.demo.assets: the shipped demo VAE (loads in ours and diffusers, reconstructs fresh
 shapes), the colour check (passes true images, fails wrong/blank/noise), the demo model YAML,
-and build_demo_assets (loadable pipeline, idempotent)."""
+the held-out combinations, and build_demo_assets (loadable pipeline, idempotent, rebuilt when
+its stamp changes)."""
 
 import json
 
@@ -22,7 +23,7 @@ PARITY_ATOL = 1e-5
 @pytest.fixture(scope="module")
 def fresh_demo_items():
     """Demo-palette shapes the VAE never saw (fit-vae trains on seed 0, evaluates seed 1)."""
-    return demo_assets.make_demo_items(24, demo_assets.DEMO_IMAGE_SIZE, seed=99)
+    return demo_assets.make_demo_items(24, demo_assets.DEMO_IMAGE_SIZE, seed=99, held_out=())
 
 
 @pytest.fixture(scope="module")
@@ -164,16 +165,40 @@ def test_check_colours_input_errors():
 # --- dataset, prompts, assets --------------------------------------------------------------------
 
 
-def test_demo_items_cover_every_prompt_and_are_deterministic():
+def test_demo_items_cover_every_training_combination_and_are_deterministic():
     items = demo_assets.make_demo_items(48, 32, seed=5)
-    assert {(i["colour"], i["shape"], i["background"]) for i in items} == set(
-        demo_assets.demo_combinations()
-    )
+    seen = {(i["colour"], i["shape"], i["background"]) for i in items}
+    assert seen == set(demo_assets.training_combinations())
+    assert seen.isdisjoint(demo_assets.DEMO_HELD_OUT) and len(seen) == 20
     again = demo_assets.make_demo_items(48, 32, seed=5)
     assert [i["image_bytes"] for i in items] == [i["image_bytes"] for i in again]
+    everything = demo_assets.make_demo_items(48, 32, seed=5, held_out=())
+    assert {(i["colour"], i["shape"], i["background"]) for i in everything} == set(
+        demo_assets.demo_combinations()
+    )
     prompts = demo_assets.demo_prompts()
     assert len(prompts) == 24 and len({p["id"] for p in prompts}) == 24
-    assert {p["prompt"] for p in prompts} == {i["text"] for i in items}
+    # The prompts still ask for the held-out combinations.
+    assert {p["prompt"] for p in prompts} == {i["text"] for i in everything}
+    held_out_captions = {synthetic.caption_for(*c) for c in demo_assets.DEMO_HELD_OUT}
+    assert held_out_captions <= {p["prompt"] for p in prompts}
+    assert held_out_captions.isdisjoint(i["text"] for i in items)
+
+
+def test_held_out_combinations_leave_every_word_and_pair_in_training():
+    held_out, training = demo_assets.DEMO_HELD_OUT, demo_assets.training_combinations()
+    assert len(held_out) == 4 and len(set(held_out)) == 4
+    assert set(held_out) <= set(demo_assets.demo_combinations())
+    for position, words in enumerate(
+        (demo_assets.DEMO_COLOURS, demo_assets.DEMO_SHAPES, demo_assets.DEMO_BACKGROUNDS)
+    ):
+        assert {c[position] for c in training} == set(words)
+    # Composition, not novelty: each held-out combination's pairs all occur in training.
+    for combo in held_out:
+        for i, j in ((0, 1), (0, 2), (1, 2)):
+            assert any((c[i], c[j]) == (combo[i], combo[j]) for c in training), (combo, i, j)
+    with pytest.raises(ValueError, match="not demo combinations"):
+        demo_assets.training_combinations([("teal", "circle", "white")])
 
 
 def test_build_demo_assets_is_loadable_and_idempotent(tmp_path):
@@ -198,6 +223,17 @@ def test_build_demo_assets_is_loadable_and_idempotent(tmp_path):
 
     pipeline = load_pipeline(assets.pipeline)
     assert pipeline.configs["vae"].z_dim == pipeline.denoiser.config.in_channels == 4
+
+    # Holding combinations out rebuilds the dataset (its stamp names them), not the model.
+    marker = assets.dataset / demo_assets.ASSETS_STAMP
+    assert json.loads(marker.read_text())["held_out"] == []
+    demo_assets.build_demo_assets(
+        tmp_path, num_items=24, seed=0, held_out=demo_assets.DEMO_HELD_OUT
+    )
+    assert json.loads(marker.read_text())["held_out"] == [
+        list(c) for c in demo_assets.DEMO_HELD_OUT
+    ]
+    assert assets.pipeline.stat().st_mtime_ns == stamps[assets.pipeline]
 
     # Other parameters rebuild only what they change.
     rebuilt = demo_assets.build_demo_assets(tmp_path, num_items=30, seed=0)
