@@ -172,6 +172,13 @@ class Encoders(abc.ABC):
     def encode_text(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
         """Captions -> ``{conditioning name: [B, *shape]}`` float32."""
 
+    def _padded(self, rows, what: str):
+        """``rows`` repeated up to ``batch_size`` (one compiled program), and their count."""
+        count = len(rows)
+        if not 1 <= count <= self.batch_size:
+            raise ValueError(f"{count} {what} do not fit in encoder batch_size={self.batch_size}")
+        return list(rows) + [rows[-1]] * (self.batch_size - count), count
+
     def encode_media_conditioning(self, videos: np.ndarray) -> dict[str, np.ndarray]:
         """``[B, 3, F, H, W]`` in [-1, 1] -> the conditioning a record takes from its own
         media (image-to-video: the first frame), ``{name: [B, *shape]}``. Default: none."""

@@ -158,12 +158,6 @@ class FluxEncoders(Encoders):
         self.text = _load_text_encoders(directory, compute)
         log.info("loaded Flux encoders from %s in %.1fs", directory, time.perf_counter() - started)
 
-    def _padded(self, rows, what: str):
-        count = len(rows)
-        if not 1 <= count <= self.batch_size:
-            raise ValueError(f"{count} {what} do not fit in encoder batch_size={self.batch_size}")
-        return list(rows) + [rows[-1]] * (self.batch_size - count), count
-
     def encode_media(self, videos: np.ndarray) -> np.ndarray:
         videos = np.asarray(videos, np.float32)
         if videos.ndim != 5 or videos.shape[2] != 1:

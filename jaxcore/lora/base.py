@@ -68,6 +68,17 @@ def alpha_scale(alpha, rank: int) -> float:
     return value / rank
 
 
+def linear_factor(key: str, value: np.ndarray, where: str) -> np.ndarray:
+    """A LoRA factor as a 2-D array; a Linear's factor saved as a 1x1 conv ([.., 1, 1]) is
+    squeezed; anything else is a LoraError naming ``key`` and ``where``."""
+    value = np.asarray(value)
+    if value.ndim > 2 and all(n == 1 for n in value.shape[2:]):
+        value = value.reshape(value.shape[:2])
+    if value.ndim != 2:
+        raise LoraError(f"{where}: {key} has shape {list(value.shape)}, not a Linear's [a, b]")
+    return value
+
+
 LORA_FILE_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' load_lora_weights looks for
 
 

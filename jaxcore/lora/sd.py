@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxcore.lora.base import Converted, LoraError, LoraLayer, alpha_scale
+from jaxcore.lora.base import Converted, LoraError, LoraLayer, alpha_scale, linear_factor
 
 if TYPE_CHECKING:
     from jaxcore.models.unet_2d_condition import UNet2DConditionConfig
@@ -140,15 +140,6 @@ def _diffusers_to_sgm(name: str, layers_per_block: int) -> str | None:
     return None
 
 
-def _matrix(key: str, value: np.ndarray, where: str) -> np.ndarray:
-    value = np.asarray(value)
-    if value.ndim > 2 and all(n == 1 for n in value.shape[2:]):
-        value = value.reshape(value.shape[:2])
-    if value.ndim != 2:
-        raise LoraError(f"{where}: {key} has shape {list(value.shape)}, not a Linear's [a, b]")
-    return value
-
-
 def to_diffusers(
     state_dict: Mapping[str, np.ndarray], config: UNet2DConditionConfig, where: str
 ) -> Converted:
@@ -178,7 +169,7 @@ def to_diffusers(
             have = next(iter(parts.values()))[0]
             raise LoraError(f"{where}: {have} has no matching down/up factor")
         (down_key, down), (up_key, up) = parts["down"], parts["up"]
-        down, up = _matrix(down_key, down, where), _matrix(up_key, up, where)
+        down, up = linear_factor(down_key, down, where), linear_factor(up_key, up, where)
         if up.shape[1] != down.shape[0]:
             raise LoraError(
                 f"{where}: rank mismatch: {down_key} is {list(down.shape)} but {up_key} is "

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxcore.lora.base import Converted, LoraError, LoraLayer, alpha_scale
+from jaxcore.lora.base import Converted, LoraError, LoraLayer, alpha_scale, linear_factor
 
 if TYPE_CHECKING:
     from jaxcore.models.wan_transformer import WanTransformerConfig
@@ -141,17 +141,6 @@ class _Locator:
         return None
 
 
-def _matrix(key: str, value: np.ndarray, where: str) -> np.ndarray:
-    """A LoRA factor as a 2-D array; a Linear's factor saved as a 1x1 conv ([.., 1, 1]) is
-    squeezed."""
-    value = np.asarray(value)
-    if value.ndim > 2 and all(n == 1 for n in value.shape[2:]):
-        value = value.reshape(value.shape[:2])
-    if value.ndim != 2:
-        raise LoraError(f"{where}: {key} has shape {list(value.shape)}, not a Linear's [a, b]")
-    return value
-
-
 def _identity_factor(delta: np.ndarray) -> LoraLayer:
     """A full ``[out, in]`` delta as a LoRA of rank ``min(out, in)``: ``I @ delta`` or
     ``delta @ I``, which reproduces the delta bit for bit."""
@@ -179,7 +168,7 @@ def _layer(
         raise LoraError(f"{where}: {parts[have][0]} has no matching lora_{lack} / lora_{lack[0]}")
     if "down" in parts:
         (down_key, down), (up_key, up) = parts["down"], parts["up"]
-        down, up = _matrix(down_key, down, where), _matrix(up_key, up, where)
+        down, up = linear_factor(down_key, down, where), linear_factor(up_key, up, where)
         if up.shape[1] != down.shape[0]:
             raise LoraError(
                 f"{where}: rank mismatch: {down_key} is {list(down.shape)} (rank {down.shape[0]}) "
