@@ -270,6 +270,7 @@ class Pipeline:
         max_sequence_length: int,
         images: Sequence | None = None,
         size: tuple[int, int, int] | None = None,
+        micro_conditioning: Sequence[Mapping[str, tuple[int, int]]] | None = None,
     ) -> tuple[dict, dict | None, np.ndarray]:
         """(cond, uncond or None, cfg scales) for one batch of prompts.
 
@@ -280,7 +281,9 @@ class Pipeline:
         image-to-video models, with ``size`` = (height, width, num_frames) of the render; their
         tensors join both conditionings (diffusers gives the negative branch the same image).
         The family's size conditioning (:meth:`Family.size_conditioning`, SDXL's ``time_ids``)
-        joins both too; the negative branch goes through :meth:`Family.negative_conditioning`
+        joins both too, with ``micro_conditioning`` per prompt (SDXL's ``original_size``,
+        ``crops_coords_top_left``, ``target_size`` and their ``negative_*`` twins; None = the
+        defaults); the negative branch goes through :meth:`Family.negative_conditioning`
         (SDXL zeroes empty negative prompts).
         """
         prompts = list(prompts)
@@ -304,13 +307,13 @@ class Pipeline:
             raise ValueError("images must have one (image, last_image) pair per prompt")
         encoded_images = self.family.encode_images(self, images, *(size or (0, 0, 0)))
         height, width = size[:2] if size is not None else (None, None)
-        shared = {
-            **encoded_images,
-            **self.family.size_conditioning(self, height, width, len(prompts)),
-        }
-        cond.update(shared)
+        micro = list(micro_conditioning) if micro_conditioning is not None else [{}] * len(prompts)
+        if len(micro) != len(prompts):
+            raise ValueError("micro_conditioning must have one mapping per prompt")
+        sized, sized_negative = self.family.size_conditioning(self.configs, height, width, micro)
+        cond.update(encoded_images, **sized)
         if uncond is not None:
-            uncond.update(shared)
+            uncond.update(encoded_images, **sized_negative)
         scales = np.asarray([g.cfg_scale for g in guidances], np.float32)
         if self.second_expert is not None:
             second = [g.cfg_scale if g.cfg_scale_2 is None else g.cfg_scale_2 for g in guidances]

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from jaxcore.families.base import (
+    MICRO_CONDITIONING,
     Encoders,
     Family,
     FamilyError,
@@ -72,6 +73,7 @@ def for_denoiser(directory: str | os.PathLike) -> Family:
 
 __all__ = [
     "FAMILIES",
+    "MICRO_CONDITIONING",
     "Encoders",
     "Family",
     "FamilyError",

@@ -56,6 +56,17 @@ import numpy as np
 from jaxcore import weights
 from jaxcore.compute import ComputeConfig
 
+# SDXL's micro-conditioning, as the diffusers pipeline's __call__ arguments name it: each a
+# (height, width) or (top, left) pair of ints
+MICRO_CONDITIONING = (
+    "original_size",
+    "crops_coords_top_left",
+    "target_size",
+    "negative_original_size",
+    "negative_crops_coords_top_left",
+    "negative_target_size",
+)
+
 
 class FamilyError(weights.WeightsError):
     """A model directory, config or record set that does not fit a family; names the thing."""
@@ -480,13 +491,24 @@ class Family(abc.ABC):
 
     # --- size and negative conditioning (defaults: none, as encoded) ----------------------------
     def size_conditioning(
-        self, pipe, height: int | None, width: int | None, batch: int
-    ) -> dict[str, np.ndarray]:
-        """Conditioning tensors ``{name: [batch, ...]}`` that depend on the render size (SDXL's
-        ``time_ids``) and join both the conditional and the negative branch; ``height`` and
-        ``width`` are None when the caller did not give the size. Default: none."""
-        del pipe, height, width, batch
-        return {}
+        self,
+        configs: Mapping[str, Any],
+        height: int | None,
+        width: int | None,
+        micro: Sequence[Mapping[str, tuple[int, int]]],
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(conditional, negative) tensors ``{name: [batch, ...]}`` that depend on the render
+        size (SDXL's ``time_ids``); ``height`` and ``width`` are None when the caller did not
+        give the size. ``micro``: per row, the SDXL micro-conditioning values the prompt set
+        (:data:`MICRO_CONDITIONING`; empty = the defaults). Default: none, and values refused."""
+        del configs, height, width
+        given = sorted({name for row in micro for name in row})
+        if given:
+            raise FamilyError(
+                f"{given}: SDXL's size / crop micro-conditioning; the {self.name} family's "
+                "pipelines have none"
+            )
+        return {}, {}
 
     def negative_conditioning(
         self, pipe, negative_prompts: Sequence[str], uncond: dict[str, np.ndarray]

@@ -32,8 +32,7 @@ pipeline has ``text_encoder_2`` / ``tokenizer_2`` and a UNet with
 Not reproduced: diffusers' safety checker (SD 1.x pipelines that ship one black out flagged
 images; SD 2.x / SDXL ship none) and SDXL's invisible watermark (applied by diffusers only when
 the ``invisible-watermark`` package is installed); ``clip_skip``, ``prompt_2`` / separate second
-prompts, non-default ``original_size`` / ``crops_coords_top_left`` / ``target_size``, IP
-adapters, ``timestep_cond`` UNets (LCM), and convert/train (records): this family renders.
+prompts, IP adapters, ``timestep_cond`` UNets (LCM), and convert/train (records): this family renders.
 """
 
 from __future__ import annotations
@@ -52,6 +51,7 @@ import numpy as np
 from jaxcore import sharding, weights
 from jaxcore.compute import ComputeConfig
 from jaxcore.families.base import (
+    MICRO_CONDITIONING,
     Encoders,
     Family,
     FamilyError,
@@ -218,6 +218,45 @@ def size_ids(height: int, width: int, batch: int) -> np.ndarray:
     another size nor cropped: ``(H, W, 0, 0, H, W)`` per row, float32 ``[B, 6]``."""
     row = np.asarray([height, width, 0, 0, height, width], np.float32)
     return np.tile(row, (batch, 1))
+
+
+def micro_time_ids(
+    height: int, width: int, values: Mapping[str, Sequence[int]]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(conditional, negative) ``add_time_ids`` rows of one prompt, as
+    ``StableDiffusionXLPipeline.__call__`` builds them from its micro-conditioning arguments.
+
+    diffusers ignores ``negative_crops_coords_top_left`` (and a lone negative size) unless both
+    ``negative_original_size`` and ``negative_target_size`` are given; here that is an error
+    rather than a silently dropped value."""
+    unknown = sorted(set(values) - set(MICRO_CONDITIONING))
+    if unknown:
+        raise FamilyError(
+            f"unknown micro-conditioning {unknown}; known: {list(MICRO_CONDITIONING)}"
+        )
+    for name, pair in values.items():
+        if len(pair) != 2 or any(int(v) != v or v < 0 for v in pair):
+            raise FamilyError(f"{name}={list(pair)}: expected two integers >= 0")
+    own = (height, width)
+    cond = (
+        *values.get("original_size", own),
+        *values.get("crops_coords_top_left", (0, 0)),
+        *values.get("target_size", own),
+    )
+    negatives = sorted(name for name in values if name.startswith("negative_"))
+    if not negatives:
+        return cond, cond
+    if "negative_original_size" not in values or "negative_target_size" not in values:
+        raise FamilyError(
+            f"{negatives}: the negative branch's micro-conditioning needs both "
+            "negative_original_size and negative_target_size (diffusers ignores the others alone)"
+        )
+    uncond = (
+        *values["negative_original_size"],
+        *values.get("negative_crops_coords_top_left", (0, 0)),
+        *values["negative_target_size"],
+    )
+    return cond, uncond
 
 
 def tokenizer_length(directory: Path) -> int:
@@ -631,17 +670,23 @@ class SDFamily(Family):
             for name, v in uncond.items()
         }
 
-    def size_conditioning(self, pipe, height, width, batch):
-        """SDXL's ``time_ids`` ``(H, W, 0, 0, H, W)`` per row (diffusers' defaults of
-        ``original_size``, ``crops_coords_top_left``, ``target_size``; negatives the same)."""
-        if not pipe.components["variant"].xl:
-            return {}
+    def size_conditioning(self, configs, height, width, micro):
+        """SDXL's ``time_ids`` per row, ``original_size + crops_coords_top_left + target_size``
+        with diffusers' defaults ``(H, W)``, ``(0, 0)``, ``(H, W)``; the negative branch's from
+        the ``negative_*`` values when both ``negative_original_size`` and
+        ``negative_target_size`` are set, else the conditional branch's (as the pipeline
+        does)."""
+        if not is_xl(configs):
+            return super().size_conditioning(configs, height, width, micro)
         if height is None or width is None:
             raise FamilyError(
                 "SDXL conditions on the render size (time_ids): pass size=(height, width, "
                 "num_frames) to Pipeline.conditioning"
             )
-        return {TIME_IDS: size_ids(height, width, batch)}
+        rows = [micro_time_ids(height, width, values) for values in micro]
+        cond = np.asarray([c for c, _ in rows], np.float32).reshape(len(rows), NUM_TIME_IDS)
+        uncond = np.asarray([u for _, u in rows], np.float32).reshape(len(rows), NUM_TIME_IDS)
+        return {TIME_IDS: cond}, {TIME_IDS: uncond}
 
     def decode(self, pipe, latents):
         vae, params = pipe.components["vae"]

@@ -56,8 +56,9 @@ class ModelSource:
         return self.family.image_inputs(self.configs)
 
     def check_guidance(self, specs) -> None:
-        """Every prompt's guidance settings fit the model (e.g. no ``guidance_scale_2`` for a
-        one-expert model), checked before any weights load."""
+        """Every prompt's guidance and conditioning settings fit the model (e.g. no
+        ``guidance_scale_2`` for a one-expert model, SDXL's micro-conditioning only for SDXL),
+        checked before any weights load."""
         for spec in specs:
             try:
                 guidance = self.family.guidance(
@@ -68,6 +69,9 @@ class ModelSource:
                 )
                 if spec.guidance_rescale:
                     self.family.with_guidance_rescale(self.configs, guidance, spec.guidance_rescale)
+                self.family.size_conditioning(
+                    self.configs, spec.height, spec.width, [dict(spec.micro_conditioning)]
+                )
             except families.FamilyError as err:
                 raise StageInputError(f"line {spec.line} (id {spec.id!r}): {err}") from None
 

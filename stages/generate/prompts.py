@@ -31,7 +31,7 @@ import re
 from collections.abc import Iterable
 
 from jaxcore import storage
-from jaxcore.families import Geometry, ImageInputs
+from jaxcore.families import MICRO_CONDITIONING, Geometry, ImageInputs
 from stages.common.errors import StageInputError
 from stages.generate.config import SamplingSection
 
@@ -45,7 +45,8 @@ FIELDS_FLOAT = (
 )
 FIELDS_STR = ("id", "prompt", "negative_prompt", "latents", "image", "last_image")
 FIELDS_LIST = ("loras",)
-KNOWN_FIELDS = frozenset((*FIELDS_INT, *FIELDS_FLOAT, *FIELDS_STR, *FIELDS_LIST))
+FIELDS_PAIR = MICRO_CONDITIONING  # SDXL's size / crop conditioning: [a, b] integer pairs
+KNOWN_FIELDS = frozenset((*FIELDS_INT, *FIELDS_FLOAT, *FIELDS_STR, *FIELDS_LIST, *FIELDS_PAIR))
 
 # Per-prompt values that fall back to the config's sampling section (then the model's).
 PER_PROMPT_DEFAULTS = (
@@ -91,6 +92,8 @@ class PromptSpec:
     guidance_rescale: float = 0.0  # SD / SDXL's rescale of the CFG result (0 = off)
     image: str | None = None  # URI of the conditioning image (image-to-video)
     last_image: str | None = None  # URI of the last frame's image (first-last-frame models)
+    # SDXL micro-conditioning the line sets, (name, (a, b)) sorted by name; unset = defaults
+    micro_conditioning: tuple[tuple[str, tuple[int, int]], ...] = ()
 
     @property
     def group_key(self) -> tuple:
@@ -110,7 +113,8 @@ class PromptSpec:
 
     def params(self) -> dict:
         """The render parameters, as recorded in the per-prompt record and the manifest
-        (``guidance_rescale`` only when set, so earlier runs' fingerprints still match)."""
+        (``guidance_rescale`` and SDXL's micro-conditioning only when set, so earlier runs'
+        fingerprints still match)."""
         out = {
             "prompt": self.prompt,
             "negative_prompt": self.negative_prompt,
@@ -130,6 +134,8 @@ class PromptSpec:
         }
         if self.guidance_rescale:
             out["guidance_rescale"] = self.guidance_rescale
+        for name, pair in self.micro_conditioning:
+            out[name] = list(pair)
         return out
 
 
@@ -195,6 +201,13 @@ def _check_type(value, field: str, where: str):
     """Validate one field's JSON type; ints are accepted for float fields."""
     if field in FIELDS_LIST:
         return _check_loras(value, where)
+    if field in FIELDS_PAIR:
+        pair_ok = isinstance(value, list) and len(value) == 2
+        if not pair_ok or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise StageInputError(f"{where}: {field} must be two integers [a, b], got {value!r}")
+        if min(value) < 0:
+            raise StageInputError(f"{where}: {field} must not be negative, got {value!r}")
+        return tuple(value)
     if field in FIELDS_INT:
         if isinstance(value, bool) or not isinstance(value, int):
             raise StageInputError(f"{where}: {field} must be an integer, got {value!r}")
@@ -376,6 +389,7 @@ def resolve_prompts(
                 raise StageInputError(f"{where}: latents must name a .npy file, got {latents!r}")
             latents = _resolve_path(latents, uri)
         own = _resolve_loras(given["loras"], uri) if "loras" in given else tuple(loras)
+        micro = tuple(sorted((key, given[key]) for key in FIELDS_PAIR if key in given))
         specs.append(
             PromptSpec(
                 index=index,
@@ -384,6 +398,7 @@ def resolve_prompts(
                 name=name,
                 latents=latents,
                 loras=own,
+                micro_conditioning=micro,
                 **fields,
             )
         )

@@ -216,6 +216,7 @@ def _dispatch(
         max_sequence_length,
         images=[_images(s) for s in rows],
         size=(first.height, first.width, first.num_frames),
+        micro_conditioning=[dict(s.micro_conditioning) for s in rows],
     )
     plan = step_cache.NO_CACHE if cache is None else cache.plan
     per_row = {  # each row's own seed: samplers that draw noise per step draw it from it

@@ -93,24 +93,31 @@ def _render(
     seeds=None,
     torch_noise=None,
     reference=True,
+    micro=None,
+    count=len(PROMPTS),
 ):
     """(ours [B, H, W, 3], diffusers' [B, H, W, 3] or None without ``reference``) from the same
     per-prompt latents.
 
-    ``torch_noise``: ``[N, B, ...]`` noise diffusers' stochastic scheduler draws per step."""
+    ``torch_noise``: ``[N, B, ...]`` noise diffusers' stochastic scheduler draws per step;
+    ``micro``: SDXL micro-conditioning arguments, the same for every prompt; ``count``: render
+    the first ``count`` prompts only."""
     import diffusers
     import torch
 
     ours_pipe, torch_pipe = pipes
     shape = ours_pipe.latent_shape(height, width, 1)
-    latents = np.stack([initial_latents(seed, shape) for seed in SEEDS])
+    prompts = PROMPTS[:count]
+    negative = negative[:count] if negative else None
+    latents = np.stack([initial_latents(seed, shape) for seed in SEEDS[:count]])
     guidance_ = ours_pipe.guidance(guidance, guidance_rescale=rescale)
     cond, uncond, scales = ours_pipe.conditioning(
-        PROMPTS,
-        negative or [""] * len(PROMPTS),
-        [guidance_] * len(PROMPTS),
+        prompts,
+        negative or [""] * count,
+        [guidance_] * count,
         77,
         size=(height, width, 1),
+        micro_conditioning=[micro or {}] * count,
     )
     z = ours_pipe.sample(
         latents,
@@ -136,7 +143,7 @@ def _render(
         patch.setattr(module, "randn_tensor", lambda *args, **kwargs: next(draws))
     try:
         reference = torch_pipe(
-            prompt=PROMPTS,
+            prompt=prompts,
             negative_prompt=negative,
             guidance_scale=guidance,
             guidance_rescale=rescale,
@@ -145,6 +152,7 @@ def _render(
             num_inference_steps=steps,
             latents=torch.from_numpy(latents),
             output_type="np",
+            **{name: tuple(pair) for name, pair in (micro or {}).items()},
         ).images
     finally:
         torch_pipe.scheduler = original
@@ -242,6 +250,65 @@ def test_sdxl_empty_negative_is_zeros_as_diffusers(xl):
     _close(ours, reference)
 
 
+MICRO = {
+    "original_size": (64, 96),
+    "crops_coords_top_left": (8, 4),
+    "target_size": (24, 40),
+    "negative_original_size": (12, 12),
+    "negative_crops_coords_top_left": (2, 0),
+    "negative_target_size": (32, 16),
+}
+
+
+@pytest.mark.parametrize(
+    ("names", "count"),
+    [(("original_size", "crops_coords_top_left", "target_size"), 2), (tuple(MICRO), 1)],
+    ids=["conditional", "with-negative"],
+)
+def test_sdxl_micro_conditioning_matches_diffusers(xl, names, count):
+    """Non-default original size, crop and target size (and the negative branch's own) enter
+    ``time_ids`` as diffusers' ``__call__`` arguments do; the render changes with them.
+
+    The negative case renders one prompt: diffusers 0.42 builds ``time_ids`` for B prompts as
+    ``cat([negative, positive]).repeat(B, 1)``, which for B > 1 gives the first B CFG rows
+    (the negative branch) alternating negative/positive ids and the positive branch the same;
+    ours gives every negative row the negative ids (what one prompt per call gets there)."""
+    micro = {name: MICRO[name] for name in names}
+    ours, reference = _render(xl, steps=2, guidance=5.0, micro=micro, count=count)
+    _close(ours, reference)
+    plain, _ = _render(xl, steps=2, guidance=5.0, reference=False, count=count)
+    assert np.abs(ours - plain).max() > 1e-3
+
+
+def test_sdxl_micro_conditioning_rows_and_refusals(xl, sd):
+    ours_pipe, _ = xl
+    guidance = ours_pipe.guidance(5.0)
+    cond, uncond, _ = ours_pipe.conditioning(
+        PROMPTS,
+        NEGATIVE,
+        [guidance] * 2,
+        77,
+        size=(16, 24, 1),
+        micro_conditioning=[MICRO, {"crops_coords_top_left": (1, 2)}],
+    )
+    np.testing.assert_array_equal(
+        cond["time_ids"], [[64, 96, 8, 4, 24, 40], [16, 24, 1, 2, 16, 24]]
+    )
+    np.testing.assert_array_equal(
+        uncond["time_ids"], [[12, 12, 2, 0, 32, 16], [16, 24, 1, 2, 16, 24]]
+    )
+    lone = {"negative_crops_coords_top_left": (2, 0)}
+    with pytest.raises(families.FamilyError, match="needs both negative_original_size"):
+        ours_pipe.conditioning(
+            ["x"], ["y"], [guidance], 77, size=(16, 16, 1), micro_conditioning=[lone]
+        )
+    sd_pipe, _ = sd
+    with pytest.raises(families.FamilyError, match="micro-conditioning; the sd family"):
+        sd_pipe.conditioning(
+            ["x"], ["y"], [sd_pipe.guidance(7.5)], 77, micro_conditioning=[{"target_size": (8, 8)}]
+        )
+
+
 def test_euler_ancestral_with_our_noise_matches_diffusers(xl):
     """diffusers draws the per-step noise from a torch generator; here it is handed ours (what
     ``seeds`` give), so the ancestral step itself is compared."""
@@ -308,11 +375,14 @@ def test_refusals_are_named(sd):
         ours.geometry.check(12, 16, 1)
 
 
-def test_flux_and_wan_refuse_guidance_rescale():
+def test_flux_and_wan_refuse_guidance_rescale_and_micro_conditioning():
     for name in ("flux", "wan"):
         family = families.get(name)
         with pytest.raises(families.FamilyError, match="guidance_rescale"):
             family.with_guidance_rescale({}, families.Guidance(), 0.7)
+        with pytest.raises(families.FamilyError, match=r"\['target_size'\]: SDXL"):
+            family.size_conditioning({}, 16, 16, [{}, {"target_size": (8, 8)}])
+        assert family.size_conditioning({}, 16, 16, [{}, {}]) == ({}, {})
 
 
 REAL = {

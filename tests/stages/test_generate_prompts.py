@@ -56,6 +56,8 @@ def test_jsonl_fields_override_defaults():
         ('{"prompt": "x", "seed": "7"}', "seed must be an integer"),
         ('["x"]', "expected a JSON object"),
         ('{"negative_prompt": "x"}', "missing field 'prompt'"),
+        ('{"prompt": "x", "original_size": [64]}', "original_size must be two integers"),
+        ('{"prompt": "x", "target_size": [8, -1]}', "target_size must not be negative"),
     ],
 )
 def test_bad_line_is_named_before_rendering(bad_line, message):

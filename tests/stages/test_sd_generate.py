@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxcore import storage
+from jaxcore import families, storage
 from jaxcore.artifacts import open_artifact
 from jaxcore.pipeline import load_pipeline
 from jaxcore.sampling import initial_latents
@@ -30,6 +30,10 @@ LINES = [
         "seed": 6,
         "guidance_scale": 4.0,
         "guidance_rescale": 0.5,
+        "original_size": [32, 48],
+        "crops_coords_top_left": [4, 0],
+        "negative_original_size": [8, 8],
+        "negative_target_size": [16, 16],
     },
 ]
 
@@ -69,6 +73,8 @@ def test_sdxl_prompt_file_renders_as_the_library_does(sdxl_dir, tmp_path, schedu
     records = {p.stem: json.loads(p.read_text()) for p in (out / "records").glob("*.json")}
     assert records["guided"]["params"]["guidance_rescale"] == 0.5
     assert "guidance_rescale" not in records["plain"]["params"]
+    assert records["guided"]["params"]["crops_coords_top_left"] == [4, 0]
+    assert "original_size" not in records["plain"]["params"]
 
     pipe = load_pipeline(sdxl_dir)
     for line in LINES:
@@ -80,6 +86,9 @@ def test_sdxl_prompt_file_renders_as_the_library_does(sdxl_dir, tmp_path, schedu
             [guidance],
             512,
             size=(16, 24, 1),
+            micro_conditioning=[
+                {name: tuple(line[name]) for name in families.MICRO_CONDITIONING if name in line}
+            ],
         )
         z = pipe.sample(
             latents,
@@ -112,3 +121,7 @@ def test_sd_refuses_what_its_pipelines_lack(sdxl_dir, tmp_path, capsys):
     assert "true_cfg_scale" in capsys.readouterr().err
     assert cli.main([*args, "scheduler=lms"]) == 2
     assert "scheduler must be one of" in capsys.readouterr().err
+    prompts.write_text(json.dumps({"prompt": "x", "negative_target_size": [8, 8]}) + "\n")
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "line 1" in err and "needs both negative_original_size" in err
