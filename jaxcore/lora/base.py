@@ -34,27 +34,41 @@ class LoraError(weights.WeightsError):
 
 @dataclasses.dataclass(frozen=True)
 class LoraLayer:
-    """One Linear layer's low-rank update: ``delta = scale * up @ down`` in torch layout."""
+    """One layer's low-rank update: ``delta = scale * up @ down`` in torch layout.
 
-    down: np.ndarray  # [rank, in_features]
+    A Linear's ``down`` is ``[rank, in_features]``; a convolution's (LoCon / PEFT ``Conv2d``
+    LoRA: ``lora_A`` a ``k x k`` conv to ``rank`` channels, ``lora_B`` a 1x1 conv) is
+    ``[rank, in_channels, kh, kw]``, and its delta ``[out, in, kh, kw]`` is
+    ``sum_r up[o, r] * down[r, i, y, x]``, as PEFT merges it."""
+
+    down: np.ndarray  # [rank, in_features] or [rank, in_channels, kh, kw]
     up: np.ndarray  # [out_features, rank]
     scale: float = 1.0
 
     def __post_init__(self):
-        if self.down.ndim != 2 or self.up.ndim != 2 or self.up.shape[1] != self.down.shape[0]:
+        if self.down.ndim not in (2, 4) or self.up.ndim != 2:
             raise ValueError(
-                f"LoRA up {self.up.shape} and down {self.down.shape} are not [out, r] and [r, in]"
+                f"LoRA up {self.up.shape} and down {self.down.shape} are not [out, r] and "
+                "[r, in] (or [r, in, kh, kw])"
             )
+        if self.up.shape[1] != self.down.shape[0]:
+            raise ValueError(f"LoRA up {self.up.shape} and down {self.down.shape}: ranks differ")
 
     @property
     def rank(self) -> int:
         return int(self.down.shape[0])
 
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        """The shape of the torch weight the delta adds to: ``[out, in]`` or
+        ``[out, in, kh, kw]``."""
+        return (int(self.up.shape[0]), *(int(n) for n in self.down.shape[1:]))
+
     def delta(self) -> np.ndarray:
-        """``scale * up @ down`` as float32 ``[out_features, in_features]``."""
+        """``scale * up @ down`` as float32 of :attr:`torch_shape`."""
         up = np.asarray(self.up, np.float32)
-        down = np.asarray(self.down, np.float32)
-        return (np.float32(self.scale) * up) @ down
+        down = np.asarray(self.down, np.float32).reshape(self.rank, -1)
+        return ((np.float32(self.scale) * up) @ down).reshape(self.torch_shape)
 
 
 LoraWeights = dict[str, LoraLayer]
@@ -66,6 +80,18 @@ def alpha_scale(alpha, rank: int) -> float:
         return 1.0
     value = float(np.asarray(alpha, np.float64).reshape(-1)[0])
     return value / rank
+
+
+def conv_down_factor(key: str, value: np.ndarray, where: str) -> np.ndarray:
+    """A convolution's down factor as ``[rank, in, kh, kw]`` (a 2-D one is a 1x1 conv's)."""
+    value = np.asarray(value)
+    if value.ndim == 2:
+        value = value.reshape(*value.shape, 1, 1)
+    if value.ndim != 4:
+        raise LoraError(
+            f"{where}: {key} has shape {list(value.shape)}, not a conv's [r, in, kh, kw]"
+        )
+    return value
 
 
 def linear_factor(key: str, value: np.ndarray, where: str) -> np.ndarray:

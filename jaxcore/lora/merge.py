@@ -119,7 +119,7 @@ class LoraMerger:
                     continue
                 path, transform = self._index[key]
                 expected = _torch_shape(transform, _get(self.base, path).shape)
-                got = (layer.up.shape[0], layer.down.shape[1])
+                got = layer.torch_shape
                 if got != expected:
                     raise LoraError(
                         f"LoRA {lora.name}: {module} is {list(got)} (rank {layer.rank}), but "

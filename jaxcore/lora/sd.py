@@ -13,11 +13,14 @@ Key layouts, each key placed on its own (a file may mix them):
   from the UNet's ``layers_per_block`` (diffusers' ``_maybe_map_sgm_blocks_to_diffusers``).
 
 Scale per layer: ``alpha / rank`` when the file gives an alpha, else 1 (diffusers' loading).
-Only Linear layers take a LoRA here (attention projections, feed-forward, linear
-``proj_in``/``proj_out``, time embeddings); what has no Linear form — text-encoder LoRAs
-(``lora_te*``, ``text_encoder.``), LoCon convolution LoRAs (resnets, 1x1-conv ``proj_in`` of
-SD 1.x), norms, DoRA magnitudes — is returned in ``unmatched``, never silently dropped
-(``lora_strict=false`` skips them with a warning). Reference: diffusers 0.42
+Linear layers (attention projections, feed-forward, linear ``proj_in``/``proj_out``, time
+embeddings) and convolutions (resnets' ``conv1``/``conv2``/``conv_shortcut``, down/upsamplers,
+``conv_in``/``conv_out``, 1x1-conv ``proj_in`` of SD 1.x: LoCon / PEFT ``Conv2d`` LoRAs, as the
+LCM-LoRA, SDXL-Lightning and Hyper-SD distillation LoRAs carry them) take a LoRA, in diffusers
+names and in kohya's diffusers-style spelling; SDXL SGM-named (``input_blocks.1.0.in_layers.2``)
+resnet convolutions are not mapped. What has no place — text-encoder LoRAs (``lora_te*``,
+``text_encoder.``), SGM resnet convs, norms, DoRA magnitudes — is returned in ``unmatched``,
+never silently dropped (``lora_strict=false`` skips them with a warning). Reference: diffusers 0.42
 ``StableDiffusionLoraLoaderMixin`` / ``lora_conversion_utils._convert_non_diffusers_lora_to_diffusers``.
 """
 
@@ -29,7 +32,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxcore.lora.base import Converted, LoraError, LoraLayer, alpha_scale, linear_factor
+from jaxcore.lora.base import (
+    Converted,
+    LoraError,
+    LoraLayer,
+    alpha_scale,
+    conv_down_factor,
+    linear_factor,
+)
 
 if TYPE_CHECKING:
     from jaxcore.models.unet_2d_condition import UNet2DConditionConfig
@@ -49,21 +59,23 @@ _PARTS = {
 _PROCESSOR = re.compile(r"\.processor\.(to_q|to_k|to_v|to_out)_lora\.(down|up)\.weight$")
 
 
-def linear_modules(config: UNet2DConditionConfig) -> set[str]:
-    """diffusers names of the UNet's Linear layers: the weights whose torch shape is 2-D."""
+def lora_modules(config: UNet2DConditionConfig) -> dict[str, int]:
+    """{diffusers name: 2 (Linear) or 4 (Conv2d)} of the UNet's layers a LoRA may update: the
+    weights whose torch shape is 2-D or 4-D."""
     from flax.core import meta
 
     from jaxcore.lora.merge import _torch_shape
     from jaxcore.models import unet_2d_condition as unet
 
     params = meta.unbox(unet.abstract_params(unet.UNet2DConditionModel(config)))
-    names = set()
+    names = {}
     for path, (key, transform) in unet.weight_map(config).items():
         leaf = params
         for part in path:
             leaf = leaf[part]
-        if key.endswith(".weight") and len(_torch_shape(transform, leaf.shape)) == 2:
-            names.add(key.removesuffix(".weight"))
+        rank = len(_torch_shape(transform, leaf.shape))
+        if key.endswith(".weight") and rank in (2, 4):
+            names[key.removesuffix(".weight")] = rank
     return names
 
 
@@ -91,7 +103,7 @@ class _Locator:
     """File key -> (format, diffusers module, part), or None."""
 
     def __init__(self, config: UNet2DConditionConfig):
-        self.modules = linear_modules(config)
+        self.modules = lora_modules(config)
         self.layers_per_block = config.layers_per_block
         if not isinstance(self.layers_per_block, int):
             self.layers_per_block = int(self.layers_per_block[0])
@@ -169,7 +181,9 @@ def to_diffusers(
             have = next(iter(parts.values()))[0]
             raise LoraError(f"{where}: {have} has no matching down/up factor")
         (down_key, down), (up_key, up) = parts["down"], parts["up"]
-        down, up = linear_factor(down_key, down, where), linear_factor(up_key, up, where)
+        conv = locate.modules[module] == 4
+        down = (conv_down_factor if conv else linear_factor)(down_key, down, where)
+        up = linear_factor(up_key, up, where)
         if up.shape[1] != down.shape[0]:
             raise LoraError(
                 f"{where}: rank mismatch: {down_key} is {list(down.shape)} but {up_key} is "

@@ -11,7 +11,7 @@ unique (``guidance_scale=1``). Per-prompt values in a ``.jsonl`` prompt file ove
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 from jaxcore.compute import ComputeConfig
 from jaxcore.sharding import MeshConfig
@@ -40,6 +40,10 @@ class SamplingSection:
     # None: the pipeline's scheduler; else a name of jaxcore.schedulers.ALL_SCHEDULERS (the
     # family says which it samples with: flow samplers for Wan/Flux, classic ones for SD)
     scheduler: str | None = None
+    # settings over the pipeline's scheduler_config.json, as diffusers'
+    # SchedulerClass.from_config(config, **scheduler_config) takes them (SDXL-Lightning:
+    # timestep_spacing=trailing); each scheduler checks its keys and values
+    scheduler_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     # SD / SDXL: diffusers' guidance_rescale (0 = off); other families refuse a nonzero value
     guidance_rescale: float = 0.0
     negative_prompt: str = ""
@@ -65,6 +69,14 @@ class SamplingSection:
             )
         if not 0.0 <= self.guidance_rescale <= 1.0:
             raise ValueError(f"guidance_rescale must be in [0, 1], got {self.guidance_rescale}")
+        for key, value in self.scheduler_config.items():
+            if not isinstance(key, str) or key.startswith("_"):
+                raise ValueError(
+                    f"scheduler_config.{key}: metadata keys (_class_name, ...) cannot be set; "
+                    "choose the scheduler with scheduler="
+                )
+            if not isinstance(value, str | int | float | bool | list | None):
+                raise ValueError(f"scheduler_config.{key}={value!r}: expected a JSON value")
 
 
 @dataclasses.dataclass(frozen=True)

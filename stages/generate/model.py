@@ -122,6 +122,11 @@ def _pipeline(path: str) -> tuple[families.Family, Path]:
         raise StageInputError(str(err)) from None
 
 
+def _scheduler_config(config: GenerateConfig, directory: Path) -> dict:
+    """The pipeline's scheduler_config.json with ``sampling.scheduler_config`` over it."""
+    return {**read_scheduler_config(directory), **config.sampling.scheduler_config}
+
+
 def describe(config: GenerateConfig) -> ModelSource:
     """Family, configs and provenance of the configured model (no weights read)."""
     source = config.pretrained_model_name_or_path
@@ -130,7 +135,7 @@ def describe(config: GenerateConfig) -> ModelSource:
         configs = family.component_configs(directory)
         provenance = {"source": "pipeline", "path": source, "family": family.name}
         return ModelSource(
-            family, directory, configs, read_scheduler_config(directory), None, provenance
+            family, directory, configs, _scheduler_config(config, directory), None, provenance
         )
     resolved = checkpoints.resolve_checkpoint_source(source, config.model.checkpoint)
     family = resolved.family
@@ -163,7 +168,7 @@ def describe(config: GenerateConfig) -> ModelSource:
         "expert": expert,
     }
     return ModelSource(
-        family, directory, configs, read_scheduler_config(directory), resolved, provenance
+        family, directory, configs, _scheduler_config(config, directory), resolved, provenance
     )
 
 
@@ -173,7 +178,14 @@ def trained_expert(train_manifest) -> str | None:
 
 
 def load(source: ModelSource, compute: ComputeConfig, mesh) -> Pipeline:
-    """The pipeline, with the checkpoint's denoiser when the source is a train artifact."""
+    """The pipeline, with the checkpoint's denoiser when the source is a train artifact, and
+    the source's scheduler config (``sampling.scheduler_config`` applied)."""
+    pipe = _load(source, compute, mesh)
+    pipe.scheduler_config = dict(source.scheduler_config)
+    return pipe
+
+
+def _load(source: ModelSource, compute: ComputeConfig, mesh) -> Pipeline:
     denoiser = None
     if source.checkpoint is not None:
         _, module, params = checkpoints.restore_denoiser(source.checkpoint, compute, mesh)

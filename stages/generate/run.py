@@ -36,6 +36,8 @@ def _run_fingerprint(config: GenerateConfig, scheduler: str) -> str:
         "fps": config.output.fps,
         "save_arrays": config.output.save_arrays,
     }
+    if config.sampling.scheduler_config:  # only when set: earlier runs' fingerprints hold
+        payload["scheduler_config"] = config.sampling.scheduler_config
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -15,48 +15,9 @@ from jaxcore.lora import sd as sd_lora
 from jaxcore.lora.base import LoraError
 from jaxcore.pipeline import load_pipeline
 from jaxcore.sampling import initial_latents
-from tests.support.tiny_sd import build_sd_pipeline, build_sdxl_pipeline
+from tests.support.tiny_sd import build_sd_pipeline, build_sdxl_pipeline, random_unet_lora
 
 TOLERANCE = 1e-4
-
-
-def _lora_tensors(
-    pipe, layout: str, seed: int, alpha_per_rank: float = 1.0
-) -> dict[str, np.ndarray]:
-    """A random LoRA on every Linear of the UNet in one key layout; kohya layouts carry
-    ``alpha = alpha_per_rank * rank`` (the scale)."""
-    rng = np.random.default_rng(seed)
-    config = pipe.denoiser.config
-    layers_per_block = config.layers_per_block
-    out = {}
-    params_map = pipe.family.lora_weight_map(config)
-    shapes = {}
-    from flax.core import meta
-
-    from jaxcore.lora.merge import _get, _torch_shape
-
-    params = meta.unbox(pipe.denoiser_params)
-    for path, (key, transform) in params_map.items():
-        shapes[key] = _torch_shape(transform, _get(params, path).shape)
-    for i, module in enumerate(sorted(sd_lora.linear_modules(config))):
-        out_features, in_features = shapes[f"{module}.weight"]
-        # kohya files: one rank (diffusers applies the file's most common alpha to its
-        # attention layers, see test_kohya_alphas_scale_each_layer); PEFT files: ranks 1-3
-        rank = 1 + i % 3 if layout == "peft" else 2
-        down = (rng.standard_normal((rank, in_features)) * 0.2).astype(np.float32)
-        up = (rng.standard_normal((out_features, rank)) * 0.2).astype(np.float32)
-        if layout == "peft":
-            out[f"unet.{module}.lora_A.weight"], out[f"unet.{module}.lora_B.weight"] = down, up
-            continue
-        name = module
-        if layout == "kohya_sgm":
-            name = sd_lora._diffusers_to_sgm(module, layers_per_block)
-            if name is None:  # outside the attention blocks: SGM files name them otherwise
-                continue
-        stem = "lora_unet_" + name.replace(".", "_")
-        out[f"{stem}.lora_down.weight"], out[f"{stem}.lora_up.weight"] = down, up
-        out[f"{stem}.alpha"] = np.asarray(rank * alpha_per_rank, np.float32)
-    return out
 
 
 def _render(directory, lora_file, pipeline_cls, xl: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -98,7 +59,7 @@ def test_unet_loras_match_diffusers(tmp_path, xl, layout):
     directory = build(tmp_path / "model", seed=2)
     pipe = load_pipeline(directory)
     lora = tmp_path / "lora.safetensors"
-    weights.save_safetensors(_lora_tensors(pipe, layout, seed=3), lora)
+    weights.save_safetensors(random_unet_lora(pipe, layout, seed=3), lora)
     converted = sd_lora.to_diffusers(weights_of(lora), pipe.denoiser.config, "test")
     assert converted.unmatched == () and converted.layers
     cls = StableDiffusionXLPipeline if xl else StableDiffusionPipeline
@@ -124,7 +85,7 @@ def weights_of(path: Path) -> dict[str, np.ndarray]:
 def test_text_encoder_keys_are_reported_and_bad_pairs_named(tmp_path):
     directory = build_sd_pipeline(tmp_path / "model", seed=2)
     pipe = load_pipeline(directory)
-    tensors = _lora_tensors(pipe, "kohya", seed=1)
+    tensors = random_unet_lora(pipe, "kohya", seed=1)
     tensors["lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight"] = np.zeros(
         (1, 8), np.float32
     )
@@ -143,8 +104,8 @@ def test_kohya_alphas_scale_each_layer(tmp_path):
     directory = build_sd_pipeline(tmp_path / "model", seed=2)
     config = load_pipeline(directory).denoiser.config
     pipe = load_pipeline(directory)
-    half = sd_lora.to_diffusers(_lora_tensors(pipe, "kohya", 3, 0.5), config, "half")
-    full = sd_lora.to_diffusers(_lora_tensors(pipe, "kohya", 3, 1.0), config, "full")
+    half = sd_lora.to_diffusers(random_unet_lora(pipe, "kohya", 3, 0.5), config, "half")
+    full = sd_lora.to_diffusers(random_unet_lora(pipe, "kohya", 3, 1.0), config, "full")
     assert set(half.layers) == set(full.layers)
     for module, layer in half.layers.items():
         np.testing.assert_allclose(layer.delta(), 0.5 * full.layers[module].delta(), rtol=1e-6)

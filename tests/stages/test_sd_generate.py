@@ -125,3 +125,84 @@ def test_sd_refuses_what_its_pipelines_lack(sdxl_dir, tmp_path, capsys):
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert "line 1" in err and "needs both negative_original_size" in err
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "torch_scheduler", "layout", "steps"),
+    [("euler", "EulerDiscreteScheduler", "kohya", 4), ("ddim", "DDIMScheduler", "peft", 2)],
+    ids=["lightning-like", "hyper-sd-like"],
+)
+def test_few_step_distillation_lora_renders_as_diffusers(
+    sdxl_dir, tmp_path, scheduler, torch_scheduler, layout, steps
+):
+    """How SDXL-Lightning and Hyper-SD LoRAs are run: a UNet LoRA on Linears and convolutions
+    (kohya diffusers-style names / PEFT), ``guidance_scale=0``, few steps, and the scheduler
+    re-made from the pipeline's config with ``timestep_spacing="trailing"`` (Lightning: Euler,
+    Hyper-SD's n-step LoRAs: DDIM) — here ``scheduler=`` plus ``scheduler_config.*`` overrides.
+    The prompt file's render equals diffusers' (``load_lora_weights``, ``from_config(...,
+    timestep_spacing="trailing", use_karras_sigmas=False)``) within 1e-4."""
+    import diffusers
+    import torch
+
+    from jaxcore import weights
+    from tests.support.tiny_sd import random_unet_lora
+
+    pipe = load_pipeline(sdxl_dir)
+    lora = tmp_path / "distilled.safetensors"
+    tensors = random_unet_lora(pipe, layout, seed=11, alpha_per_rank=0.5)
+    # diffusers 0.42 turns kohya's lora_unet_add_embedding_linear_1 into "add.embedding.linear"
+    # and drops it with a warning (sd-scripts' SDXL files call that layer label_emb.0.0)
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("lora_unet_add_embedding")}
+    weights.save_safetensors(tensors, lora)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "fast", "prompt": "a red circle", "seed": 9}) + "\n")
+    out = tmp_path / "render"
+    args = [
+        "generate",
+        str(REPO / "configs/stages/generate.yml"),
+        f"pretrained_model_name_or_path={sdxl_dir}",
+        f"prompt_file={prompts}",
+        f"output_dir={out}",
+        "height=16",
+        "width=16",
+        "num_frames=1",
+        f"num_inference_steps={steps}",
+        "guidance_scale=0",
+        f"scheduler={scheduler}",
+        "sampling.scheduler_config.timestep_spacing=trailing",
+        "sampling.scheduler_config.use_karras_sigmas=false",
+        f"model.loras=[{{path: {lora}, scale: 1.0}}]",
+        "save_arrays=true",
+        "-q",
+    ]
+    assert cli.main(args) == 0
+    ours = _array(out, "fast")
+
+    reference = diffusers.StableDiffusionXLPipeline.from_pretrained(sdxl_dir)
+    reference.scheduler = getattr(diffusers, torch_scheduler).from_config(
+        reference.scheduler.config, timestep_spacing="trailing", use_karras_sigmas=False
+    )
+    reference.load_lora_weights(str(lora))
+    latents = initial_latents(9, pipe.latent_shape(16, 16, 1))[None]
+    theirs = reference(
+        prompt="a red circle",
+        height=16,
+        width=16,
+        num_inference_steps=steps,
+        guidance_scale=0.0,
+        latents=torch.from_numpy(latents),
+        output_type="np",
+    ).images[0]
+    np.testing.assert_allclose(ours.reshape(theirs.shape), theirs, atol=1e-4, rtol=0)
+    plain = diffusers.StableDiffusionXLPipeline.from_pretrained(sdxl_dir)
+    plain.scheduler = reference.scheduler
+    without = plain(
+        prompt="a red circle",
+        height=16,
+        width=16,
+        num_inference_steps=steps,
+        guidance_scale=0.0,
+        latents=torch.from_numpy(latents),
+        output_type="np",
+    ).images[0]
+    assert np.abs(without - theirs).max() > 1e-3  # the LoRA matters

@@ -16,6 +16,8 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 CLIP_MAX_LENGTH = 20
 VAE = dict(
     block_out_channels=(8, 16),
@@ -229,3 +231,46 @@ def build_sdxl_pipeline(
     shutil.rmtree(directory / "_tokenizer")
     shutil.rmtree(directory / "_tokenizer_2")
     return directory
+
+
+def random_unet_lora(
+    pipe, layout: str, seed: int, alpha_per_rank: float = 1.0
+) -> dict[str, np.ndarray]:
+    """A random LoRA on every Linear and Conv2d of the UNet in one key layout (convolutions as
+    PEFT / LoCon save them: ``down`` a ``k x k`` conv to ``rank`` channels, ``up`` a 1x1 conv);
+    kohya layouts carry ``alpha = alpha_per_rank * rank`` (the scale)."""
+    rng = np.random.default_rng(seed)
+    config = pipe.denoiser.config
+    layers_per_block = config.layers_per_block
+    out = {}
+    params_map = pipe.family.lora_weight_map(config)
+    shapes = {}
+    from flax.core import meta
+
+    from jaxcore.lora import sd as sd_lora
+    from jaxcore.lora.merge import _get, _torch_shape
+
+    params = meta.unbox(pipe.denoiser_params)
+    for path, (key, transform) in params_map.items():
+        shapes[key] = _torch_shape(transform, _get(params, path).shape)
+    for i, module in enumerate(sorted(sd_lora.lora_modules(config))):
+        out_features, in_features, *kernel = shapes[f"{module}.weight"]
+        # kohya files: one rank (diffusers applies the file's most common alpha to its
+        # attention layers, see test_kohya_alphas_scale_each_layer); PEFT files: ranks 1-3
+        rank = 1 + i % 3 if layout == "peft" else 2
+        down = (rng.standard_normal((rank, in_features, *kernel)) * 0.2).astype(np.float32)
+        up = (rng.standard_normal((out_features, rank, *[1] * len(kernel))) * 0.2).astype(
+            np.float32
+        )
+        if layout == "peft":
+            out[f"unet.{module}.lora_A.weight"], out[f"unet.{module}.lora_B.weight"] = down, up
+            continue
+        name = module
+        if layout == "kohya_sgm":
+            name = sd_lora._diffusers_to_sgm(module, layers_per_block)
+            if name is None:  # outside the attention blocks: SGM files name them otherwise
+                continue
+        stem = "lora_unet_" + name.replace(".", "_")
+        out[f"{stem}.lora_down.weight"], out[f"{stem}.lora_up.weight"] = down, up
+        out[f"{stem}.alpha"] = np.asarray(rank * alpha_per_rank, np.float32)
+    return out
