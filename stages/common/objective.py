@@ -348,23 +348,45 @@ def training_loss(
     ``target``: the run's :class:`TrainingTarget` (static); None means flow matching, and is
     refused for a family that trains with epsilon / v-prediction.
     """
+    per_sample = weighted_losses(family, module, params, batch, key, cfg, embedded, target)
+    return jnp.mean(per_sample)
+
+
+def prior_preservation_loss(
+    per_sample: jax.Array, prior_rows: int, prior_loss_weight: float
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """DreamBooth's loss of a batch whose last ``prior_rows`` rows are class (prior) examples:
+    ``mean(instance rows) + prior_loss_weight * mean(prior rows)``, as diffusers'
+    train_dreambooth*.py chunk the batch (instance first); with the parts as metrics."""
+    instance, prior = per_sample[:-prior_rows], per_sample[-prior_rows:]
+    parts = {"instance_loss": jnp.mean(instance), "prior_loss": jnp.mean(prior)}
+    return parts["instance_loss"] + prior_loss_weight * parts["prior_loss"], parts
+
+
+def weighted_losses(
+    family, module, params, batch, key, cfg: ObjectiveSection, embedded=None, target=None
+) -> jax.Array:
+    """Per-sample weighted losses ``[B]`` of one batch (their mean is :func:`training_loss`),
+    with timesteps and noise drawn from ``key`` for the whole batch."""
     target = _target_or_flow(family, target)
     check_options(target.kind, cfg)  # at trace time
     latents, conditioning = split_batch(batch, embedded)
     if target.is_ddpm:
-        return _ddpm_training_loss(family, module, params, latents, conditioning, key, cfg, target)
+        return _ddpm_weighted_losses(
+            family, module, params, latents, conditioning, key, cfg, target
+        )
     key_t, key_noise = jax.random.split(key)
     t = sample_t(key_t, latents.shape[0], cfg)
     noise = jax.random.normal(key_noise, latents.shape, jnp.float32)
     per_sample = loss_at(family, module, params, latents, conditioning, t, noise)
-    return jnp.mean(per_sample * loss_weight(t, cfg))
+    return per_sample * loss_weight(t, cfg)
 
 
-def _ddpm_training_loss(
+def _ddpm_weighted_losses(
     family, module, params, latents, conditioning, key, cfg: ObjectiveSection, target
 ) -> jax.Array:
-    """diffusers' train_text_to_image*.py step: uniform integer timesteps, offset noise, input
-    perturbation, epsilon / v target, optional min-SNR-gamma weights, mean over the batch."""
+    """diffusers' train_text_to_image*.py step per sample: uniform integer timesteps, offset
+    noise, input perturbation, epsilon / v target, optional min-SNR-gamma weights."""
     key_t, key_noise, key_offset, key_perturb = jax.random.split(key, 4)
     schedule = target.schedule
     timesteps = ddpm.sample_timesteps(key_t, latents.shape[0], schedule.num_train_timesteps)
@@ -380,4 +402,4 @@ def _ddpm_training_loss(
     if cfg.snr_gamma is not None:
         snr = ddpm.snr(schedule, timesteps)
         per_sample = per_sample * ddpm.min_snr_weights(snr, cfg.snr_gamma, target.kind)
-    return jnp.mean(per_sample)
+    return per_sample

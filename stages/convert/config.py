@@ -38,6 +38,7 @@ class DatasetConfig:
 
     ``source``: a local folder (imagefolder/videofolder with metadata, parquet/JSON files, or a
     ``save_to_disk`` dataset), a parquet/JSON/CSV file or a hub id (when the network allows).
+    A finished ``generate`` artifact is a source too: its renders, captioned with their prompts.
     The ``difforge`` command also accepts ``synthetic:shapes?num_items=N&seed=S&height=H&width=W``
     (the demo's shapes dataset, see ``pipelines.demo.embedded``).
     """
@@ -47,6 +48,9 @@ class DatasetConfig:
     dataset_split: str = "train"
     media_column: str = "image"
     caption_column: str = "text"
+    # one caption for every row instead of the caption column (DreamBooth's instance prompt,
+    # "a photo of sks dog"); None: the column's
+    caption: str | None = None
     # "auto": the `id` column when there is one, else the media file's path relative to the
     # dataset folder, else a hash of the row's media bytes and caption (never the row index,
     # which changes when rows are added); a column name; or None: the row index.

@@ -269,6 +269,7 @@ def _summary(
             "num_rows": info.num_rows,
             "media_column": config.dataset.media_column,
             "caption_column": config.dataset.caption_column,
+            "caption": config.dataset.caption,
             "id_column": config.dataset.id_column,
             "id_source": id_source,
         },

@@ -7,7 +7,13 @@ What ``dataset.source`` may be (see :class:`stages.convert.config.DatasetConfig`
   files) -> ``datasets.load_dataset(folder)``, which picks the builder from the files;
 - a ``.parquet``/``.json``/``.jsonl``/``.csv`` file -> the matching packaged builder;
 - ``gs://...`` -> a cached local copy, then as above;
+- a finished ``generate`` artifact (local or ``gs://``) -> its renders, read through its
+  manifest: one row per prompt with ``id`` (the prompt id), the media file and its prompt as
+  the caption (DreamBooth's class images, rendered by the base model);
 - anything else -> a hub id (``revision`` honoured), when the network allows.
+
+``caption``: one caption for every row (DreamBooth's instance / class prompt), in place of the
+caption column.
 
 Image/Video columns are cast to ``decode=False`` so rows carry ``{"bytes", "path"}`` and the
 stage decodes (and counts failures) itself.
@@ -64,15 +70,52 @@ def _load_local(path: Path, config: DatasetConfig):
     return datasets.load_dataset(builder, data_files=str(path), split=config.dataset_split)
 
 
+def _generate_artifact(source: str):
+    """The generate artifact's manifest when ``source`` is a finished generate run, else None."""
+    from jaxcore import artifacts, storage
+
+    if not (storage.is_gcs(source) or Path(source).is_dir()):
+        return None
+    manifest = artifacts.read_manifest(source)
+    return manifest if manifest is not None and manifest.stage == "generate" else None
+
+
+def _load_renders(manifest, config: DatasetConfig):
+    """One row per rendered prompt: ``id``, the media (undecoded ``{bytes, path}``) in
+    ``media_column`` and the prompt in ``caption_column``."""
+    import datasets
+
+    from jaxcore import storage
+
+    prompts = manifest.summary.get("prompts") or []
+    if not prompts:
+        raise StageInputError(f"source {config.source}: the generate artifact rendered nothing")
+    media = []
+    for entry in prompts:
+        uri = storage.join(manifest.uri, entry["output"])
+        media.append({"bytes": storage.read_bytes(uri), "path": uri})
+    return datasets.Dataset.from_dict(
+        {
+            "id": [str(entry["id"]) for entry in prompts],
+            config.media_column: media,
+            config.caption_column: [entry["params"]["prompt"] for entry in prompts],
+        }
+    )
+
+
 def load_source(config: DatasetConfig):
-    """The ``datasets.Dataset`` named by ``config``, media columns undecoded, ``max_items`` kept."""
+    """The ``datasets.Dataset`` named by ``config``, media columns undecoded, ``max_items`` kept,
+    ``caption`` applied."""
     import datasets
 
     from jaxcore import storage
 
     source = config.source
     try:
-        if storage.is_gcs(source):
+        renders = _generate_artifact(source)
+        if renders is not None:
+            dataset = _load_renders(renders, config)
+        elif storage.is_gcs(source):
             dataset = _load_local(storage.local_copy(source), config)
         elif Path(source).exists():
             dataset = _load_local(Path(source), config)
@@ -88,6 +131,10 @@ def load_source(config: DatasetConfig):
         raise StageInputError(f"source {source}: cannot load the dataset: {err}") from None
     if isinstance(dataset, datasets.DatasetDict):
         raise StageInputError(f"source {source}: got several splits; set dataset_split")
+    if config.caption is not None:
+        if config.caption_column in dataset.column_names:
+            dataset = dataset.remove_columns(config.caption_column)
+        dataset = dataset.add_column(config.caption_column, [config.caption] * len(dataset))
     _check_columns(dataset, config)
     if config.max_items is not None and config.max_items < len(dataset):
         dataset = dataset.select(range(config.max_items))

@@ -152,6 +152,26 @@ class LoraSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class PriorPreservationSection:
+    """DreamBooth's prior preservation (diffusers' ``--with_prior_preservation``): ``data``, a
+    convert artifact of class images captioned with the class prompt (e.g. converted from a
+    ``generate`` artifact of the base model), is read beside the instance data; each step
+    trains on a batch of each, and the loss is ``instance loss + prior_loss_weight * class
+    loss``. None: off."""
+
+    data: str | None = None
+    prior_loss_weight: float = 1.0
+
+    def __post_init__(self):
+        if self.prior_loss_weight < 0:
+            raise ValueError(f"prior_loss_weight must be >= 0, got {self.prior_loss_weight}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.data)
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointSection:
     """orbax checkpoints inside the artifact (``checkpoints/<step>``)."""
 
@@ -213,6 +233,9 @@ class TrainConfig:
     compute: ComputeConfig = dataclasses.field(default_factory=ComputeConfig)
     lora: LoraSection = dataclasses.field(default_factory=LoraSection)
     input: DataSection = dataclasses.field(default_factory=DataSection)
+    prior_preservation: PriorPreservationSection = dataclasses.field(
+        default_factory=PriorPreservationSection
+    )
     optimizer: OptimizerSection = dataclasses.field(default_factory=OptimizerSection)
     objective: ObjectiveSection = dataclasses.field(default_factory=ObjectiveSection)
     checkpointing: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
@@ -243,6 +266,11 @@ class TrainConfig:
             raise ValueError("data (a convert artifact) is required unless dataset_type=synthetic")
         if self.evaluation.eval_every and not self.data:
             raise ValueError("eval_every needs data (a convert artifact with an eval split)")
+        if self.prior_preservation.enabled and self.input.dataset_type != "tfrecord":
+            raise ValueError(
+                "prior_preservation.data needs instance records too: set data= (dataset_type "
+                "tfrecord)"
+            )
 
 
 def global_batch_size(per_device_batch_size: float, num_devices: int) -> int:

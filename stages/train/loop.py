@@ -73,6 +73,7 @@ class Run:
     features: tuple[TensorSpec, ...]
     train_spec: data.DataSpec | None
     eval_spec: data.DataSpec | None
+    prior_spec: data.DataSpec | None  # class examples of a prior-preservation run
     trainable: model.Trainable
     opt_state: Any
     step_fn: trainer.TrainStep
@@ -136,6 +137,27 @@ def data_specs(config: TrainConfig, data_manifest):
                 "evaluation.eval_every=0 or convert with a larger eval_fraction"
             )
     return train_spec, eval_spec
+
+
+def prior_spec(train_spec, prior_manifest) -> data.DataSpec | None:
+    """The class examples' train split, checked to hold the instance records' tensors."""
+    if prior_manifest is None:
+        return None
+    spec = data.split_spec(prior_manifest, "train")
+    if not spec.records:
+        raise StageInputError(f"{spec.artifact_uri}: prior_preservation.data has no train records")
+    if spec.family != train_spec.family or spec.features != train_spec.features:
+        raise StageInputError(
+            f"prior_preservation.data {spec.artifact_uri} holds {spec.family!r} records of "
+            f"{_describe(spec.features)}, but data {train_spec.artifact_uri} holds "
+            f"{train_spec.family!r} records of {_describe(train_spec.features)}: convert both "
+            "with the same model and size"
+        )
+    return spec
+
+
+def _describe(features) -> str:
+    return ", ".join(f"{f.name} {list(f.shape)} {f.dtype}" for f in features)
 
 
 def batch_features(config: TrainConfig, built: model.Model, train_spec) -> tuple[TensorSpec, ...]:
@@ -202,7 +224,7 @@ def training_target(config: TrainConfig, built: model.Model) -> objective.Traini
     return objective.training_target(built.family, config.objective, pipeline_dir)
 
 
-def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
+def prepare(config: TrainConfig, output_dir: str, data_manifest, prior_manifest=None) -> Run:
     """Mesh, data, model, optimiser, compiled step and checkpoint manager of one run."""
     if config.jax_cache_dir:
         jax.config.update("jax_compilation_cache_dir", config.jax_cache_dir)
@@ -210,6 +232,7 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
     batch = global_batch_size(config.per_device_batch_size, mesh.size)
     sharding.check_divisible(mesh, batch=batch)
     train_spec, eval_spec = data_specs(config, data_manifest)
+    prior = prior_spec(train_spec, prior_manifest)
 
     built = model.build_model(config.model, config.compute, mesh, jax.random.key(config.seed))
     config = _with_expert_range(config, built)
@@ -236,6 +259,7 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
         frozen_shardings=trainable.frozen_shardings,
         effective=trainable.effective,
         target=target,
+        prior_loss_weight=config.prior_preservation.prior_loss_weight if prior else None,
     )
     ckpt = config.checkpointing
     mngr = checkpoints.manager(
@@ -255,6 +279,7 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
         features=features,
         train_spec=train_spec,
         eval_spec=eval_spec,
+        prior_spec=prior,
         trainable=trainable,
         opt_state=opt_state,
         step_fn=step_fn,
@@ -262,7 +287,8 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest) -> Run:
         mngr=mngr,
         log_book=metrics.MetricsLog(output_dir, events_dir, write=is_writer()),
         local_dir=local_dir,
-        train_flops=training_flops(built, features, batch),
+        # a prior-preservation step runs the model on the class batch too
+        train_flops=training_flops(built, features, batch * (2 if prior else 1)),
         peak_flops=metrics.peak_flops_per_device(config.metrics.peak_flops_per_device),
         target=target,
     )
@@ -299,23 +325,25 @@ def resume(run: Run) -> None:
 # --- stepping ---------------------------------------------------------------------------------
 
 
-def batches(run: Run):
-    """Host batches from the run's start step on (same order as an uninterrupted run)."""
+def batches(run: Run, spec=None, seed_offset: int = 0):
+    """Host batches of ``spec`` (default: the train split) from the run's start step on (same
+    order as an uninterrupted run); ``seed_offset`` gives a second stream its own order."""
     config, local_batch = run.config, data.local_batch_size(run.batch)
-    if run.train_spec is None:
+    spec = spec or run.train_spec
+    if spec is None:
         return data.synthetic_batches(
             run.features, local_batch, seed=config.seed, start_step=run.start
         )
     ds = data.tf_dataset(
-        run.train_spec,
+        spec,
         local_batch,
-        seed=config.seed,
+        seed=config.seed + seed_offset,
         start_step=run.start,
         shuffle_buffer=config.input.shuffle_buffer_size,
         prefetch=config.input.prefetch_batches,
         streams=config.input.data_streams,
     )
-    return data.iterate_numpy(run.train_spec, ds)
+    return data.iterate_numpy(spec, ds)
 
 
 def run_eval(run: Run, step: int) -> None:
@@ -357,9 +385,11 @@ def log_step(run: Run, done: int, m: dict, seconds: float) -> None:
             "learning_rate": float(m["learning_rate"]),
             "grad_norm": float(m["grad_norm"]),
             "step_time_s": seconds,
-            "tokens_per_s": run.batch * tokens / seconds,
+            "tokens_per_s": run.batch * (2 if run.prior_spec else 1) * tokens / seconds,
             "tflops_per_device": flops_per_device / 1e12,
             "mfu": flops_per_device / run.peak_flops,
+            # prior preservation: the two parts of the loss
+            **{k: float(m[k]) for k in ("instance_loss", "prior_loss") if k in m},
         }
     )
 
@@ -440,6 +470,7 @@ def run_steps(run: Run) -> tuple[bool, float | None]:
     config = run.config
     keys = tuple(f.name for f in run.features)
     source = batches(run)
+    prior_source = batches(run, run.prior_spec, seed_offset=1) if run.prior_spec else None
     profiler = Profiler(run)
     progress_lines = Progress(run)
     final_loss = None
@@ -454,9 +485,12 @@ def run_steps(run: Run) -> tuple[bool, float | None]:
         for step in progress:
             profiler.before(step)
             global_batch = data.to_global(next(source), run.mesh, run.batch, keys=keys)
+            prior = None
+            if prior_source is not None:
+                prior = data.to_global(next(prior_source), run.mesh, run.batch, keys=keys)
             t0 = time.perf_counter()
             run.trainable.params, run.opt_state, m = run.step_fn(
-                run.params, run.opt_state, global_batch, step, run.trainable.frozen
+                run.params, run.opt_state, global_batch, step, run.trainable.frozen, prior
             )
             m = jax.device_get(m)
             seconds = time.perf_counter() - t0
@@ -534,9 +568,12 @@ def finish(run: Run, preempted: bool, final_loss: float | None) -> TrainResult:
     )
 
 
-def train(config: TrainConfig, output_dir: str, data_manifest=None) -> TrainResult:
-    """Run (or resume) training into ``output_dir``; see the module docstring."""
-    run = prepare(config, output_dir, data_manifest)
+def train(
+    config: TrainConfig, output_dir: str, data_manifest=None, prior_manifest=None
+) -> TrainResult:
+    """Run (or resume) training into ``output_dir``; see the module docstring.
+    ``prior_manifest``: the class examples of a prior-preservation (DreamBooth) run."""
+    run = prepare(config, output_dir, data_manifest, prior_manifest)
     resume(run)
     preempted, final_loss = run_steps(run)
     return finish(run, preempted, final_loss)

@@ -28,6 +28,10 @@ def run(config: TrainConfig, *, force: bool = False) -> Manifest | None:
     data_manifest = open_artifact(config.data, "convert") if config.data else None
     if data_manifest is not None:
         inputs["data"] = data_manifest
+    prior_manifest = None
+    if config.prior_preservation.enabled:
+        prior_manifest = open_artifact(config.prior_preservation.data, "convert")
+        inputs["prior_data"] = prior_manifest
     if config.model.init_from:
         source = resolve_checkpoint_source(config.model.init_from, config.model.init_checkpoint)
         inputs.update({f"init_from_{k}": m for k, m in source.inputs.items()})
@@ -36,7 +40,7 @@ def run(config: TrainConfig, *, force: bool = False) -> Manifest | None:
     if done is not None:
         log.info("train: %s is already finished (same config and inputs)", done.uri)
         return done
-    result = loop.train(config, writer.uri, data_manifest)
+    result = loop.train(config, writer.uri, data_manifest, prior_manifest)
     if not loop.is_writer():  # process 0 commits, once every process has finished its part
         return None
     if result.preempted:

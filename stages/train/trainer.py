@@ -71,15 +71,18 @@ def opt_state_shardings(tx, params, param_shardings, mesh: Mesh):
 
 @dataclasses.dataclass
 class TrainStep:
-    """A compiled step: ``(params, opt_state, batch, step) -> (params, opt_state, metrics)``."""
+    """A compiled step: ``(params, opt_state, batch, step) -> (params, opt_state, metrics)``;
+    ``prior``: the class examples' batch of a prior-preservation (DreamBooth) run."""
 
     fn: Callable
     mesh: Mesh
 
-    def __call__(self, params, opt_state, batch, step: int, frozen=None):
+    def __call__(self, params, opt_state, batch, step: int, frozen=None, prior=None):
         with sharding.mesh_context(self.mesh):
             frozen = {} if frozen is None else frozen
-            return self.fn(params, opt_state, frozen, batch, jnp.asarray(step, jnp.int32))
+            prior = {} if prior is None else prior
+            step = jnp.asarray(step, jnp.int32)
+            return self.fn(params, opt_state, frozen, batch, prior, step)
 
 
 def make_train_step(
@@ -97,6 +100,7 @@ def make_train_step(
     frozen_shardings=None,
     effective=None,
     target=None,
+    prior_loss_weight: float | None = None,
 ) -> TrainStep:
     """Jit the step with explicit in/out shardings; params and opt_state buffers are donated.
 
@@ -104,32 +108,54 @@ def make_train_step(
     ``effective(params, frozen)``: the denoiser parameters the loss sees (default: ``params``;
     LoRA: the frozen base plus the adapters); only ``params`` are differentiated and updated.
     ``target``: the run's :class:`~stages.common.objective.TrainingTarget` (None: flow matching).
+    ``prior_loss_weight``: a prior-preservation run (DreamBooth): each step also takes a batch
+    of class examples (the same tensors), appended to the instance rows; the loss is
+    :func:`~stages.common.objective.prior_preservation_loss` and the metrics carry its parts.
     """
     effective = effective or (lambda params, frozen: params)
     batch_shardings = {f.name: batch_sharding(mesh, 1 + len(f.shape)) for f in features}
     rep = replicated(mesh)
     embedded = objective.embedded_inputs(family, module.config, objective_cfg)
 
-    def step_fn(params, opt_state, frozen, batch, step):
+    def loss_fn(params, frozen, batch, prior, key):
+        rows = 0
+        if prior_loss_weight is not None:
+            rows = prior[features[0].name].shape[0]
+            batch = {name: jnp.concatenate([batch[name], prior[name]]) for name in batch}
+        per_sample = objective.weighted_losses(
+            family, module, effective(params, frozen), batch, key, objective_cfg, embedded, target
+        )
+        if not rows:
+            return jnp.mean(per_sample), {}
+        return objective.prior_preservation_loss(per_sample, rows, prior_loss_weight)
+
+    def step_fn(params, opt_state, frozen, batch, prior, step):
         key = jax.random.fold_in(jax.random.key(seed), step)
-        loss, grads = jax.value_and_grad(
-            lambda p: objective.training_loss(
-                family, module, effective(p, frozen), batch, key, objective_cfg, embedded, target
-            )
-        )(params)
+        (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, frozen, batch, prior, key
+        )
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         metrics = {
             "loss": loss,
             "grad_norm": optax.global_norm(grads),
             "learning_rate": schedule(step),
+            **parts,
         }
         return params, opt_state, metrics
 
     frozen_shardings = {} if frozen_shardings is None else frozen_shardings
+    prior_shardings = batch_shardings if prior_loss_weight is not None else {}
     jitted = jax.jit(
         step_fn,
-        in_shardings=(param_shardings, opt_shardings, frozen_shardings, batch_shardings, rep),
+        in_shardings=(
+            param_shardings,
+            opt_shardings,
+            frozen_shardings,
+            batch_shardings,
+            prior_shardings,
+            rep,
+        ),
         out_shardings=(param_shardings, opt_shardings, rep),
         donate_argnums=(0, 1),
     )

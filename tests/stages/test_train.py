@@ -396,14 +396,20 @@ def flux_data(tmp_path_factory) -> str:
         pytest.param("wan", marks=pytest.mark.slow),
         pytest.param("flux", marks=pytest.mark.slow),
         pytest.param("wan22_low_expert", marks=pytest.mark.slow),
+        pytest.param("wan_prior_preservation", marks=pytest.mark.slow),
     ],
 )
 def test_kill_9_then_resume_equals_an_uninterrupted_run(family, request, tmp_path):
     """The same for every family (the loop is shared) and for one expert of a two-expert
-    model (timesteps drawn in its range): a run SIGKILLed after its step-4 checkpoint, rerun,
-    logs exactly the losses of an uninterrupted run."""
+    model (timesteps drawn in its range) and for a prior-preservation run (two record streams):
+    a run SIGKILLed after its step-4 checkpoint, rerun, logs exactly the losses of an
+    uninterrupted run."""
     extra = ()
-    if family == "wan":
+    if family == "wan_prior_preservation":
+        tiny_data = request.getfixturevalue("tiny_data")
+        one_layer_model = request.getfixturevalue("one_layer_model")
+        extra = (f"prior_preservation.data={tiny_data}", "prior_preservation.prior_loss_weight=0.5")
+    elif family == "wan":
         tiny_data = request.getfixturevalue("tiny_data")
         one_layer_model = request.getfixturevalue("one_layer_model")
     elif family == "flux":
