@@ -10,17 +10,18 @@ Key layouts, each key placed on its own (a file may mix them):
   with ``.alpha``; SD 1.x/2.x files use diffusers' module names, SDXL files the original
   (SGM / LDM) block names ``input_blocks.4.1``, ``middle_block.1``, ``output_blocks.2.1``, mapped
   here to ``down_blocks.1.attentions.0``, ``mid_block.attentions.0``, ``up_blocks.0.attentions.2``
-  from the UNet's ``layers_per_block`` (diffusers' ``_maybe_map_sgm_blocks_to_diffusers``).
+  (and resnets, samplers, ``conv_in``, embeddings: :func:`diffusers_to_sgm`) from the UNet's
+  ``layers_per_block`` (diffusers' ``_maybe_map_sgm_blocks_to_diffusers``).
 
 Scale per layer: ``alpha / rank`` when the file gives an alpha, else 1 (diffusers' loading).
 Linear layers (attention projections, feed-forward, linear ``proj_in``/``proj_out``, time
 embeddings) and convolutions (resnets' ``conv1``/``conv2``/``conv_shortcut``, down/upsamplers,
 ``conv_in``/``conv_out``, 1x1-conv ``proj_in`` of SD 1.x: LoCon / PEFT ``Conv2d`` LoRAs, as the
 LCM-LoRA, SDXL-Lightning and Hyper-SD distillation LoRAs carry them) take a LoRA, in diffusers
-names and in kohya's diffusers-style spelling; SDXL SGM-named (``input_blocks.1.0.in_layers.2``)
-resnet convolutions are not mapped. What has no place — text-encoder LoRAs (``lora_te*``,
-``text_encoder.``), SGM resnet convs, norms, DoRA magnitudes — is returned in ``unmatched``,
-never silently dropped (``lora_strict=false`` skips them with a warning). Reference: diffusers 0.42
+names and in kohya's spelling of either naming (SDXL files: the SGM names, resnets'
+``input_blocks.1.0.in_layers.2`` too). What has no place — text-encoder LoRAs (``lora_te*``,
+``text_encoder.``), norms, DoRA magnitudes — is returned in ``unmatched``, never silently
+dropped (``lora_strict=false`` skips them with a warning). Reference: diffusers 0.42
 ``StableDiffusionLoraLoaderMixin`` / ``lora_conversion_utils._convert_non_diffusers_lora_to_diffusers``.
 """
 
@@ -79,39 +80,16 @@ def lora_modules(config: UNet2DConditionConfig) -> dict[str, int]:
     return names
 
 
-def sgm_to_diffusers(module: str, layers_per_block: int) -> str | None:
-    """An SGM / LDM UNet module path (``input_blocks.4.1.transformer_blocks...``) -> the
-    diffusers one, or None when it is not in an attention block (resnets, convs)."""
-    per = layers_per_block + 1
-    match = re.match(r"input_blocks\.(\d+)\.1\.(.+)$", module)
-    if match:
-        index, rest = int(match.group(1)), match.group(2)
-        level, within = divmod(index - 1, per)
-        return f"down_blocks.{level}.attentions.{within}.{rest}"
-    match = re.match(r"middle_block\.1\.(.+)$", module)
-    if match:
-        return f"mid_block.attentions.0.{match.group(1)}"
-    match = re.match(r"output_blocks\.(\d+)\.1\.(.+)$", module)
-    if match:
-        index, rest = int(match.group(1)), match.group(2)
-        level, within = divmod(index, per)
-        return f"up_blocks.{level}.attentions.{within}.{rest}"
-    return None
-
-
 class _Locator:
     """File key -> (format, diffusers module, part), or None."""
 
     def __init__(self, config: UNet2DConditionConfig):
         self.modules = lora_modules(config)
-        self.layers_per_block = config.layers_per_block
-        if not isinstance(self.layers_per_block, int):
-            self.layers_per_block = int(self.layers_per_block[0])
         self.kohya = {name.replace(".", "_"): name for name in self.modules}
-        # SGM names of the attention Linears, by their kohya spelling
+        # SGM names of every layer, by their kohya spelling
         self.sgm = {}
         for name in self.modules:
-            sgm = _diffusers_to_sgm(name, self.layers_per_block)
+            sgm = diffusers_to_sgm(name, config)
             if sgm is not None:
                 self.sgm[sgm.replace(".", "_")] = name
 
@@ -135,21 +113,66 @@ class _Locator:
         return (DIFFUSERS, name, part) if name in self.modules else None
 
 
-def _diffusers_to_sgm(name: str, layers_per_block: int) -> str | None:
-    """The inverse of :func:`sgm_to_diffusers` for attention-block modules."""
-    per = layers_per_block + 1
-    match = re.match(r"down_blocks\.(\d+)\.attentions\.(\d+)\.(.+)$", name)
+# diffusers ResnetBlock2D parts -> the SGM ResBlock's
+_SGM_RESNET = {
+    "conv1": "in_layers.2",
+    "conv2": "out_layers.3",
+    "time_emb_proj": "emb_layers.1",
+    "conv_shortcut": "skip_connection",
+}
+_SGM_TOP = {
+    "conv_in": "input_blocks.0.0",
+    "conv_out": "out.2",
+    "time_embedding.linear_1": "time_embed.0",
+    "time_embedding.linear_2": "time_embed.2",
+    "add_embedding.linear_1": "label_emb.0.0",
+    "add_embedding.linear_2": "label_emb.0.2",
+}
+
+
+def diffusers_to_sgm(name: str, config: UNet2DConditionConfig) -> str | None:
+    """The SGM / LDM UNet name (what kohya SDXL files spell with ``_``) of a diffusers UNet
+    module, as diffusers' ``_maybe_map_sgm_blocks_to_diffusers`` and ``_convert_unet_lora_key``
+    read them backwards: ``down_blocks.L.{resnets,attentions}.J`` ->
+    ``input_blocks.{1 + L * (lpb + 1) + J}.{0,1}``, its downsampler ->
+    ``input_blocks.{1 + L * (lpb + 1) + lpb}.0.op``, ``mid_block`` -> ``middle_block.{0,1,2}``,
+    ``up_blocks.L.{resnets,attentions}.J`` -> ``output_blocks.{L * (lpb + 1) + J}.{0,1}``, its
+    upsampler -> the level's last output block, after its attention when it has one; None for
+    what has no SGM name."""
+    lpb = config.layers_per_block
+    lpb = lpb if isinstance(lpb, int) else int(lpb[0])
+    per = lpb + 1
+    if name in _SGM_TOP:
+        return _SGM_TOP[name]
+    match = re.match(r"(down|up)_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.+)$", name)
     if match:
-        level, within, rest = int(match.group(1)), int(match.group(2)), match.group(3)
-        return f"input_blocks.{1 + level * per + within}.1.{rest}"
-    match = re.match(r"mid_block\.attentions\.0\.(.+)$", name)
+        side, level, kind, within, rest = match.groups()
+        index = int(level) * per + int(within) + (1 if side == "down" else 0)
+        prefix = "input_blocks" if side == "down" else "output_blocks"
+        return _sgm_part(f"{prefix}.{index}", kind, rest)
+    match = re.match(r"mid_block\.(resnets|attentions)\.(\d+)\.(.+)$", name)
     if match:
-        return f"middle_block.1.{match.group(1)}"
-    match = re.match(r"up_blocks\.(\d+)\.attentions\.(\d+)\.(.+)$", name)
+        kind, within, rest = match.groups()
+        index = 1 if kind == "attentions" else 2 * int(within)
+        return _sgm_part(f"middle_block.{index}", kind, rest)
+    match = re.match(r"down_blocks\.(\d+)\.downsamplers\.0\.conv$", name)
     if match:
-        level, within, rest = int(match.group(1)), int(match.group(2)), match.group(3)
-        return f"output_blocks.{level * per + within}.1.{rest}"
+        return f"input_blocks.{1 + int(match.group(1)) * per + lpb}.0.op"
+    match = re.match(r"up_blocks\.(\d+)\.upsamplers\.0\.conv$", name)
+    if match:
+        level = int(match.group(1))
+        after = 2 if config.up_block_types[level].startswith("CrossAttn") else 1
+        return f"output_blocks.{level * per + lpb}.{after}.conv"
     return None
+
+
+def _sgm_part(block: str, kind: str, rest: str) -> str | None:
+    if kind == "attentions":
+        return f"{block}.1.{rest}" if not block.startswith("middle") else f"{block}.{rest}"
+    sgm = _SGM_RESNET.get(rest)
+    if sgm is None:
+        return None
+    return f"{block}.0.{sgm}" if not block.startswith("middle") else f"{block}.{sgm}"
 
 
 def to_diffusers(

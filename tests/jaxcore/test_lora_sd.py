@@ -1,7 +1,9 @@
 """SD / SDXL UNet LoRAs vs diffusers' ``load_lora_weights``: a diffusers/PEFT file and kohya
 files (SD 1.x/2.x diffusers-style names; SDXL's SGM ``input_blocks`` / ``middle_block`` /
-``output_blocks`` names, with alphas) render what diffusers renders with the same file, within
-1e-4 on [0, 1] pixels; what has no Linear form (a text-encoder key) is reported, not dropped."""
+``output_blocks`` / ``label_emb`` names, with alphas), each on every Linear and every
+convolution of the UNet (LoCon: resnets, samplers, ``conv_in`` / ``conv_out``), render what
+diffusers renders with the same file, within 1e-4 on [0, 1] pixels; what has no place (a
+text-encoder key) is reported, not dropped."""
 
 from __future__ import annotations
 

@@ -241,7 +241,6 @@ def random_unet_lora(
     kohya layouts carry ``alpha = alpha_per_rank * rank`` (the scale)."""
     rng = np.random.default_rng(seed)
     config = pipe.denoiser.config
-    layers_per_block = config.layers_per_block
     out = {}
     params_map = pipe.family.lora_weight_map(config)
     shapes = {}
@@ -267,9 +266,7 @@ def random_unet_lora(
             continue
         name = module
         if layout == "kohya_sgm":
-            name = sd_lora._diffusers_to_sgm(module, layers_per_block)
-            if name is None:  # outside the attention blocks: SGM files name them otherwise
-                continue
+            name = sd_lora.diffusers_to_sgm(module, config)
         stem = "lora_unet_" + name.replace(".", "_")
         out[f"{stem}.lora_down.weight"], out[f"{stem}.lora_up.weight"] = down, up
         out[f"{stem}.alpha"] = np.asarray(rank * alpha_per_rank, np.float32)
