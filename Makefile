@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export NO_GCE_CHECK ?= true
 
-.PHONY: install demo test test-slow test-all lint format bench clean xpk-venv
+.PHONY: install demo test test-slow test-all lint format bench clean xpk-venv tpu-libs
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) outputs build *.egg-info
+
+# libtpu for the TPU fit check (jaxcore/aot.py) on a machine without TPUs: outside the import
+# path (on the path, every `import jax` would probe for TPU chips); jaxcore.aot finds it there.
+tpu-libs: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(VENV)/tpu-libs "libtpu==0.0.42.*"
 
 # xpk pins its own dependencies, so it lives in its own venv (used by `difforge deploy target=xpk`).
 xpk-venv:

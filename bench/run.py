@@ -41,6 +41,7 @@ BENCHMARKS = {
     "convert": "bench.convert",
     "compile_cache": "bench.compile_cache",
     "memory": "bench.memory",
+    "tpu_compile": "bench.tpu_compile",
 }
 GOALS = {
     "transformer_forward": "difforge >= 0.90 of the matmul limit",
@@ -50,6 +51,7 @@ GOALS = {
     "step_cache": "MagCache (diffusers' defaults) >= 1.8x fewer block-stack evaluations at PSNR >= 30 dB",
     "memory_load": "peak RSS growth < 1.3 x weight bytes",
     "memory_attention": "flash temp memory grows linearly (exponent ~1)",
+    "tpu_compile": "every config fits its TPU slice's HBM (5% headroom), known without a TPU",
 }
 
 
@@ -118,6 +120,10 @@ def _fmt_value(record: dict) -> str:
     if record["unit"] == "s" and "median_s" in record:
         return _fmt_seconds(record["median_s"])
     value, unit = record["value"], record["unit"]
+    if unit == "bytes per chip":
+        return f"{value / 2**30:.2f} GiB/chip"
+    if unit in ("skipped", "timed out"):  # tpu_compile rows that compiled nothing
+        return unit
     if "bytes" in unit and unit != "x weight bytes":
         return f"{value / 2**20:.1f} MiB"
     if unit in ("s", "startup s"):
@@ -138,6 +144,16 @@ def _note(record: dict) -> str:
             notes.append(f"{key} {record[key]:.3g}")
     if record.get("role"):
         notes.append(record["role"])
+    if "fits" in record:  # tpu_compile
+        notes.append(f"{'fits' if record['fits'] else 'DOES NOT FIT'} {record['slice']}")
+        if record.get("xla_flops"):
+            notes.append(f"{record['xla_flops'] / 1e12:.3g} TFLOP/chip (XLA)")
+        counts = ", ".join(f"{k} {v}" for k, v in record.get("collectives", {}).items() if v)
+        notes.append(f"collectives: {counts or 'none'}")
+        notes.append(f"compile {record.get('compile_seconds', 0):.0f} s")
+    for key in ("skipped", "refusal", "timed_out_after_s"):
+        if record.get(key):
+            notes.append(f"{key}: {record[key]}")
     if record.get("error"):
         notes.append(f"ERROR {record['error']}")
     return "; ".join(notes)

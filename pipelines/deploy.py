@@ -77,6 +77,14 @@ class DataflowConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DeployConfig:
+    """``fit_check``: before a train or generate step goes to a TPU slice (an xpk workload, an
+    Argo JobSet), compile it ahead of time for that slice (:mod:`jaxcore.aot`) and refuse it
+    when it cannot fit the chips' HBM: ``auto`` when libtpu is installed (else it says it
+    skipped), ``required`` (no libtpu or no known model is an error), ``off``.
+    ``fit_check_model``: the model YAML (or local pipeline directory) to check with when the
+    step's model is known only at run time (a train artifact, ``gs://``, a hub id).
+    ``fit_check_headroom``: the share of HBM a step may not use."""
+
     pipeline: str
     target: Literal["xpk", "argo", "dataflow"] = "argo"
     step: str = ""  # for xpk / dataflow: which step of the pipeline
@@ -85,6 +93,18 @@ class DeployConfig:
     xpk: XpkConfig = XpkConfig()
     dataflow: DataflowConfig = DataflowConfig()
     run_xpk_dry_run: bool = True
+    # YAML reads a bare `off` as false: both mean "off"
+    fit_check: Literal["auto", "required", "off", False] = "auto"
+    fit_check_model: str = ""
+    fit_check_headroom: float = 0.05  # jaxcore.aot.DEFAULT_HEADROOM
+
+    def __post_init__(self):
+        if self.fit_check is False:
+            object.__setattr__(self, "fit_check", "off")
+        if self.fit_check not in ("auto", "required", "off"):
+            raise ValueError(f"fit_check must be auto, required or off, got {self.fit_check!r}")
+        if not 0.0 <= self.fit_check_headroom < 1.0:
+            raise ValueError(f"fit_check_headroom must be in [0, 1), got {self.fit_check_headroom}")
 
 
 def _dns_name(*parts: str) -> str:
@@ -368,6 +388,9 @@ def run(cfg: DeployConfig, *, force: bool = False):
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.target == "argo":
+        for s in steps:  # the train steps become JobSets on the slice
+            if s.step.stage == "train":
+                fit_check(cfg, steps, s, out)
         path = out / f"{_dns_name(pipeline.name)}-cronworkflow.yaml"
         path.write_text(yaml.safe_dump(argo_cron_workflow(cfg, pipeline), sort_keys=False))
         print(f"wrote {path}\napply with: kubectl apply -f {path}")
@@ -378,6 +401,7 @@ def run(cfg: DeployConfig, *, force: bool = False):
         (out / f"{step.step.name}-dataflow.sh").write_text(shlex.join(argv) + "\n")
         print(shlex.join(argv))
         return None
+    fit_check(cfg, steps, step, out)
     argv = xpk_command(cfg, pipeline, step)
     (out / f"{step.step.name}-xpk.sh").write_text(shlex.join(argv) + "\n")
     print(shlex.join(argv))
@@ -390,3 +414,284 @@ def run(cfg: DeployConfig, *, force: bool = False):
 
 def storage_root_is_remote(pipeline: PipelineConfig) -> bool:
     return storage.is_gcs(pipeline.root)
+
+
+# --- the fit check: does the step fit the slice? (compiled ahead of time, no TPU needed) -------
+
+
+class FitCheckError(ConfigError):
+    """A step that does not fit its slice, or could not be checked with fit_check=required."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FitModel:
+    """A model known without its weights: family, component configs, scheduler config."""
+
+    family: object
+    configs: dict
+    scheduler_config: dict
+    source: str
+
+
+def _default_scheduler_config(family) -> dict:
+    """A model YAML names no scheduler: the one its family's pipelines ship (Wan 2.1: UniPC
+    with flow sigmas and flow_shift 3; Flux dev: flow-match Euler with dynamic shifting)."""
+    from pipelines.demo import tiny
+
+    known = {"wan": tiny.UNIPC_SCHEDULER_CONFIG, "flux": tiny.FLUX_SCHEDULER_CONFIG}
+    return dict(known.get(family.name, {}))
+
+
+def fit_model(path: str) -> FitModel:
+    """The model of a model YAML, a local diffusers pipeline directory or ``tiny[:family]``."""
+    from jaxcore import families
+    from jaxcore.families.base import read_scheduler_config
+    from jaxcore.model_configs import read_model_yaml
+    from pipelines.demo import tiny
+
+    name, _, which = path.partition(":")
+    if name == "tiny" and (which or "wan") in tiny.BUILDERS:
+        path = str(tiny.BUILDERS[which or "wan"][1])
+    local = Path(path)
+    if local.suffix in (".yml", ".yaml"):
+        family, configs = read_model_yaml(local)
+        return FitModel(family, dict(configs), _default_scheduler_config(family), path)
+    if (local / "model_index.json").is_file():
+        family = families.for_pipeline(local)
+        configs = family.component_configs(local)
+        return FitModel(family, configs, read_scheduler_config(local), path)
+    raise FitCheckError(
+        f"{path}: not a model YAML or a local pipeline directory (set fit_check_model)"
+    )
+
+
+def _step_model(cfg: DeployConfig, step: ResolvedStep) -> FitModel | str:
+    """The step's model, or why it is known only at run time."""
+    if cfg.fit_check_model:
+        return fit_model(cfg.fit_check_model)
+    config = step.config
+    if step.step.stage == "train":
+        source = config.model.model_config or config.model.pretrained_model_name_or_path
+    else:
+        source = config.pretrained_model_name_or_path
+    if source and (
+        source == "tiny"
+        or source.startswith("tiny:")
+        or Path(source).suffix in (".yml", ".yaml")
+        or (Path(source) / "model_index.json").is_file()
+    ):
+        return fit_model(source)
+    return f"the model ({source or config.model.init_from}) is known only at run time; set fit_check_model"
+
+
+def _train_features(config, model: FitModel, steps, step):
+    """The batch tensors a train step will read: its synthetic ones, or the records its
+    pipeline's convert step writes (latents of that step's size); None when unknown."""
+    from jaxcore.families import TensorSpec
+
+    if config.input.dataset_type == "synthetic":
+        shape, text = tuple(config.input.synthetic_latent_shape), config.input.synthetic_text_length
+    else:
+        producer = next((s for s in steps if s.step.name == step.step.inputs.get("data")), None)
+        if producer is None or producer.step.stage != "convert" or "vae" not in model.configs:
+            return None
+        media = producer.config.media
+        shape = tuple(
+            model.family.latent_shape(model.configs, media.height, media.width, media.num_frames)
+        )
+        text = producer.config.encoder.max_sequence_length
+    denoiser = _denoiser_config(config, model)
+    tokens = model.family.image_tokens(model.configs) or config.input.synthetic_image_tokens
+    specs = model.family.conditioning_specs(denoiser, text, shape, tokens)
+    return (TensorSpec("latents", shape), *specs)
+
+
+def _denoiser_config(config, model: FitModel):
+    family = model.family
+    section = config.model.model_config_section or family.denoiser_component
+    if config.model.expert is not None:
+        section = family.expert_component(model.configs, config.model.expert)
+    return model.configs[section]
+
+
+def train_program(config, model: FitModel, mesh, features=None):
+    """The train stage's own step (:func:`stages.train.trainer.make_train_step`, AdamW, the
+    config's objective, donated buffers) as a :class:`jaxcore.aot.Program` with abstract
+    params, optimiser state and batch: ``per_device_batch_size`` x the mesh's devices, of
+    ``features`` (default: the config's synthetic shapes). Full fine-tuning only."""
+    import inspect
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcore import aot, sharding
+    from stages.common import checkpoints, objective
+    from stages.common.data import batch_sharding, replicated
+    from stages.train import loop, trainer
+    from stages.train.config import global_batch_size
+    from stages.train.model import Model
+
+    if config.lora.enabled:
+        raise FitCheckError("the fit check covers full fine-tuning; this step trains a LoRA")
+    family = model.family
+    prior = config.prior_preservation.enabled  # DreamBooth: a class batch beside each batch
+    denoiser = _denoiser_config(config, model)
+    module = family.make_denoiser(denoiser, config.compute, mesh)
+    batch = global_batch_size(config.per_device_batch_size, mesh.size)
+    sharding.check_divisible(mesh, batch=batch)
+    family.check_heads(denoiser, mesh)
+    pipeline_dir = Path(model.source) if Path(model.source).is_dir() else None
+    target = objective.training_target(family, config.objective, pipeline_dir)
+    built = Model(family, module, None, {"source": model.source})
+    features = features or loop.batch_features(config, built, None)
+    tx, schedule = trainer.make_optimizer(config.optimizer, config.max_train_steps)
+    params = checkpoints.abstract_params_with_shardings(family, module, mesh)
+    param_sh = checkpoints.param_shardings(family, module, mesh)
+    opt_sh = trainer.opt_state_shardings(tx, params, param_sh, mesh)
+    opt_state = jax.tree.map(
+        lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
+        jax.eval_shape(tx.init, params),
+        opt_sh,
+    )
+    step = trainer.make_train_step(
+        family,
+        module,
+        tx,
+        schedule,
+        config.objective,
+        mesh,
+        param_sh,
+        opt_sh,
+        features,
+        config.seed,
+        target=target,
+        **({"prior_loss_weight": config.prior_preservation.prior_loss_weight} if prior else {}),
+    )
+    batch_args = {
+        f.name: jax.ShapeDtypeStruct(
+            (batch, *f.shape), jnp.dtype(f.dtype), sharding=batch_sharding(mesh, 1 + len(f.shape))
+        )
+        for f in features
+    }
+    index = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(mesh))
+    # the step's arguments by name (its positional order is the trainer's business): the
+    # trainable params, their AdamW state, the batch (and a prior-preservation run's class
+    # batch of the same rows) and the step number; no frozen base (full fine-tuning)
+    named = {"params": params, "opt_state": opt_state, "batch": batch_args, "step": index}
+    if prior:
+        named["prior"] = batch_args
+    names = list(inspect.signature(step.fn).parameters)
+    if not set(named) <= set(names):
+        raise FitCheckError(f"the train step takes {names}; the fit check knows {list(named)}")
+    args = tuple(named.get(name, {}) for name in names)
+    details = {
+        "batch": batch,
+        "features": {f.name: list(f.shape) for f in features},
+        "params": aot.param_count(params),
+        "weights_dtype": config.compute.weights_dtype,
+        "attention": config.compute.attention,
+        "remat_policy": config.compute.remat_policy,
+        "prior_preservation": prior,
+    }
+    return aot.Program(
+        "train_step",
+        step.fn,
+        args,
+        mesh,
+        model_flops=loop.training_flops(built, features, batch * (2 if prior else 1)),
+        details=details,
+    )
+
+
+def generate_program(config, model: FitModel, mesh):
+    """The generate stage's denoising loop for a batch of its ``sampling`` section (the
+    pipeline's defaults where unset): ``per_device_batch_size`` x the mesh's batch ways,
+    padded to a multiple of them, as generate batches prompts."""
+    import math
+
+    from jaxcore import aot, sharding
+
+    s = config.sampling
+    defaults = model.family.sampling_defaults(model.configs)
+    ways = sharding.batch_axis_size(mesh)
+    batch = math.ceil(max(1, round(config.per_device_batch_size * ways)) / ways) * ways
+    return aot.generate_program(
+        model.family,
+        model.configs,
+        model.scheduler_config,
+        config.compute,
+        mesh,
+        batch=batch,
+        height=s.height or defaults["height"],
+        width=s.width or defaults["width"],
+        num_frames=s.num_frames or defaults["num_frames"],
+        num_inference_steps=s.num_inference_steps or defaults["num_inference_steps"],
+        guidance_scale=defaults["guidance_scale"] if s.guidance_scale is None else s.guidance_scale,
+        true_cfg_scale=s.true_cfg_scale,
+        text_length=s.max_sequence_length,
+        scheduler=s.scheduler,
+        shift=s.flow_shift,
+    )
+
+
+def step_program(cfg: DeployConfig, steps, step: ResolvedStep, mesh):
+    """The step's program on ``mesh``, or why it cannot be built before the run (a str)."""
+    model = _step_model(cfg, step)
+    if isinstance(model, str):
+        return model
+    if step.step.stage == "generate":
+        return generate_program(step.config, model, mesh)
+    if step.config.lora.enabled:
+        return "the fit check covers full fine-tuning; this step trains a LoRA"
+    features = _train_features(step.config, model, steps, step)
+    if features is None:
+        return "the records' shapes are known only at run time (data from outside the pipeline)"
+    return train_program(step.config, model, mesh, features)
+
+
+def fit_check(cfg: DeployConfig, steps, step: ResolvedStep, out: Path | None = None):
+    """Compile a train / generate step for ``xpk.tpu_type`` ahead of time, print the report,
+    and raise :class:`FitCheckError` when it does not fit (see :class:`DeployConfig`).
+    Returns the report, or None when the check was off, skipped or not for this step."""
+    if cfg.fit_check == "off" or step.step.stage not in ("train", "generate"):
+        return None
+    from jaxcore import aot, families, sharding
+    from stages.common.errors import StageInputError
+
+    where = f"step {step.step.name!r} ({step.step.stage}) on {cfg.xpk.tpu_type}"
+    reason = None
+    if cfg.xpk.tpu_type not in aot.TOPOLOGIES:
+        reason = f"{cfg.xpk.tpu_type} is not a TPU slice it knows ({sorted(aot.TOPOLOGIES)})"
+    elif not aot.libtpu_available():
+        reason = f"libtpu is not installed: {aot.INSTALL_HINT}"
+    program = None
+    if reason is None:
+        slice_ = aot.topology(cfg.xpk.tpu_type)
+        try:
+            mesh = aot.topology_mesh(slice_, step.config.mesh, cfg.xpk.num_slices)
+            program = step_program(cfg, steps, step, mesh)
+        except (sharding.ShardingError, families.FamilyError, StageInputError, ValueError) as err:
+            raise FitCheckError(f"fit check of {where}: {err}") from None
+        if isinstance(program, str):
+            reason, program = program, None
+    if program is None:
+        if cfg.fit_check == "required":
+            raise FitCheckError(f"fit check of {where} (fit_check=required) cannot run: {reason}")
+        print(f"fit check of {where}: skipped: {reason}")
+        return None
+    print(f"fit check of {where}: compiling ahead of time (minutes for billion-parameter models)")
+    report = aot.compile_program(program, slice_, headroom=cfg.fit_check_headroom)
+    print(f"  {report.summary()}\n  per chip: {report.breakdown()}")
+    if out is not None:
+        import json
+
+        path = Path(out) / f"{step.step.name}-fit.json"
+        path.write_text(json.dumps(report.to_dict(), indent=1, default=str) + "\n")
+    if not report.fits:
+        try:
+            report.check()
+        except aot.DoesNotFit as err:
+            raise FitCheckError(
+                f"{where} refused: {err} (fit_check=off launches it anyway)"
+            ) from None
+    return report

@@ -10,7 +10,15 @@ from bench import run as bench_run
 from bench.common import BenchContext, check_record, timed_record, value_record
 
 FAST = ("matmul", "transformer", "flux", "vae")
-SLOW = ("train_step", "generate", "step_cache", "convert", "compile_cache", "memory")
+SLOW = (
+    "train_step",
+    "generate",
+    "step_cache",
+    "convert",
+    "compile_cache",
+    "memory",
+    "tpu_compile",
+)
 
 
 @pytest.fixture

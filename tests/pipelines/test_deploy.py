@@ -38,7 +38,14 @@ def pipeline_file(tmp_path, monkeypatch):
 
 
 def _cfg(pipeline_file, tmp_path, **kw):
-    overrides = [f"pipeline={pipeline_file}", f"out={tmp_path / 'deploy'}", "run_xpk_dry_run=false"]
+    # the TPU fit check has its own tests (tests/foundation/test_aot.py); off here, or each
+    # test would compile the step for a TPU slice wherever libtpu is installed
+    overrides = [
+        f"pipeline={pipeline_file}",
+        f"out={tmp_path / 'deploy'}",
+        "run_xpk_dry_run=false",
+        "fit_check=off",
+    ]
     overrides += [f"{k}={v}" for k, v in kw.items()]
     return load_config(deploy.DeployConfig, "configs/deploy/cluster.yml", overrides)
 

@@ -1,0 +1,259 @@
+"""Benchmark: TPU compiles without a TPU. Per chip: memory (does it fit HBM?), FLOPs, collectives.
+
+Each case compiles one program of a real model config ahead of time for a TPU slice
+(:mod:`jaxcore.aot`, libtpu's compiler on this CPU machine): the train stage's own step
+(``pipelines.deploy.train_program``: AdamW, donated buffers, the stage's objective) or the
+generate loop (``jaxcore.sampling.denoise_fn``), with the stage configs a user would type
+(``configs/stages/{train,generate}.yml`` plus the overrides below). Each case runs in a fresh
+subprocess (``python -m bench.tpu_compile CASE``): its own libtpu, host memory and clock.
+
+The shapes (as MaxDiffusion runs these models):
+
+- Wan 2.1 (1.3B, 14B) train: 480x832, 81 frames (latents [16, 21, 60, 104], 32,760 video
+  tokens), 512 text tokens, 1 clip per chip; FSDP over every chip; bf16 weights, moments and
+  activations, flash attention (splash on TPU), full rematerialisation.
+- Wan 2.1 generate: 480x832, 81 frames, 50 UniPC steps, guidance 5 (CFG: 2 rows per prompt,
+  one batched call), 1 prompt per chip, data-parallel (generate.yml's mesh: weights
+  replicated), bf16, flash attention.
+- Flux.1 dev train: 1024x1024 (latents [16, 128, 128], 4,096 image tokens), 512 text tokens,
+  1 image per chip, FSDP, bf16, flash, full remat; generate: 1024x1024, 28 Euler steps,
+  embedded guidance 3.5 (no CFG), 1 prompt per chip, data-parallel, bf16, flash.
+
+``full`` (``make bench``): those 3 models x (train, generate) x (v5p-8, v5p-32, v6e-8);
+``quick``: Wan 1.3B on v5p-8; ``smoke`` (tests): the tiny Wan model on v5p-8. Without libtpu
+every row says "skipped: install the tpu extra" and nothing is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.common import BenchContext, value_record
+
+log = logging.getLogger(__name__)
+
+BENCH = "tpu_compile"
+REPO = Path(__file__).resolve().parent.parent
+SKIPPED = "skipped: install the tpu extra"
+WAN_480P_81 = ["input.synthetic_latent_shape=[16, 21, 60, 104]"]
+FLUX_1024 = ["input.synthetic_latent_shape=[16, 128, 128]"]
+BF16 = ["compute.weights_dtype=bfloat16", "compute.activations_dtype=bfloat16", "attention=flash"]
+TRAIN = [
+    *BF16,
+    "remat_policy=full",
+    "per_device_batch_size=1",
+    "input.synthetic_text_length=512",
+    "ici_data_parallelism=1",
+    "ici_fsdp_parallelism=-1",
+]
+GENERATE = [*BF16, "per_device_batch_size=1", "max_sequence_length=512"]
+WAN_GENERATE = ["height=480", "width=832", "num_frames=81", "num_inference_steps=50"]
+WAN_GENERATE += ["guidance_scale=5.0"]
+FLUX_GENERATE = ["height=1024", "width=1024", "num_frames=1", "num_inference_steps=28"]
+FLUX_GENERATE += ["guidance_scale=3.5"]
+TINY_TRAIN = ["per_device_batch_size=1", "input.synthetic_text_length=16"]
+TINY_GENERATE = ["height=32", "width=32", "num_frames=5", "num_inference_steps=4"]
+TINY_GENERATE += ["per_device_batch_size=1", "max_sequence_length=16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One program of one model for one slice, with the stage config's overrides."""
+
+    model: str  # a short name
+    model_config: str  # configs/models/*.yml
+    program: str  # "train" or "generate"
+    topology: str  # a name of jaxcore.aot.TOPOLOGIES
+    overrides: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/{self.program}/{self.topology}"
+
+
+def _cases(model, config, train, generate, topologies) -> list[Case]:
+    return [
+        Case(model, config, program, topo, tuple(overrides))
+        for program, overrides in (("train", train), ("generate", generate))
+        for topo in topologies
+    ]
+
+
+SLICES = ("v5p-8", "v5p-32", "v6e-8")
+FULL = (
+    _cases(
+        "wan2.1-1.3b",
+        "configs/models/wan2.1_t2v_1.3b.yml",
+        TRAIN + WAN_480P_81,
+        GENERATE + WAN_GENERATE,
+        SLICES,
+    )
+    + _cases(
+        "wan2.1-14b",
+        "configs/models/wan2.1_t2v_14b.yml",
+        TRAIN + WAN_480P_81,
+        GENERATE + WAN_GENERATE,
+        SLICES,
+    )
+    + _cases(
+        "flux1-dev",
+        "configs/models/flux1_dev.yml",
+        TRAIN + FLUX_1024,
+        GENERATE + FLUX_GENERATE,
+        SLICES,
+    )
+)
+CASES = {
+    "smoke": tuple(
+        _cases("wan-tiny", "configs/models/wan_tiny.yml", TINY_TRAIN, TINY_GENERATE, ("v5p-8",))
+    ),
+    "quick": tuple(c for c in FULL if c.model == "wan2.1-1.3b" and c.topology == "v5p-8"),
+    "full": tuple(FULL),
+}
+# seconds a case may compile for (the 14B programs take the longest)
+TIMEOUT_S = {"smoke": 600, "quick": 1800, "full": 3600}
+
+
+def stage_config(case: Case):
+    """The train / generate stage config of the case (the shipped YAML + its overrides)."""
+    from jaxcore.config import load_config
+
+    if case.program == "train":
+        from stages.train.config import TrainConfig
+
+        overrides = [
+            f"model.model_config={case.model_config}",
+            "dataset_type=synthetic",
+            "output_dir=/tmp/difforge-aot",
+            *case.overrides,
+        ]
+        return load_config(TrainConfig, REPO / "configs/stages/train.yml", overrides)
+    from stages.generate.config import GenerateConfig
+
+    overrides = [
+        f"pretrained_model_name_or_path={case.model_config}",
+        "prompt_file=prompts.txt",  # not read: only the loop compiles
+        "output_dir=/tmp/difforge-aot",
+        *case.overrides,
+    ]
+    return load_config(GenerateConfig, REPO / "configs/stages/generate.yml", overrides)
+
+
+def compile_case(case: Case) -> dict:
+    """Compile the case in this process; its report as a dict."""
+    from jaxcore import aot
+    from pipelines.deploy import fit_model, generate_program, train_program
+
+    config = stage_config(case)
+    slice_ = aot.topology(case.topology)
+    mesh = aot.topology_mesh(slice_, config.mesh)
+    model = fit_model(case.model_config)
+    if case.program == "train":
+        program = train_program(config, model, mesh)
+    else:
+        program = generate_program(config, model, mesh)
+    return aot.compile_program(program, slice_).to_dict()
+
+
+def _run_subprocess(case: Case, timeout: float) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.tpu_compile", case.name],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return {"timed_out_after_s": timeout}
+    if done.returncode:  # this case's failure; the other cases still run
+        log.error("%s: the compile subprocess failed:\n%s", case.name, done.stderr[-4000:])
+        return {"error": done.stderr.strip().splitlines()[-1][:500] if done.stderr else "failed"}
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report["wall_s"] = time.perf_counter() - started
+    return report
+
+
+def record(case: Case, report: dict) -> dict:
+    """The bench record of a case's report (or of its skip / timeout)."""
+    base = {"model_config": case.model_config, "program": case.program, "slice": case.topology}
+    if "skipped" in report:
+        return value_record(BENCH, case.name, "difforge", float("nan"), "skipped", **base, **report)
+    if "timed_out_after_s" in report:
+        return value_record(
+            BENCH, case.name, "difforge", float("nan"), "timed out", **base, **report
+        )
+    if "total_bytes" not in report:  # the subprocess failed: an error row (bench.run exits 1)
+        return value_record(BENCH, case.name, "difforge", float("nan"), "error", **base, **report)
+    keep = (
+        "fits",
+        "compiled",
+        "hbm_bytes",
+        "limit_bytes",
+        "headroom",
+        "argument_bytes",
+        "output_bytes",
+        "alias_bytes",
+        "temp_bytes",
+        "generated_code_bytes",
+        "xla_flops",
+        "model_flops",
+        "collectives",
+        "mesh",
+        "lower_seconds",
+        "compile_seconds",
+        "wall_s",
+        "error",
+        "details",
+    )
+    extra = {k: report[k] for k in keep if report.get(k) is not None}
+    if "error" in extra:  # libtpu's out-of-memory refusal: a result, not a failure
+        extra["refusal"] = extra.pop("error")
+    return value_record(
+        BENCH,
+        case.name,
+        "difforge",
+        float(report["total_bytes"]),
+        "bytes per chip",
+        **base,
+        **extra,
+    )
+
+
+def run(ctx: BenchContext) -> list[dict]:
+    from jaxcore import aot
+
+    cases = CASES[ctx.profile]
+    if not aot.libtpu_available():
+        return [record(case, {"skipped": SKIPPED}) for case in cases]
+    out = []
+    for case in cases:
+        log.info("tpu compile: %s", case.name)
+        out.append(record(case, _run_subprocess(case, TIMEOUT_S[ctx.profile])))
+    return out
+
+
+def main(argv=None) -> int:
+    """``python -m bench.tpu_compile CASE``: compile one case, print its report (JSON)."""
+    argv = sys.argv[1:] if argv is None else argv
+    by_name = {c.name: c for profile in CASES.values() for c in profile}
+    if len(argv) != 1 or argv[0] not in by_name:
+        print(f"usage: python -m bench.tpu_compile CASE; cases: {sorted(by_name)}", file=sys.stderr)
+        return 2
+    print(json.dumps(compile_case(by_name[argv[0]]), default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

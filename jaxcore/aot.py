@@ -1,0 +1,595 @@
+"""Ahead-of-time compilation for TPU slices without a TPU: does a step fit, and what it costs.
+
+As MaxText's ``train_compile.py`` does it: :mod:`jax.experimental.topologies` builds the
+compile-only devices of a TPU slice from libtpu (its compiler; no chip is needed), a program is
+lowered with *abstract* arguments (``jax.ShapeDtypeStruct`` carrying their shardings, so
+nothing is allocated: a 14B model's weights included) and compiled for those devices. The
+compiled program tells, per chip: ``memory_analysis()`` (argument, output, aliased, temporary
+and generated-code bytes), ``cost_analysis()`` (FLOPs) and its HLO text, whose collectives
+are counted. A program that cannot fit does not compile at all: libtpu refuses it
+(``RESOURCE_EXHAUSTED: Ran out of memory ...``); :func:`compile_program` turns that into a
+report that does not fit, with the bytes the compiler asked for.
+
+libtpu comes with the ``tpu`` extra (``pip install -e ".[tpu]"``) or, kept out of the
+everyday environment so that ``import jax`` never probes for TPU chips, as a folder of its own
+(``pip install --no-deps --target .venv/tpu-libs libtpu==<the version jax's tpu extra pins>``,
+inside the git-ignored venv folder but not on its path):
+:func:`libtpu_path` finds either, and only :func:`Topology.devices` loads it.
+
+The programs are the project's own: the generate loop here is :func:`jaxcore.sampling.
+denoise_fn` (what :meth:`jaxcore.pipeline.Pipeline.sample` runs); the train step is the train
+stage's (built above this library, see ``pipelines.deploy.train_program``) and comes in as a
+:class:`Program`.
+
+Caveats of the figures: XLA's FLOP count covers a loop's body once (the generate loop's
+``fori_loop`` is one denoising step) and nothing inside custom kernels (Pallas splash
+attention on TPU); :attr:`FitReport.model_flops` is the analytic count of the whole call
+(the families' ``flops_per_forward``) beside it. Collectives inside a loop body count once too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxcore import sampling, sharding, step_cache
+
+GIB = 2**30
+# Share of a chip's HBM a program may not use: the runtime, the infeed and fragmentation need
+# some (libtpu's own limit for v6e is 31.25 of 32 GiB), and a step that uses every last byte
+# on paper tends to fail on the pod. A report "fits" when its bytes are <= (1 - this) x HBM.
+DEFAULT_HEADROOM = 0.05
+# libtpu outside the environment (see the module docstring), relative to the repository
+LOCAL_LIBTPU = (
+    Path(__file__).resolve().parent.parent / ".venv" / "tpu-libs" / "libtpu" / "libtpu.so"
+)
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+INSTALL_HINT = (
+    'install the tpu extra (pip install -e ".[tpu]"), or libtpu alone, off the venv path: '
+    "pip install --no-deps --target .venv/tpu-libs libtpu==0.0.42.1"
+)
+
+
+class LibtpuMissing(RuntimeError):
+    """libtpu (the TPU compiler) is not installed; the message says how to install it."""
+
+
+class DoesNotFit(ValueError):
+    """A program needs more memory per chip than the topology has; names both."""
+
+
+# --- topologies -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A slice to compile for: its chips and how much HBM each has.
+
+    ``platform="tpu"``: compile-only devices from libtpu, ``topology`` in its naming
+    (``"v5:2x2x1"``) with the chip config and chips per host (MaxText's
+    ``accelerator_to_spec_map``). ``platform="cpu"``: the first ``chips`` CPU devices of this
+    process (tests), with ``hbm_bytes`` as the budget to check against.
+    """
+
+    name: str
+    chips: int
+    hbm_bytes: int
+    platform: str = "tpu"
+    topology: str = ""
+    chip_config: str = "default"
+    chips_per_host: tuple[int, int, int] = (2, 2, 1)
+
+    def devices(self, num_slices: int = 1) -> list:
+        """The devices of ``num_slices`` such slices (TPU: compile-only; loads libtpu)."""
+        if self.platform == "cpu":
+            found = jax.devices("cpu")
+            wanted = self.chips * num_slices
+            if len(found) < wanted:
+                raise ValueError(
+                    f"topology {self.name} needs {wanted} CPU devices, this process has "
+                    f"{len(found)} (XLA_FLAGS=--xla_force_host_platform_device_count={wanted})"
+                )
+            return found[:wanted]
+        return list(_tpu_devices(self, num_slices))
+
+
+# HBM per chip, as Google Cloud's TPU system-architecture pages give it (cloud.google.com/tpu/
+# docs/v4, .../v5p, .../v5e, .../v6e). libtpu's compiler keeps a little for itself: its
+# out-of-memory refusal for v6e names 31.25 GiB available of the 32.
+_V4_HBM = 32 * GIB  # TPU v4: 32 GiB HBM2
+_V5P_HBM = 95 * GIB  # TPU v5p: 95 GiB HBM2e
+_V5E_HBM = 16 * GIB  # TPU v5e: 16 GiB HBM2
+_V6E_HBM = 32 * GIB  # TPU v6e (Trillium): 32 GiB
+
+
+def _tpu(name, topology, chips, hbm, chip_config="default", per_host=(2, 2, 1)) -> Topology:
+    return Topology(name, chips, hbm, "tpu", topology, chip_config, per_host)
+
+
+# The slices `difforge deploy` knows (pipelines.deploy.TPU_SLICES), by the same names.
+# v4 / v5p chips are megacore (two TensorCores as one device); 8-chip v5e / v6e hosts hold a
+# 2x4 block of chips, the multi-host ones 2x2 per host.
+TOPOLOGIES: dict[str, Topology] = {
+    t.name: t
+    for t in (
+        _tpu("v4-8", "v4:2x2x1", 4, _V4_HBM, "megacore"),
+        _tpu("v4-16", "v4:2x2x2", 8, _V4_HBM, "megacore"),
+        _tpu("v4-32", "v4:2x2x4", 16, _V4_HBM, "megacore"),
+        _tpu("v5p-8", "v5:2x2x1", 4, _V5P_HBM, "megacore"),
+        _tpu("v5p-16", "v5:2x2x2", 8, _V5P_HBM, "megacore"),
+        _tpu("v5p-32", "v5:2x2x4", 16, _V5P_HBM, "megacore"),
+        _tpu("v5p-64", "v5:2x4x4", 32, _V5P_HBM, "megacore"),
+        _tpu("v5litepod-8", "v5e:2x4", 8, _V5E_HBM, per_host=(2, 4, 1)),
+        _tpu("v5litepod-16", "v5e:4x4", 16, _V5E_HBM),
+        _tpu("v5litepod-32", "v5e:4x8", 32, _V5E_HBM),
+        _tpu("v6e-8", "v6e:2x4", 8, _V6E_HBM, per_host=(2, 4, 1)),
+        _tpu("v6e-16", "v6e:4x4", 16, _V6E_HBM),
+        _tpu("v6e-32", "v6e:4x8", 32, _V6E_HBM),
+        _tpu("v6e-64", "v6e:8x8", 64, _V6E_HBM),
+    )
+}
+
+
+def topology(name: str) -> Topology:
+    """The preset called ``name``; an unknown name is an error listing the known ones."""
+    try:
+        return TOPOLOGIES[name]
+    except KeyError:
+        raise ValueError(f"unknown TPU topology {name!r}; known: {sorted(TOPOLOGIES)}") from None
+
+
+def libtpu_path() -> str | None:
+    """libtpu.so: ``TPU_LIBRARY_PATH``, else the ``libtpu`` package (the tpu extra), else
+    ``.venv/tpu-libs``; None when there is none."""
+    given = os.environ.get("TPU_LIBRARY_PATH")
+    if given and os.path.isfile(given):
+        return given
+    try:
+        import libtpu  # noqa: PLC0415 - optional: the tpu extra
+
+        return libtpu.get_library_path()
+    except ImportError:
+        pass
+    return str(LOCAL_LIBTPU) if LOCAL_LIBTPU.is_file() else None
+
+
+def libtpu_available() -> bool:
+    return libtpu_path() is not None
+
+
+def _tpu_chips_attached() -> bool:
+    try:
+        from jax._src import hardware_utils
+
+        return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+    except Exception:  # noqa: BLE001 - a private helper; assume a real TPU host if it breaks
+        return True
+
+
+@functools.cache
+def _tpu_devices(slice_: Topology, num_slices: int) -> tuple:
+    from jax.experimental import topologies
+
+    path = libtpu_path()
+    if path is None:
+        raise LibtpuMissing(f"libtpu is not installed: {INSTALL_HINT}")
+    os.environ.setdefault("TPU_LIBRARY_PATH", path)
+    if not _tpu_chips_attached():
+        # no chips here: keep libtpu from asking a metadata server which slice this host is
+        # (slow, and a screenful of errors); the topology below says it.
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", slice_.name)
+        # and from taking /tmp/libtpu_lockfile: with no chips to guard, several compiling
+        # processes (a bench beside a deploy) may load libtpu at once
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    desc = topologies.get_topology_desc(
+        topology_name=slice_.topology,
+        platform="tpu",
+        chip_config_name=slice_.chip_config,
+        chips_per_host_bounds=slice_.chips_per_host,
+        num_slices=num_slices,
+        wrap=(False, False, False),
+    )
+    if len(desc.devices) != slice_.chips * num_slices:
+        raise ValueError(
+            f"topology {slice_.name}: libtpu made {len(desc.devices)} devices, expected "
+            f"{slice_.chips * num_slices}"
+        )
+    return tuple(desc.devices)
+
+
+def topology_mesh(slice_: Topology, mesh_config: sharding.MeshConfig, num_slices: int = 1):
+    """The stage's mesh (data, fsdp, context, tensor) over the topology's devices."""
+    return sharding.make_mesh(mesh_config, devices=slice_.devices(num_slices))
+
+
+# --- programs and reports ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A jitted function and abstract arguments to lower it with, on ``mesh`` under ``rules``.
+
+    ``model_flops``: the analytic FLOPs of one call over all chips (None: unknown);
+    ``details``: what the program is made of (shapes, batch, steps), for the report.
+    """
+
+    name: str
+    fn: Callable
+    args: tuple
+    mesh: Mesh
+    rules: tuple = sharding.LOGICAL_AXIS_RULES
+    model_flops: float | None = None
+    details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class FitReport:
+    """Per chip: memory by kind, whether it fits HBM, FLOPs and the collectives.
+
+    ``total_bytes`` = argument + output - aliased (donated) + temporary + generated code, as
+    MaxText sums ``memory_analysis``. When libtpu refused the program for memory,
+    ``compiled`` is False, ``total_bytes`` is what it asked for, the breakdown is None and
+    ``error`` holds its message.
+    """
+
+    program: str
+    topology: str
+    chips: int
+    mesh: dict[str, int]
+    hbm_bytes: int
+    headroom: float
+    total_bytes: int
+    compiled: bool = True
+    argument_bytes: int | None = None
+    output_bytes: int | None = None
+    alias_bytes: int | None = None
+    temp_bytes: int | None = None
+    generated_code_bytes: int | None = None
+    xla_flops: float | None = None  # per chip, loop bodies once (see the module docstring)
+    model_flops: float | None = None  # analytic, the whole call over all chips
+    collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+    lower_seconds: float = 0.0
+    compile_seconds: float = 0.0
+    error: str | None = None
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def limit_bytes(self) -> int:
+        return int(self.hbm_bytes * (1.0 - self.headroom))
+
+    @property
+    def fits(self) -> bool:
+        return self.compiled and self.total_bytes <= self.limit_bytes
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "fits": self.fits, "limit_bytes": self.limit_bytes}
+
+    def summary(self) -> str:
+        """One line: program, topology, GiB per chip against the limit, TFLOPs, collectives."""
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        flops = "" if self.xla_flops is None else f", {_flops(self.xla_flops)}/chip (XLA)"
+        if self.model_flops:
+            flops += f", {_flops(self.model_flops)} model"
+        counts = ", ".join(f"{k} {v}" for k, v in self.collectives.items() if v) or "none"
+        return (
+            f"{self.program} on {self.topology} (mesh {_mesh_text(self.mesh)}): "
+            f"{self.total_bytes / GIB:.2f} GiB/chip of {self.limit_bytes / GIB:.2f} GiB "
+            f"({self.hbm_bytes / GIB:.0f} GiB HBM - {self.headroom:.0%} headroom): {verdict}"
+            f"{flops}; collectives: {counts}; compile {self.compile_seconds:.0f}s"
+        )
+
+    def breakdown(self) -> str:
+        """GiB per chip by kind (or the compiler's refusal)."""
+        if not self.compiled:
+            return f"not compiled: {self.error}"
+        parts = (
+            ("arguments", self.argument_bytes),
+            ("outputs", self.output_bytes),
+            ("aliased", self.alias_bytes),
+            ("temporaries", self.temp_bytes),
+            ("code", self.generated_code_bytes),
+        )
+        return ", ".join(f"{name} {(b or 0) / GIB:.2f}" for name, b in parts) + " GiB"
+
+    def check(self) -> None:
+        """Raise :class:`DoesNotFit` (naming program, topology, bytes needed and HBM)."""
+        if self.fits:
+            return
+        raise DoesNotFit(
+            f"{self.program} does not fit {self.topology}: it needs "
+            f"{self.total_bytes / GIB:.2f} GiB per chip, the limit is "
+            f"{self.limit_bytes / GIB:.2f} GiB ({self.hbm_bytes / GIB:.0f} GiB HBM less "
+            f"{self.headroom:.0%} headroom)" + (f"; {self.error}" if self.error else "")
+        )
+
+
+def _flops(value: float) -> str:
+    return f"{value / 1e12:.3g} TFLOP" if value >= 1e11 else f"{value / 1e9:.3g} GFLOP"
+
+
+def _mesh_text(mesh: Mapping[str, int]) -> str:
+    return "x".join(f"{k}{v}" for k, v in mesh.items() if v > 1) or "1 device"
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """How many of each collective an HLO module holds (async pairs count once, by their
+    ``-start``; ops inside a loop body count once)."""
+    kinds = "|".join(COLLECTIVES)
+    found = re.findall(rf"\s({kinds})(-start)?\(", hlo_text)
+    return {kind: sum(1 for k, _ in found if k == kind) for kind in COLLECTIVES}
+
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# libtpu's refusals: "... HLO temporaries (45.00G) exceeds available HBM (31.25G)" and
+# "Used 100.5G of 95.74G hbm. Exceeded hbm capacity by 4.76G."
+_OOM_PATTERNS = (
+    re.compile(r"\(([\d.]+)([KMGT]?)i?B?\)\s*exceeds available HBM \(([\d.]+)([KMGT]?)i?B?\)"),
+    re.compile(r"Used ([\d.]+)([KMGT]?)i?B? of ([\d.]+)([KMGT]?)i?B? hbm"),
+)
+
+
+def parse_out_of_memory(message: str) -> tuple[int, int] | None:
+    """(bytes asked for, bytes available) from libtpu's out-of-memory refusal, else None."""
+    if "RESOURCE_EXHAUSTED" not in message and "out of memory" not in message.lower():
+        return None
+    for pattern in _OOM_PATTERNS:
+        found = pattern.search(message)
+        if found:
+            used, used_unit, have, have_unit = found.groups()
+            return int(float(used) * _UNITS[used_unit]), int(float(have) * _UNITS[have_unit])
+    return None
+
+
+def _xla_flops(compiled) -> float | None:
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, Sequence) and not isinstance(analysis, Mapping):
+        analysis = analysis[0] if analysis else None
+    if not analysis or "flops" not in analysis:
+        return None
+    return float(analysis["flops"])
+
+
+def compile_program(
+    program: Program, slice_: Topology, *, headroom: float = DEFAULT_HEADROOM
+) -> FitReport:
+    """Lower and compile ``program`` for its mesh's devices; the report of what it needs."""
+    started = time.perf_counter()
+    with sharding.mesh_context(program.mesh, program.rules):
+        lowered = program.fn.lower(*program.args)
+    lowered_at = time.perf_counter()
+    common = {
+        "program": program.name,
+        "topology": slice_.name,
+        "chips": int(program.mesh.size),
+        "mesh": {k: int(v) for k, v in program.mesh.shape.items()},
+        "hbm_bytes": int(slice_.hbm_bytes),
+        "headroom": float(headroom),
+        "model_flops": program.model_flops,
+        "details": dict(program.details),
+        "lower_seconds": lowered_at - started,
+    }
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:
+        refused = parse_out_of_memory(str(err))
+        if refused is None:
+            raise
+        return FitReport(
+            **common,
+            total_bytes=refused[0],
+            compiled=False,
+            compile_seconds=time.perf_counter() - lowered_at,
+            error=str(err).strip().splitlines()[0][:500],
+        )
+    seconds = time.perf_counter() - lowered_at
+    memory = compiled.memory_analysis()
+    kinds = {
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "output_bytes": int(memory.output_size_in_bytes),
+        "alias_bytes": int(memory.alias_size_in_bytes),
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "generated_code_bytes": int(memory.generated_code_size_in_bytes),
+    }
+    total = (
+        kinds["argument_bytes"]
+        + kinds["output_bytes"]
+        - kinds["alias_bytes"]
+        + kinds["temp_bytes"]
+        + kinds["generated_code_bytes"]
+    )
+    return FitReport(
+        **common,
+        **kinds,
+        total_bytes=total,
+        xla_flops=_xla_flops(compiled),
+        collectives=count_collectives(compiled.as_text()),
+        compile_seconds=seconds,
+    )
+
+
+def report_table(reports: Sequence[FitReport]) -> str:
+    """A markdown table of reports (one row each)."""
+    lines = [
+        "| program | topology | mesh | GiB/chip | limit GiB | fits | TFLOP/chip (XLA) | "
+        "collectives | compile s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in reports:
+        flops = "" if r.xla_flops is None else f"{r.xla_flops / 1e12:.2f}"
+        counts = ", ".join(f"{k} {v}" for k, v in r.collectives.items() if v)
+        lines.append(
+            f"| {r.program} | {r.topology} | {_mesh_text(r.mesh)} | {r.total_bytes / GIB:.2f} | "
+            f"{r.limit_bytes / GIB:.2f} | {'yes' if r.fits else 'NO'} | {flops} | {counts} | "
+            f"{r.compile_seconds:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+# --- abstract arguments -----------------------------------------------------------------------
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def abstract(tree, sharding_for):
+    """Every array leaf of ``tree`` (numpy, jax or a Python scalar) as a ShapeDtypeStruct with
+    ``sharding_for(leaf)``; already abstract leaves keep theirs."""
+
+    def one(leaf):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        dtype = jnp.result_type(leaf)
+        weak = isinstance(leaf, bool | int | float)
+        return jax.ShapeDtypeStruct(
+            np.shape(leaf), dtype, sharding=sharding_for(leaf), weak_type=weak
+        )
+
+    return jax.tree.map(one, tree)
+
+
+def batch_array(mesh: Mesh, shape: Sequence[int], dtype=jnp.float32, rules=None):
+    """An abstract batch-leading array, its batch axis over the mesh's batch axes."""
+    logical = ("activation_batch",) + (None,) * (len(shape) - 1)
+    where = sharding.logical_sharding(mesh, logical, rules)
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=where)
+
+
+def abstract_denoiser(family, config, compute, mesh: Mesh, rules=None):
+    """(module, params) of a family's denoiser on ``mesh`` with params as ShapeDtypeStructs
+    in the weights dtype, sharded by the logical-axis rules; nothing is allocated."""
+    module = family.make_denoiser(config, compute, mesh)
+    boxed = family.abstract_params(module)
+    shardings = nn.meta.unbox(sharding.param_shardings(mesh, boxed, rules))
+    params = jax.tree.map(
+        lambda s, where: jax.ShapeDtypeStruct(s.shape, module.param_dtype, sharding=where),
+        nn.meta.unbox(boxed),
+        shardings,
+    )
+    return module, params
+
+
+# --- the generate loop ------------------------------------------------------------------------
+
+
+def generate_program(
+    family,
+    configs: Mapping[str, Any],
+    scheduler_config: Mapping,
+    compute,
+    mesh: Mesh,
+    *,
+    batch: int,
+    height: int,
+    width: int,
+    num_frames: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+    true_cfg_scale: float = 1.0,
+    text_length: int = 512,
+    scheduler: str | None = None,
+    shift: float | None = None,
+    batched_cfg: bool = True,
+    rules=None,
+) -> Program:
+    """The denoising loop generate runs (:func:`jaxcore.sampling.denoise_fn`, one jitted call
+    over every step) for ``batch`` prompts of one size, with abstract weights and inputs.
+
+    The pipeline's other components (text encoders, VAE) are not part of it: they run before
+    and after the loop, in programs of their own. A two-expert model's second expert is on
+    the devices (``idle_expert=device``). Text- (and image-) conditioned Wan and Flux models;
+    not SDXL's size conditioning.
+    """
+    from jaxcore.pipeline import Pipeline
+
+    rules = tuple(rules) if rules is not None else sharding.LOGICAL_AXIS_RULES
+    name = family.denoiser_component
+    module, params = abstract_denoiser(family, configs[name], compute, mesh, rules)
+    pipe = Pipeline(family, module, params, {}, dict(configs), dict(scheduler_config), mesh, rules)
+    pipe.geometry.check(height, width, num_frames, where="generate_program")
+    shape = pipe.latent_shape(height, width, num_frames)
+    ways = pipe.batch_ways
+    if batch % ways:
+        raise sharding.ShardingError(
+            f"a generate batch of {batch} does not split over the mesh's {ways} batch ways"
+        )
+    family.check_heads(module.config, mesh)
+    guidance = pipe.guidance(guidance_scale, true_cfg_scale)
+    use_cfg = guidance.uses_cfg
+    state, step_fn = family.make_seeded_schedule(
+        pipe,
+        scheduler or pipe.default_scheduler,
+        num_inference_steps,
+        pipe.default_shift if shift is None else float(shift),
+        (batch, *shape),
+        seeds=list(range(batch)),
+    )
+    rep = replicated(mesh)
+    cond = {
+        spec.name: batch_array(mesh, (batch, *spec.shape), jnp.float32, rules)
+        for spec in family.conditioning_specs(
+            module.config, text_length, shape, family.image_tokens(configs)
+        )
+    }
+    for embedded in guidance.embedded:
+        cond[embedded] = batch_array(mesh, (batch,), jnp.float32, rules)
+    second_module, second = None, None
+    if "transformer_2" in configs:
+        second_module, params_2 = abstract_denoiser(
+            family, configs["transformer_2"], compute, mesh, rules
+        )
+        boundary = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)  # traced: any value
+        second = (params_2, boundary, batch_array(mesh, (batch,), jnp.float32, rules))
+    fn = sampling.denoise_fn(
+        family, module, step_fn, use_cfg, second_module, step_cache.NO_CACHE, batched_cfg
+    )
+    index = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep, weak_type=True)
+    args = (
+        params,
+        batch_array(mesh, (batch, *shape), jnp.float32, rules),
+        cond,
+        cond,  # the negative branch has the conditioning's shapes
+        batch_array(mesh, (batch,), jnp.bool_, rules),
+        batch_array(mesh, (batch,), jnp.float32, rules),
+        abstract(state, lambda _: rep),
+        index,
+        index,
+        second,
+        None,
+    )
+    rows = batch * (2 if use_cfg else 1)
+    shapes = {k: tuple(v.shape[1:]) for k, v in cond.items()}
+    forward = family.flops_per_forward(module.config, rows, shape, shapes)
+    details = {
+        "batch": batch,
+        "size": [height, width, num_frames],
+        "latent_shape": list(shape),
+        "steps": num_inference_steps,
+        "cfg": use_cfg,
+        "text_length": text_length,
+        "weights_dtype": compute.weights_dtype,
+        "attention": compute.attention,
+    }
+    return Program(
+        "generate_loop", fn, args, mesh, rules, float(num_inference_steps * forward), details
+    )
+
+
+def param_count(params) -> int:
+    """Parameters in an (abstract) tree."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
