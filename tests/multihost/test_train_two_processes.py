@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from tests.support.convert_artifacts import TinyDataConfig, write_convert_artifact
+from tests.support.wan_variants import write_one_layer_wan_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_YML = REPO / "configs" / "stages" / "train.yml"
@@ -40,11 +40,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("multihost")
     data = str(root / "data")
     write_convert_artifact(data, TinyDataConfig(shards_per_split=4))
-    sections = yaml.safe_load((REPO / "configs/models/wan_tiny.yml").read_text())
-    sections["transformer"]["num_layers"] = 1
-    model = root / "one_layer.yml"
-    model.write_text(yaml.safe_dump(sections))
-    return data, str(model)
+    return data, write_one_layer_wan_yaml(root)
 
 
 def _argv(data, model, out, steps, *extra):

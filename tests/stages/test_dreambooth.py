@@ -37,6 +37,7 @@ from stages.convert.source import load_source, source_ids
 from stages.train import model, trainer
 from stages.train.config import ModelSection, OptimizerSection
 from tests.support.tiny_sd import build_sd_pipeline
+from tests.support.wan_variants import write_one_layer_wan_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,13 +111,7 @@ FEATURES = (TensorSpec("latents", (4, 1, 8, 8)), TensorSpec("encoder_hidden_stat
 
 @pytest.fixture(scope="module")
 def one_layer_model(tmp_path_factory) -> str:
-    import yaml
-
-    sections = yaml.safe_load((REPO / "configs/models/wan_tiny.yml").read_text())
-    sections["transformer"]["num_layers"] = 1
-    path = tmp_path_factory.mktemp("model") / "wan_one_layer.yml"
-    path.write_text(yaml.safe_dump(sections))
-    return str(path)
+    return write_one_layer_wan_yaml(tmp_path_factory.mktemp("model"))
 
 
 def _prior_step(model_yaml, mesh, weight=0.5):

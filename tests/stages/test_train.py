@@ -32,6 +32,7 @@ from stages.common.objective import ObjectiveSection
 from stages.train import model, trainer
 from stages.train.config import ModelSection, OptimizerSection, TrainConfig, global_batch_size
 from tests.support.convert_artifacts import TinyDataConfig, write_convert_artifact
+from tests.support.wan_variants import write_one_layer_wan_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_YML = REPO / "configs" / "stages" / "train.yml"
@@ -47,11 +48,7 @@ def tiny_data(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def one_layer_model(tmp_path_factory) -> str:
     """The tiny Wan with one block (compiles faster)."""
-    sections = yaml.safe_load((REPO / "configs/models/wan_tiny.yml").read_text())
-    sections["transformer"]["num_layers"] = 1
-    path = tmp_path_factory.mktemp("model") / "wan_one_layer.yml"
-    path.write_text(yaml.safe_dump(sections))
-    return str(path)
+    return write_one_layer_wan_yaml(tmp_path_factory.mktemp("model"))
 
 
 def _config(output_dir, *overrides) -> TrainConfig:

@@ -164,3 +164,16 @@ def build_ti2v_pipeline(directory, *, seed: int = 0) -> Path:
     ).save_pretrained(root / "transformer")
     _edit_index(root, expand_timesteps=True)
     return root
+
+
+def write_one_layer_wan_yaml(directory: Path) -> str:
+    """configs/models/wan_tiny.yml with one transformer block (compiles faster), written into
+    ``directory``; returns its path."""
+    import yaml
+
+    repo = Path(__file__).resolve().parents[2]
+    sections = yaml.safe_load((repo / "configs/models/wan_tiny.yml").read_text())
+    sections["transformer"]["num_layers"] = 1
+    path = Path(directory) / "wan_one_layer.yml"
+    path.write_text(yaml.safe_dump(sections))
+    return str(path)
