@@ -156,6 +156,12 @@ def prior_spec(train_spec, prior_manifest) -> data.DataSpec | None:
     return spec
 
 
+def rows_per_step(batch: int, prior_spec) -> int:
+    """Rows the model runs on per step: the batch, and as many class rows in a
+    prior-preservation run."""
+    return batch * (2 if prior_spec is not None else 1)
+
+
 def _describe(features) -> str:
     return ", ".join(f"{f.name} {list(f.shape)} {f.dtype}" for f in features)
 
@@ -287,8 +293,7 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest, prior_manifest=
         mngr=mngr,
         log_book=metrics.MetricsLog(output_dir, events_dir, write=is_writer()),
         local_dir=local_dir,
-        # a prior-preservation step runs the model on the class batch too
-        train_flops=training_flops(built, features, batch * (2 if prior else 1)),
+        train_flops=training_flops(built, features, rows_per_step(batch, prior)),
         peak_flops=metrics.peak_flops_per_device(config.metrics.peak_flops_per_device),
         target=target,
     )
@@ -385,7 +390,7 @@ def log_step(run: Run, done: int, m: dict, seconds: float) -> None:
             "learning_rate": float(m["learning_rate"]),
             "grad_norm": float(m["grad_norm"]),
             "step_time_s": seconds,
-            "tokens_per_s": run.batch * (2 if run.prior_spec else 1) * tokens / seconds,
+            "tokens_per_s": rows_per_step(run.batch, run.prior_spec) * tokens / seconds,
             "tflops_per_device": flops_per_device / 1e12,
             "mfu": flops_per_device / run.peak_flops,
             # prior preservation: the two parts of the loss

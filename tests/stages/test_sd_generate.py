@@ -43,6 +43,21 @@ def sdxl_dir(tmp_path_factory) -> Path:
     return build_sdxl_pipeline(tmp_path_factory.mktemp("sdxl"), seed=3)
 
 
+def _generate_args(pipeline: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
+    """``difforge generate`` of ``prompts`` with ``pipeline`` into ``out``, 16-pixel-high
+    renders, quiet; ``extra``: more ``key=value`` overrides."""
+    return [
+        "generate",
+        str(REPO / "configs/stages/generate.yml"),
+        f"pretrained_model_name_or_path={pipeline}",
+        f"prompt_file={prompts}",
+        f"output_dir={out}",
+        "height=16",
+        *extra,
+        "-q",
+    ]
+
+
 def _array(root: Path, name: str) -> np.ndarray:
     return np.load(io.BytesIO(storage.read_bytes(str(root / "outputs" / f"{name}.npy"))))
 
@@ -52,21 +67,10 @@ def test_sdxl_prompt_file_renders_as_the_library_does(sdxl_dir, tmp_path, schedu
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(line) + "\n" for line in LINES))
     out = tmp_path / "render"
-    args = [
-        "generate",
-        str(REPO / "configs/stages/generate.yml"),
-        f"pretrained_model_name_or_path={sdxl_dir}",
-        f"prompt_file={prompts}",
-        f"output_dir={out}",
-        "height=16",
-        "width=24",
-        "num_frames=1",
-        "num_inference_steps=4",
-        "save_arrays=true",
-        "-q",
-    ]
+    extra = ["width=24", "num_frames=1", "num_inference_steps=4", "save_arrays=true"]
     if scheduler:
-        args.append(f"scheduler={scheduler}")
+        extra.append(f"scheduler={scheduler}")
+    args = _generate_args(sdxl_dir, prompts, out, *extra)
     assert cli.main(args) == 0
     summary = open_artifact(str(out), "generate").summary
     assert [p["id"] for p in summary["prompts"]] == ["plain", "guided"]
@@ -107,16 +111,7 @@ def test_sdxl_prompt_file_renders_as_the_library_does(sdxl_dir, tmp_path, schedu
 def test_sd_refuses_what_its_pipelines_lack(sdxl_dir, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "x", "true_cfg_scale": 3.0}) + "\n")
-    args = [
-        "generate",
-        str(REPO / "configs/stages/generate.yml"),
-        f"pretrained_model_name_or_path={sdxl_dir}",
-        f"prompt_file={prompts}",
-        f"output_dir={tmp_path / 'out'}",
-        "height=16",
-        "width=16",
-        "-q",
-    ]
+    args = _generate_args(sdxl_dir, prompts, tmp_path / "out", "width=16")
     assert cli.main(args) == 2
     assert "true_cfg_scale" in capsys.readouterr().err
     assert cli.main([*args, "scheduler=lms"]) == 2
@@ -157,13 +152,10 @@ def test_few_step_distillation_lora_renders_as_diffusers(
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "fast", "prompt": "a red circle", "seed": 9}) + "\n")
     out = tmp_path / "render"
-    args = [
-        "generate",
-        str(REPO / "configs/stages/generate.yml"),
-        f"pretrained_model_name_or_path={sdxl_dir}",
-        f"prompt_file={prompts}",
-        f"output_dir={out}",
-        "height=16",
+    args = _generate_args(
+        sdxl_dir,
+        prompts,
+        out,
         "width=16",
         "num_frames=1",
         f"num_inference_steps={steps}",
@@ -173,8 +165,7 @@ def test_few_step_distillation_lora_renders_as_diffusers(
         "sampling.scheduler_config.use_karras_sigmas=false",
         f"model.loras=[{{path: {lora}, scale: 1.0}}]",
         "save_arrays=true",
-        "-q",
-    ]
+    )
     assert cli.main(args) == 0
     ours = _array(out, "fast")
 
