@@ -74,6 +74,17 @@ def _features(summary: dict, uri: str) -> tuple[TensorSpec, ...]:
 REMOVED_FILE = "removed.jsonl"
 
 
+def empty_prompt(manifest: Manifest) -> dict[str, np.ndarray]:
+    """The empty caption's conditioning tensors of a convert artifact (one row each)."""
+    entry = manifest.summary.get("empty_prompt")
+    if not entry:
+        raise StageInputError(
+            f"{manifest.uri}: the convert artifact has no empty_prompt.safetensors (converted "
+            "by an older difforge); convert again to train with proportion_empty_prompts"
+        )
+    return records.load_empty_prompt(storage.read_bytes(manifest.path(entry["file"])))
+
+
 def split_shards(manifest: Manifest, split: str) -> list[dict]:
     """Every shard one split of a convert artifact reads, ``{"uri", "size", "checksum"}``:
     those an incremental convert inherited from its base (``base_shards``, absolute URIs),

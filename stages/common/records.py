@@ -20,6 +20,12 @@ manifest's summary describes them for readers (family-neutral)::
                encoder_hidden_states: {shape: [L, D], dtype: float32}}
     splits: {train: {records: N, shards: [paths]}, eval: {records: M, shards: [paths]}}
     timesteps_list: [125, ...]
+    empty_prompt: {file: empty_prompt.safetensors, features: [encoder_hidden_states]}
+
+``empty_prompt.safetensors`` holds the conditioning tensors of the empty caption ``""`` from the
+same text encoders (one row, no batch axis), what a training run swaps in for a share of the
+captions (``proportion_empty_prompts``) so that the model learns the unconditional prediction
+classifier-free guidance needs.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ TIMESTEPS = "timesteps"
 RESERVED = (CAPTION, SOURCE_ID, TIMESTEPS)
 
 SPLITS = ("train", "eval")
+EMPTY_PROMPT_FILE = "empty_prompt.safetensors"
+# the source id of the one extra item a convert job encodes for the empty caption
+EMPTY_PROMPT_ID = "__difforge_empty_prompt__"
 DEFAULT_TIMESTEPS_LIST = (125, 250, 375, 500, 625, 750, 875)
 
 
@@ -123,3 +132,17 @@ def parse_example(serialized, shapes: Mapping[str, Sequence[int]], with_timestep
 
 def shard_name(split: str, index: int, count: int) -> str:
     return f"{split}/{split}-{index:05d}-of-{count:05d}.tfrecord"
+
+
+def empty_prompt_bytes(tensors: Mapping[str, np.ndarray]) -> bytes:
+    """The ``empty_prompt.safetensors`` bytes of one row of conditioning tensors (float32)."""
+    from safetensors.numpy import save
+
+    return save({name: np.ascontiguousarray(value, np.float32) for name, value in tensors.items()})
+
+
+def load_empty_prompt(data: bytes) -> dict[str, np.ndarray]:
+    """The tensors of ``empty_prompt.safetensors`` bytes."""
+    from safetensors.numpy import load
+
+    return dict(load(data))

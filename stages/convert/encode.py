@@ -99,17 +99,20 @@ class EncoderHandler(ModelHandler[dict, dict, Encoders]):
         videos = np.stack([item["video"] for item in batch])
         tensors = {records.LATENTS: model.encode_media(videos)}
         tensors.update(model.encode_media_conditioning(videos))
-        tensors.update(model.encode_text([item["caption"] for item in batch]))
+        text = model.encode_text([item["caption"] for item in batch])
+        tensors.update(text)
         if self._plan is not None:
             for name, shape in self._plan.shapes.items():
                 if name not in tensors:
                     raise ValueError(f"the encoders produced no {name!r}")
                 _check_shape(name, tensors[name].shape[1:], shape)
         for i, item in enumerate(batch):
+            # the empty-prompt item (see records.EMPTY_PROMPT_FILE) keeps its text tensors only
+            names = text if item["source_id"] == records.EMPTY_PROMPT_ID else tensors
             yield {
                 "source_id": item["source_id"],
                 "caption": item["caption"],
-                "tensors": {name: value[i] for name, value in tensors.items()},
+                "tensors": {name: tensors[name][i] for name in names},
             }
 
     def batch_elements_kwargs(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import apache_beam as beam
+import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
 
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "convert"
 DROPPED_TAG = "dropped"
+EMPTY_PROMPT_TAG = "empty_prompt"
 ROWS_READ = "rows_read"
 ROWS_PER_READ = 256
 DROPPED_FILE = "dropped/dropped.jsonl"
@@ -223,7 +225,14 @@ def build_graph(
     prepared = rows | "PrepareItem" >> beam.ParDo(PrepareItem(media_config)).with_outputs(
         DROPPED_TAG, main="items"
     )
-    encoded = prepared.items | "Encode" >> RunInference(handler)
+    # One extra item: the empty caption, encoded by the same model as every caption (training
+    # swaps it in for a share of the captions; see records.EMPTY_PROMPT_FILE). Its video is
+    # blank; only its text tensors are kept.
+    empty = pipeline | "EmptyPrompt" >> beam.Create([_empty_prompt_item(media_config)])
+    both = (prepared.items, empty) | "WithEmptyPrompt" >> beam.Flatten()
+    encoded_all = both | "Encode" >> RunInference(handler)
+    empty_prompt = encoded_all | "EmptyPromptOnly" >> beam.Filter(_is_empty_prompt)
+    encoded = encoded_all | "Records" >> beam.Filter(lambda item: not _is_empty_prompt(item))
     eval_timesteps = (
         encoded
         | "EvalIds" >> beam.Filter(_is_eval, split_config)
@@ -244,7 +253,17 @@ def build_graph(
         split.TRAIN: examples[split.TRAIN],
         split.EVAL: examples[split.EVAL],
         DROPPED_TAG: prepared[DROPPED_TAG],
+        EMPTY_PROMPT_TAG: empty_prompt,
     }
+
+
+def _empty_prompt_item(media_config: MediaConfig) -> dict:
+    video = np.zeros((3, media_config.num_frames, media_config.height, media_config.width))
+    return {"source_id": records.EMPTY_PROMPT_ID, "caption": "", "video": video.astype(np.float32)}
+
+
+def _is_empty_prompt(item: dict) -> bool:
+    return item["source_id"] == records.EMPTY_PROMPT_ID
 
 
 def RunInference(handler):  # noqa: N802 - a transform factory reads like a class
@@ -299,6 +318,7 @@ def write_outputs(
             | f"Group{title}" >> beam.GroupByKey()
             | f"Write{title}" >> beam.ParDo(WriteShard(output_dir, split_name, count))
         )
+    _ = outputs[EMPTY_PROMPT_TAG] | "WriteEmptyPrompt" >> beam.Map(_write_empty_prompt, output_dir)
     dropped_prefix = storage.join(output_dir, DROPPED_FILE.removesuffix(".jsonl"))
     _ = (
         outputs[DROPPED_TAG]
@@ -306,6 +326,11 @@ def write_outputs(
         | "WriteDropped"
         >> beam.io.WriteToText(dropped_prefix, file_name_suffix=".jsonl", shard_name_template="")
     )
+
+
+def _write_empty_prompt(item: dict, output_dir: str) -> None:
+    data = records.empty_prompt_bytes(item["tensors"])
+    storage.write_bytes(storage.join(output_dir, records.EMPTY_PROMPT_FILE), data)
 
 
 def write_empty_shards(output_dir: str, plan: ShardPlan) -> None:

@@ -113,7 +113,7 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
 
     for folder in WORK_FOLDERS:  # leftovers of a killed run (never a finished artifact)
         storage.delete_tree(storage.join(writer.uri, folder))
-    for name in (incremental.IDS_FILE, incremental.REMOVED_FILE):
+    for name in (incremental.IDS_FILE, incremental.REMOVED_FILE, records.EMPTY_PROMPT_FILE):
         storage.delete(storage.join(writer.uri, name))
 
     ranges = index_ranges(new_indices)
@@ -131,12 +131,26 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
         log.info("convert: no new rows; the artifact lists the base's shards only")
     seconds = time.perf_counter() - started
     summary = _summary(config, info, encoders, plan, counters, writer.uri, seconds, id_source)
+    summary["empty_prompt"] = _empty_prompt(writer.uri, base)
     entries = _write_ids(config, writer.uri, base, ids_by_split, first_bucket, removed)
     _add_base(summary, base, entries, removed, config.drop_removed)
     _check_bad_fraction(config, summary)
     manifest = writer.commit(summary)
     _publish(config, manifest)
     return manifest
+
+
+def _empty_prompt(uri: str, base) -> dict | None:
+    """The summary's ``empty_prompt`` entry: the file the job wrote, else (an incremental
+    convert with no new rows) a copy of the base's; None for a base converted before it."""
+    target = storage.join(uri, records.EMPTY_PROMPT_FILE)
+    if not storage.exists(target):
+        entry = base.manifest.summary.get("empty_prompt") if base is not None else None
+        if not entry:
+            return None
+        storage.write_bytes(target, storage.read_bytes(base.manifest.path(entry["file"])))
+    tensors = records.load_empty_prompt(storage.read_bytes(target))
+    return {"file": records.EMPTY_PROMPT_FILE, "features": sorted(tensors)}
 
 
 def _settings(config: ConvertConfig, encoders) -> dict:

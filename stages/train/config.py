@@ -74,8 +74,17 @@ class DataSection:
     synthetic_latent_shape: tuple[int, ...] = (4, 1, 8, 8)
     synthetic_text_length: int = 8
     synthetic_image_tokens: int = 8  # image cross-attention models (Wan 2.1 I2V) only
+    # The share of rows whose caption tensors are swapped for the empty caption's (the convert
+    # artifact's empty_prompt.safetensors), drawn per row and step: the model learns the
+    # unconditional prediction classifier-free guidance subtracts (diffusers' training scripts'
+    # --proportion_empty_prompts; SD 1.x, SD3 and Flux were trained with ~0.1). 0: off.
+    proportion_empty_prompts: float = 0.0
 
     def __post_init__(self):
+        if not 0.0 <= self.proportion_empty_prompts <= 1.0:
+            raise ValueError(
+                f"proportion_empty_prompts must be in [0, 1], got {self.proportion_empty_prompts}"
+            )
         if self.shuffle_buffer_size < 1:
             raise ValueError(f"shuffle_buffer_size must be >= 1, got {self.shuffle_buffer_size}")
         if not self.synthetic_latent_shape or min(self.synthetic_latent_shape) < 1:

@@ -156,6 +156,26 @@ def prior_spec(train_spec, prior_manifest) -> data.DataSpec | None:
     return spec
 
 
+def _empty_prompt(config: TrainConfig, data_manifest, features) -> dict | None:
+    """The empty caption's tensors a run with ``proportion_empty_prompts`` swaps in."""
+    if not config.input.proportion_empty_prompts:
+        return None
+    if config.input.dataset_type != "tfrecord":
+        raise StageInputError(
+            "proportion_empty_prompts needs tfrecord data: the empty caption's tensors come "
+            "from the convert artifact"
+        )
+    empty = data.empty_prompt(data_manifest)
+    shapes = {f.name: tuple(f.shape) for f in features}
+    for name, value in empty.items():
+        if shapes.get(name) != value.shape:
+            raise StageInputError(
+                f"{data_manifest.uri}: empty_prompt {name} has shape {list(value.shape)}, "
+                f"but the records' is {list(shapes.get(name, ()))}"
+            )
+    return empty
+
+
 def rows_per_step(batch: int, prior_spec) -> int:
     """Rows the model runs on per step: the batch, and as many class rows in a
     prior-preservation run."""
@@ -246,6 +266,7 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest, prior_manifest=
     built.family.check_heads(built.module.config, mesh)
     features = batch_features(config, built, train_spec)
 
+    empty = _empty_prompt(config, data_manifest, features)
     tx, schedule = trainer.make_optimizer(config.optimizer, config.max_train_steps)
     param_sh = checkpoints.param_shardings(built.family, built.module, mesh)
     trainable = model.make_trainable(built, config.lora, mesh, jax.random.key(config.seed + 1))
@@ -266,6 +287,8 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest, prior_manifest=
         effective=trainable.effective,
         target=target,
         prior_loss_weight=config.prior_preservation.prior_loss_weight if prior else None,
+        empty_prompt=empty,
+        proportion_empty_prompts=config.input.proportion_empty_prompts,
     )
     ckpt = config.checkpointing
     mngr = checkpoints.manager(

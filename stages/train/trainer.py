@@ -69,6 +69,24 @@ def opt_state_shardings(tx, params, param_shardings, mesh: Mesh):
     )
 
 
+# fold_in constant of the caption-dropout draw: the timestep and noise draws keep their keys
+CAPTION_DROPOUT_STREAM = 0x0D20
+
+
+def drop_captions(batch: dict, empty_prompt: dict, proportion: float, key: jax.Array) -> dict:
+    """Each row's caption tensors (the names in ``empty_prompt``) replaced by the empty
+    caption's with probability ``proportion``, drawn from ``key`` (one draw per row)."""
+    rows = batch[next(iter(empty_prompt))].shape[0]
+    draw = jax.random.uniform(jax.random.fold_in(key, CAPTION_DROPOUT_STREAM), (rows,))
+    dropped = draw < proportion
+    out = dict(batch)
+    for name, row in empty_prompt.items():
+        value = batch[name]
+        mask = dropped.reshape((rows,) + (1,) * (value.ndim - 1))
+        out[name] = jnp.where(mask, jnp.asarray(row, value.dtype)[None], value)
+    return out
+
+
 @dataclasses.dataclass
 class TrainStep:
     """A compiled step: ``(params, opt_state, batch, step) -> (params, opt_state, metrics)``;
@@ -101,6 +119,8 @@ def make_train_step(
     effective=None,
     target=None,
     prior_loss_weight: float | None = None,
+    empty_prompt=None,
+    proportion_empty_prompts: float = 0.0,
 ) -> TrainStep:
     """Jit the step with explicit in/out shardings; params and opt_state buffers are donated.
 
@@ -111,6 +131,9 @@ def make_train_step(
     ``prior_loss_weight``: a prior-preservation run (DreamBooth): each step also takes a batch
     of class examples (the same tensors), appended to the instance rows; the loss is
     :func:`~stages.common.objective.prior_preservation_loss` and the metrics carry its parts.
+    ``empty_prompt`` (``{name: one row}``, the empty caption's conditioning) replaces those
+    tensors in each row with probability ``proportion_empty_prompts``
+    (:func:`drop_captions`).
     """
     effective = effective or (lambda params, frozen: params)
     batch_shardings = {f.name: batch_sharding(mesh, 1 + len(f.shape)) for f in features}
@@ -122,6 +145,8 @@ def make_train_step(
         if prior_loss_weight is not None:
             rows = prior[features[0].name].shape[0]
             batch = {name: jnp.concatenate([batch[name], prior[name]]) for name in batch}
+        if empty_prompt and proportion_empty_prompts:
+            batch = drop_captions(batch, empty_prompt, proportion_empty_prompts, key)
         per_sample = objective.weighted_losses(
             family, module, effective(params, frozen), batch, key, objective_cfg, embedded, target
         )

@@ -112,6 +112,10 @@ def test_a_daily_job_encodes_only_new_rows(tmp_path, encoder_dir):
     assert time.perf_counter() - started < 30  # no encoder job ran (the days above take longer)
     third = open_artifact(latest, "convert")
     assert third.summary["rows_read"] == 0 and not list(day[2].rglob("*.tfrecord"))
+    # the empty caption's tensors come along from the base (training's caption dropout reads them)
+    empty_file = records.EMPTY_PROMPT_FILE
+    assert third.summary["empty_prompt"]["file"] == empty_file
+    assert (day[2] / empty_file).read_bytes() == (day[1] / empty_file).read_bytes()
     assert sorted(_union(str(day[2]))) == NAMES
 
     # Day 3: three images are deleted from the source: listed, and left out with drop_removed.

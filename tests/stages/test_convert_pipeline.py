@@ -31,6 +31,7 @@ HEIGHT = WIDTH = 16
 # Records hold the same fp32 computation as a direct call, on a batch padded differently:
 # XLA on CPU may reorder reductions per batch shape, so allow fp32 round-off, not more.
 ATOL = 1e-5
+TEXT = "encoder_hidden_states"
 
 
 def _write_encoder_pipeline(root: Path) -> Path:
@@ -340,6 +341,11 @@ def _check_artifact(uri: str, direct, shapes_dir: Path) -> None:
         np.testing.assert_allclose(row[records.LATENTS], latents_fn(video), atol=ATOL)
         np.testing.assert_allclose(row["encoder_hidden_states"], text_fn(item["text"]), atol=ATOL)
         assert row[records.CAPTION].decode() == item["text"]
+    # The empty caption, encoded by the same text encoder (what caption dropout swaps in).
+    assert s["empty_prompt"] == {"file": records.EMPTY_PROMPT_FILE, "features": [TEXT]}
+    empty = records.load_empty_prompt(storage.read_bytes(manifest.path(records.EMPTY_PROMPT_FILE)))
+    np.testing.assert_allclose(empty[TEXT], text_fn(""), atol=ATOL)
+    assert np.abs(empty[TEXT]).max() > 0  # "" still encodes its end-of-sequence token
 
 
 def test_cli_end_to_end_local(tmp_path, shapes_dir, encoder_dir, direct, capsys):

@@ -74,3 +74,10 @@ def test_sd_records_equal_the_pipelines_encodings(tmp_path, xl):
             np.testing.assert_allclose(row[key], value[0], atol=ATOL, err_msg=key)
         if xl:
             np.testing.assert_array_equal(row["time_ids"], [16, 24, 0, 0, 16, 24])
+    # the empty caption's tensors (caption dropout) are the pipeline's encoding of ""
+    empty = data.empty_prompt(manifest)
+    assert {"encoder_hidden_states", "text_embeds"} & set(empty) == (
+        {"encoder_hidden_states", "text_embeds"} if xl else {"encoder_hidden_states"}
+    )
+    for key, value in pipe.encode_prompts([""], 77).items():
+        np.testing.assert_allclose(empty[key], value[0], atol=ATOL, err_msg=key)

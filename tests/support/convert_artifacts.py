@@ -38,6 +38,8 @@ class TinyDataConfig:
     family: str = "wan"
     # conditioning tensors besides the text (name, shape), e.g. Flux's pooled_projections
     extra_features: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # write empty_prompt.safetensors (a fixed random row per conditioning tensor), as convert does
+    empty_prompt: bool = False
 
     @property
     def conditioning(self) -> dict[str, tuple[int, ...]]:
@@ -110,4 +112,21 @@ def write_convert_artifact(uri: str, cfg: TinyDataConfig | None = None) -> Manif
         "splits": splits,
         "timesteps_list": list(cfg.timesteps_list),
     }
+    if cfg.empty_prompt:
+        storage.write_bytes(
+            storage.join(uri, records.EMPTY_PROMPT_FILE), records.empty_prompt_bytes(empty_row(cfg))
+        )
+        summary["empty_prompt"] = {
+            "file": records.EMPTY_PROMPT_FILE,
+            "features": sorted(cfg.conditioning),
+        }
     return ArtifactWriter(uri, "convert", cfg).commit(summary)
+
+
+def empty_row(cfg: TinyDataConfig) -> dict[str, np.ndarray]:
+    """The empty caption's tensors of an artifact with ``empty_prompt`` (fixed, random)."""
+    rng = np.random.default_rng([cfg.seed, 2])
+    return {
+        name: rng.standard_normal(shape).astype(np.float32)
+        for name, shape in cfg.conditioning.items()
+    }
