@@ -16,15 +16,13 @@ import numpy as np
 import pytest
 
 from jaxcore import sharding
-from jaxcore.compute import ComputeConfig
 from jaxcore.config import load_config
 from jaxcore.families import TensorSpec
-from stages.common import checkpoints, data
 from stages.common.errors import StageInputError
-from stages.common.objective import ObjectiveSection
-from stages.train import model, trainer
-from stages.train.config import ModelSection, OptimizerSection, TrainConfig
+from stages.train import trainer
+from stages.train.config import ModelSection, TrainConfig
 from tests.stages.test_train import TRAIN_YML, _open
+from tests.support import train_steps
 from tests.support.convert_artifacts import TinyDataConfig, write_convert_artifact
 from tests.support.wan_variants import write_one_layer_wan_yaml
 
@@ -73,28 +71,13 @@ def one_layer_model(tmp_path_factory) -> str:
 
 def _step(model_yaml, host_batch, **dropout):
     mesh = sharding.make_mesh(sharding.MeshConfig(), devices=jax.devices()[:1])
-    built = model.build_model(
-        ModelSection(model_config=model_yaml), ComputeConfig(), mesh, jax.random.key(0)
-    )
-    tx, sched = trainer.make_optimizer(
-        OptimizerSection(learning_rate=1e-3, warmup_steps_fraction=0.0), 10
-    )
-    p_sh = checkpoints.param_shardings(built.family, built.module, mesh)
-    o_sh = trainer.opt_state_shardings(tx, built.params, p_sh, mesh)
-    opt = jax.jit(tx.init, out_shardings=o_sh)(built.params)
-    step = trainer.make_train_step(
-        built.family, built.module, tx, sched, ObjectiveSection(), mesh, p_sh, o_sh, FEATURES, 0,
-        **dropout,
-    )  # fmt: skip
-    batch = data.to_global(host_batch, mesh, 4, keys=tuple(host_batch))
-    params, _, metrics = step(built.params, opt, batch, 5)
-    return jax.device_get(params), float(metrics["loss"])
+    section = ModelSection(model_config=model_yaml)
+    return train_steps.one_step(section, mesh, FEATURES, host_batch, step=5, **dropout)
 
 
 def test_a_step_with_every_caption_dropped_is_a_step_on_empty_captions(one_layer_model):
-    rng = np.random.default_rng(1)
-    host = {f.name: rng.standard_normal((4, *f.shape)).astype(np.float32) for f in FEATURES}
-    empty = {TEXT: rng.standard_normal((8, 32)).astype(np.float32)}
+    host = train_steps.random_batch(FEATURES, rows=4, seed=1)
+    empty = {TEXT: np.random.default_rng(2).standard_normal((8, 32)).astype(np.float32)}
     by_hand = {**host, TEXT: np.broadcast_to(empty[TEXT], host[TEXT].shape).copy()}
 
     dropped = _step(one_layer_model, host, empty_prompt=empty, proportion_empty_prompts=1.0)

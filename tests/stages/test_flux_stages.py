@@ -28,10 +28,9 @@ from jaxcore.families import TensorSpec
 from jaxcore.models.flux_transformer import pack_latents
 from jaxcore.sampling import initial_latents
 from pipelines import cli
-from stages.common import checkpoints, data
-from stages.common.objective import ObjectiveSection
-from stages.train import model, trainer
-from stages.train.config import ModelSection, OptimizerSection
+from stages.common import data
+from stages.train.config import ModelSection
+from tests.support import train_steps
 from tests.support.convert_artifacts import FLUX, TinyDataConfig, write_convert_artifact
 from tests.support.tiny_flux import build_flux_pipeline
 
@@ -176,26 +175,8 @@ FEATURES = (
 
 
 def _one_step(flux_dir, mesh):
-    built = model.build_model(
-        ModelSection(pretrained_model_name_or_path=str(flux_dir)),
-        ComputeConfig(),
-        mesh,
-        jax.random.key(0),
-    )
-    tx, sched = trainer.make_optimizer(
-        OptimizerSection(learning_rate=1e-3, warmup_steps_fraction=0.0), 10
-    )
-    p_sh = checkpoints.param_shardings(built.family, built.module, mesh)
-    o_sh = trainer.opt_state_shardings(tx, built.params, p_sh, mesh)
-    opt = jax.jit(tx.init, out_shardings=o_sh)(built.params)
-    step = trainer.make_train_step(
-        built.family, built.module, tx, sched, ObjectiveSection(), mesh, p_sh, o_sh, FEATURES, 0
-    )
-    rng = np.random.default_rng(0)
-    host = {f.name: rng.standard_normal((8, *f.shape), np.float32) for f in FEATURES}
-    batch = data.to_global(host, mesh, 8, keys=tuple(host))
-    params, _, metrics = step(built.params, opt, batch, 0)
-    return jax.device_get(params), float(metrics["loss"])
+    section = ModelSection(pretrained_model_name_or_path=str(flux_dir))
+    return train_steps.one_step(section, mesh, FEATURES, train_steps.random_batch(FEATURES))
 
 
 def test_sharded_flux_step_equals_single_device(flux_dir):

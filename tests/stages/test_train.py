@@ -31,6 +31,7 @@ from stages.common.errors import StageInputError
 from stages.common.objective import ObjectiveSection
 from stages.train import model, trainer
 from stages.train.config import ModelSection, OptimizerSection, TrainConfig, global_batch_size
+from tests.support import train_steps
 from tests.support.convert_artifacts import TinyDataConfig, write_convert_artifact
 from tests.support.wan_variants import write_one_layer_wan_yaml
 
@@ -214,24 +215,8 @@ FEATURES = (TensorSpec("latents", (4, 1, 8, 8)), TensorSpec("encoder_hidden_stat
 
 
 def _one_step(model_yaml, mesh):
-    built = model.build_model(
-        ModelSection(model_config=model_yaml), ComputeConfig(), mesh, jax.random.key(0)
-    )
-    family, module, params = built.family, built.module, built.params
-    tx, sched = trainer.make_optimizer(
-        OptimizerSection(learning_rate=1e-3, warmup_steps_fraction=0.0), 10
-    )
-    p_sh = checkpoints.param_shardings(family, module, mesh)
-    o_sh = trainer.opt_state_shardings(tx, params, p_sh, mesh)
-    opt = jax.jit(tx.init, out_shardings=o_sh)(params)
-    step = trainer.make_train_step(
-        family, module, tx, sched, ObjectiveSection(), mesh, p_sh, o_sh, FEATURES, 0
-    )
-    rng = np.random.default_rng(0)
-    host = {f.name: rng.standard_normal((8, *f.shape), np.float32) for f in FEATURES}
-    keys = tuple(host)
-    params, _, metrics = step(params, opt, data.to_global(host, mesh, 8, keys=keys), 0)
-    return jax.device_get(params), float(metrics["loss"])
+    section = ModelSection(model_config=model_yaml)
+    return train_steps.one_step(section, mesh, FEATURES, train_steps.random_batch(FEATURES))
 
 
 MESHES = {

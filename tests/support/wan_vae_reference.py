@@ -51,3 +51,22 @@ def assert_not_all_clamped(decoded) -> None:
     """Decoder output is clamped to [-1, 1]; most of it must not be a saturated constant."""
     inside = np.abs(decoded) < 0.999
     assert inside.mean() > 0.5, f"only {inside.mean():.0%} of the reference is unclamped"
+
+
+def assert_matches_reference(model, module, params, clip, latent_shape, z_seed, atol) -> None:
+    """Ours vs the diffusers ``model``: the posterior of ``clip`` (mean and log-variance, of
+    ``latent_shape``) and the decoding of random latents drawn with ``z_seed``, within ``atol``."""
+    import jax.numpy as jnp
+
+    from jaxcore.models import wan_vae
+
+    mean_ref, logvar_ref = torch_posterior(model, clip)
+    posterior = wan_vae.encode(module, params, jnp.asarray(clip))
+    assert mean_ref.shape == tuple(latent_shape)
+    assert max_err(posterior.mean, mean_ref) < atol
+    assert max_err(posterior.logvar, logvar_ref) < atol
+    z = latents(latent_shape, seed=z_seed)
+    expected = torch_decode(model, z)
+    assert_not_all_clamped(expected)
+    assert expected.shape[:2] == (clip.shape[0], 3)
+    assert max_err(wan_vae.decode(module, params, jnp.asarray(z)), expected) < atol
