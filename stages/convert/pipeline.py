@@ -227,8 +227,13 @@ def build_graph(
     )
     # One extra item: the empty caption, encoded by the same model as every caption (training
     # swaps it in for a share of the captions; see records.EMPTY_PROMPT_FILE). Its video is
-    # blank; only its text tensors are kept.
-    empty = pipeline | "EmptyPrompt" >> beam.Create([_empty_prompt_item(media_config)])
+    # blank (made on a worker: a full-size video in the job graph would bloat it); only its
+    # text tensors are kept.
+    empty = (
+        pipeline
+        | "EmptyPrompt" >> beam.Create([records.EMPTY_PROMPT_ID])
+        | "BlankVideo" >> beam.Map(_empty_prompt_item, media_config)
+    )
     both = (prepared.items, empty) | "WithEmptyPrompt" >> beam.Flatten()
     encoded_all = both | "Encode" >> RunInference(handler)
     empty_prompt = encoded_all | "EmptyPromptOnly" >> beam.Filter(_is_empty_prompt)
@@ -257,9 +262,9 @@ def build_graph(
     }
 
 
-def _empty_prompt_item(media_config: MediaConfig) -> dict:
-    video = np.zeros((3, media_config.num_frames, media_config.height, media_config.width))
-    return {"source_id": records.EMPTY_PROMPT_ID, "caption": "", "video": video.astype(np.float32)}
+def _empty_prompt_item(source_id: str, media_config: MediaConfig) -> dict:
+    shape = (3, media_config.num_frames, media_config.height, media_config.width)
+    return {"source_id": source_id, "caption": "", "video": np.zeros(shape, np.float32)}
 
 
 def _is_empty_prompt(item: dict) -> bool:
