@@ -144,13 +144,15 @@ def _empty_prompt(uri: str, base) -> dict | None:
     """The summary's ``empty_prompt`` entry: the file the job wrote, else (an incremental
     convert with no new rows) a copy of the base's; None for a base converted before it."""
     target = storage.join(uri, records.EMPTY_PROMPT_FILE)
-    if not storage.exists(target):
+    if storage.exists(target):
+        data = storage.read_bytes(target)
+    else:
         entry = base.manifest.summary.get("empty_prompt") if base is not None else None
         if not entry:
             return None
-        storage.write_bytes(target, storage.read_bytes(base.manifest.path(entry["file"])))
-    tensors = records.load_empty_prompt(storage.read_bytes(target))
-    return {"file": records.EMPTY_PROMPT_FILE, "features": sorted(tensors)}
+        data = storage.read_bytes(base.manifest.path(entry["file"]))
+        storage.write_bytes(target, data)
+    return {"file": records.EMPTY_PROMPT_FILE, "features": sorted(records.load_empty_prompt(data))}
 
 
 def _settings(config: ConvertConfig, encoders) -> dict:

@@ -11,22 +11,25 @@ equals the text encoder's encoding of "") is tested in test_convert_pipeline.py.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
 
 from jaxcore import sharding
+from jaxcore.artifacts import open_artifact
 from jaxcore.config import load_config
 from jaxcore.families import TensorSpec
 from stages.common.errors import StageInputError
 from stages.train import trainer
 from stages.train.config import ModelSection, TrainConfig
-from tests.stages.test_train import TRAIN_YML, _open
 from tests.support import train_steps
 from tests.support.convert_artifacts import TinyDataConfig, write_convert_artifact
 from tests.support.wan_variants import write_one_layer_wan_yaml
 
 TEXT = "encoder_hidden_states"
+TRAIN_YML = Path(__file__).resolve().parents[2] / "configs" / "stages" / "train.yml"
 
 
 def _batch(rows: int) -> tuple[dict, dict]:
@@ -118,7 +121,7 @@ def test_the_train_stage_reads_the_empty_caption_from_the_convert_artifact(
         f"model.model_config={one_layer_model}",
         "proportion_empty_prompts=0.5",
     )
-    result = loop.train(config, str(tmp_path / "out"), _open(with_empty))
+    result = loop.train(config, str(tmp_path / "out"), open_artifact(with_empty, "convert"))
     assert result.final_step == 2 and np.isfinite(result.final_loss)
 
     without = str(tmp_path / "without")
@@ -127,7 +130,7 @@ def test_the_train_stage_reads_the_empty_caption_from_the_convert_artifact(
         tmp_path, without, f"model.model_config={one_layer_model}", "proportion_empty_prompts=0.1"
     )
     with pytest.raises(StageInputError, match=f"{without}.*no empty_prompt.*convert again"):
-        loop.prepare(config, str(tmp_path / "out2"), _open(without))
+        loop.prepare(config, str(tmp_path / "out2"), open_artifact(without, "convert"))
 
 
 def test_the_proportion_is_checked_when_the_config_is_read(tmp_path):
