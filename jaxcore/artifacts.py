@@ -212,11 +212,38 @@ class ArtifactWriter:
             return None
         if found.key == self.key:
             return found
+        added = self._only_new_defaults(found)
+        if added is not None:
+            log.info(
+                "%s was made by an earlier difforge whose %s config lacked %s; this run leaves "
+                "them at their defaults, so the finished artifact stands",
+                self.uri,
+                self.stage,
+                ", ".join(added),
+            )
+            return found
         raise ArtifactError(
             f"{self.uri} already holds a finished {found.stage!r} artifact made from a different "
             f"config or inputs (key {found.key}, this run {self.key}). Choose another output "
             "location, or pass --force to rebuild it."
         )
+
+    def _only_new_defaults(self, found: Manifest) -> list[str] | None:
+        """The config keys this run has and ``found`` lacks, when that is the whole difference
+        and each is at its default (a newer difforge added them); else None.
+
+        The key hashes the whole config, so without this a rerun of an unchanged command
+        after an upgrade would refuse its own finished artifact. Inputs, every key ``found``
+        has, and any key whose default cannot be told must still match."""
+        if found.stage != self.stage or found.inputs.keys() != self.inputs.keys():
+            return None
+        for name, manifest in self.inputs.items():
+            if found.inputs[name].get("manifest_sha256") != manifest.sha256:
+                return None
+        added: list[str] = []
+        if not _matches_with_defaults(found.config, self.config, "", added):
+            return None
+        return added
 
     def file(self, relative: str) -> str:
         return storage.join(self.uri, relative)
@@ -254,6 +281,42 @@ class ArtifactWriter:
             log.info("another writer committed %s first with the same key", self.uri)
             return winner
         raise ArtifactError(f"{self.uri}: another writer committed a different artifact first")
+
+
+_NO_DEFAULT = object()
+
+
+def _field_default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return _NO_DEFAULT
+
+
+def _matches_with_defaults(stored: Any, config: Any, path: str, added: list[str]) -> bool:
+    """Whether ``stored`` (a manifest's config, plain data) equals ``config`` except for
+    dataclass fields ``stored`` lacks that are at their declared defaults (collected in
+    ``added`` as dotted paths)."""
+    if not dataclasses.is_dataclass(config):
+        return stored == to_dict(config)
+    if not isinstance(stored, Mapping):
+        return False
+    names = {f.name for f in dataclasses.fields(config)}
+    if set(stored) - names:
+        return False  # a key this version no longer has: not the same config
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        where = f"{path}{field.name}"
+        if field.name in stored:
+            if not _matches_with_defaults(stored[field.name], value, f"{where}.", added):
+                return False
+            continue
+        default = _field_default(field)
+        if default is _NO_DEFAULT or to_dict(default) != to_dict(value):
+            return False
+        added.append(where)
+    return True
 
 
 def verify(manifest: Manifest, checksums: bool = False) -> None:

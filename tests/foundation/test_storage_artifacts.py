@@ -1,7 +1,7 @@
 """Artifact I/O on a local folder and on gs:// (a real local GCS server)."""
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -56,6 +56,71 @@ def test_commit_manifest_and_open(any_root):
     assert other.existing(force=True) is None
     with pytest.raises(artifacts.ArtifactError, match="no manifest.json"):
         artifacts.open_artifact(any_root, "convert")
+
+
+@dataclass(frozen=True)
+class _Sub:
+    steps: int = 10
+
+
+@dataclass(frozen=True)
+class _OldCfg:  # the config as an earlier difforge had it
+    lr: float = 1e-3
+    sub: _Sub = field(default_factory=_Sub)
+
+
+@dataclass(frozen=True)
+class _NewSub:
+    steps: int = 10
+    shift: tuple[float, ...] = (1.0, 2.0)  # added later, at its default unless set
+
+
+@dataclass(frozen=True)
+class _NewCfg:  # a later difforge: two keys added, one of them nested
+    lr: float = 1e-3
+    sub: _NewSub = field(default_factory=_NewSub)
+    dropout: float = 0.0
+
+
+@dataclass(frozen=True)
+class _NewRequired:  # a later difforge with a new key that has no default
+    mode: str
+    lr: float = 1e-3
+    sub: _Sub = field(default_factory=_Sub)
+
+
+def test_rerun_after_upgrade_reuses_the_artifact_when_new_keys_are_at_defaults(tmp_path):
+    """A finished artifact whose config lacks keys a newer version added stands for a rerun
+    that leaves them at their defaults (its key differs: it hashes the whole config); any
+    other difference, or a different input, is still refused."""
+    up = artifacts.ArtifactWriter(str(tmp_path / "up"), "convert", _Cfg()).commit()
+    out = str(tmp_path / "out")
+    made = artifacts.ArtifactWriter(out, "train", _OldCfg(), {"data": up}).commit()
+
+    rerun = artifacts.ArtifactWriter(out, "train", _NewCfg(), {"data": up})
+    assert rerun.key != made.key
+    assert rerun.existing().sha256 == made.sha256
+
+    refused = [
+        _NewCfg(dropout=0.1),  # a new key set away from its default
+        _NewCfg(sub=_NewSub(shift=(1.0,))),  # a nested new key away from its default
+        _NewCfg(lr=2e-3),  # a key the artifact has, changed
+        _NewCfg(sub=_NewSub(steps=11)),
+    ]
+    for config in refused:
+        with pytest.raises(artifacts.ArtifactError, match="different config or inputs"):
+            artifacts.ArtifactWriter(out, "train", config, {"data": up}).existing()
+    storage.write_text(str(tmp_path / "up" / "extra"), "x")
+    storage.delete(str(tmp_path / "up" / "manifest.json"))
+    other_input = artifacts.ArtifactWriter(str(tmp_path / "up"), "convert", _Cfg()).commit()
+    with pytest.raises(artifacts.ArtifactError, match="different config or inputs"):
+        artifacts.ArtifactWriter(out, "train", _NewCfg(), {"data": other_input}).existing()
+    # a new key without a default cannot be known to match
+    with pytest.raises(artifacts.ArtifactError, match="different config or inputs"):
+        artifacts.ArtifactWriter(out, "train", _NewRequired("a"), {"data": up}).existing()
+    # a key the artifact has but this version dropped: not the same config either
+    with pytest.raises(artifacts.ArtifactError, match="different config or inputs"):
+        artifacts.ArtifactWriter(out, "train", _Cfg(), {"data": up}).existing()
 
 
 def test_wrong_stage_refused(any_root):
