@@ -10,6 +10,7 @@ table of rematerialisation policies.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
@@ -28,6 +29,28 @@ REMAT_POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+@functools.cache
+def cpu_compiler_options(**options) -> dict | None:
+    """``options`` (XLA debug options) when running on the CPU backend and this XLA accepts
+    them, else None (another backend, or a jaxlib without one of these experimental options,
+    compiles as XLA chooses). For ``jax.jit(..., compiler_options=...)``; jax refuses them on
+    a jit traced inside another transformation, so only top-level programs take them."""
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        jax.jit(lambda v: v + 1, compiler_options=options).lower(1.0).compile()
+    except Exception:  # noqa: BLE001 - any refusal means: compile as XLA chooses
+        return None
+    return dict(options)
+
+
+# The training step on CPU (jaxlib 0.10, AVX-512): 512-bit vectors in XLA's own loops and
+# XNNPACK for what it takes make the fwd+bwd+AdamW step 7% faster for the demo DiT (batch 32:
+# 398 -> 372 ms) and 3% at the Wan bench size S (5.54 -> 5.37 s), on 2 cores, measured
+# alternately call by call (the 512-bit vectors alone: no gain); other backends ignore this.
+CPU_TRAIN_STEP_OPTIONS = {"xla_cpu_prefer_vector_width": 512, "xla_cpu_use_xnnpack": True}
 
 
 def check_remat_policy(name: str, key: str = "remat_policy") -> None:

@@ -57,6 +57,7 @@ from flax import linen as nn
 
 from jaxcore import sharding, weights
 from jaxcore.attention import attention as attention_fn
+from jaxcore.compute import cpu_compiler_options
 from jaxcore.config import config_json_kwargs
 from jaxcore.models import wan_vae_residual as residual
 
@@ -1003,19 +1004,6 @@ CPU_COMPILER_OPTIONS = {
 }
 
 
-@functools.cache
-def _compiler_options() -> dict | None:
-    """CPU_COMPILER_OPTIONS on the CPU backend if this XLA accepts them (the option is
-    experimental: a jaxlib without it gets the default compilation), else None."""
-    if jax.default_backend() != "cpu":
-        return None
-    try:
-        jax.jit(lambda v: v + 1, compiler_options=CPU_COMPILER_OPTIONS).lower(1.0).compile()
-    except Exception:  # noqa: BLE001 - any refusal means: compile as XLA chooses
-        return None
-    return CPU_COMPILER_OPTIONS
-
-
 @functools.lru_cache(maxsize=32)
 def _chunk_step(module: WanVAE, method: str, top_level: bool = True):
     """jit(params, cache, x, first_chunk) -> (out, new cache); one compile per chunk shape.
@@ -1029,7 +1017,7 @@ def _chunk_step(module: WanVAE, method: str, top_level: bool = True):
         out, updated = module.apply(variables, x, first_chunk, method=method, mutable=["cache"])
         return out, updated["cache"]
 
-    options = _compiler_options() if top_level else None
+    options = cpu_compiler_options(**CPU_COMPILER_OPTIONS) if top_level else None
     return jax.jit(step, static_argnums=3, compiler_options=options)
 
 

@@ -16,6 +16,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxcore import sharding
+from jaxcore.compute import CPU_TRAIN_STEP_OPTIONS, cpu_compiler_options
 from stages.common import objective
 from stages.common.data import batch_sharding, replicated
 from stages.common.objective import ObjectiveSection
@@ -183,5 +184,6 @@ def make_train_step(
         ),
         out_shardings=(param_shardings, opt_shardings, rep),
         donate_argnums=(0, 1),
+        compiler_options=cpu_compiler_options(**CPU_TRAIN_STEP_OPTIONS),
     )
     return TrainStep(jitted, mesh)
