@@ -64,6 +64,7 @@ from jaxcore.models.layers import (
     dense,
     gelu_tanh,
     layer_norm,
+    linear,
     timestep_embedding,
 )
 
@@ -585,8 +586,10 @@ class PatchEmbedding(nn.Module):
             (cfg.hidden_dim,),
             self.param_dtype,
         )
-        out = jnp.einsum("bfhwtpqc,tpqcd->bfhwd", patches, kernel.astype(self.dtype))
-        return out + bias.astype(self.dtype)
+        # one matrix product over the flattened patch contents, with linear's backward
+        patch_inputs = patches.reshape(*patches.shape[:4], -1).astype(self.dtype)
+        kernel_2d = kernel.reshape(-1, cfg.hidden_dim).astype(self.dtype)
+        return linear(patch_inputs, kernel_2d, bias.astype(self.dtype))
 
 
 class WanTransformer(nn.Module):

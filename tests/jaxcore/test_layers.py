@@ -1,0 +1,131 @@
+"""The shared Dense (jaxcore.models.layers): flax nn.Dense's parameters and forward, and a
+written-out backward equal to autodiff's, in float32 and bfloat16, unsharded and sharded."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcore.models.layers import Dense, linear
+
+AXES = ("embed", "mlp")
+
+
+def _modules(features, dtype=jnp.float32):
+    ours = Dense(features, AXES, dtype=dtype, param_dtype=jnp.float32)
+    # the initializers difforge's dense always used (xavier-uniform kernel, zero bias)
+    flax_dense = nn.Dense(
+        features,
+        dtype=dtype,
+        param_dtype=jnp.float32,
+        kernel_init=nn.initializers.xavier_uniform(),
+    )
+    return ours, flax_dense
+
+
+def _inputs(shape, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _random_params(module, x, seed):
+    """The module's parameters with a non-zero bias (its init is zeros)."""
+    params = nn.unbox(module.init(jax.random.key(seed), x))["params"]
+    bias = _inputs(params["bias"].shape, seed + 1)
+    return {"kernel": params["kernel"], "bias": bias}
+
+
+def _loss_and_grads(module, params, x, upstream):
+    def loss(p, x):
+        return jnp.sum(module.apply({"params": p}, x).astype(jnp.float32) * upstream)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+
+
+def test_parameters_are_flax_dense_parameters():
+    ours, flax_dense = _modules(24)
+    x = _inputs((3, 16))
+    ours_params = nn.unbox(ours.init(jax.random.key(7), x))["params"]
+    flax_params = flax_dense.init(jax.random.key(7), x)["params"]
+    assert jax.tree.map(jnp.shape, ours_params) == jax.tree.map(jnp.shape, flax_params)
+    np.testing.assert_array_equal(ours_params["kernel"], flax_params["kernel"])
+    np.testing.assert_array_equal(ours_params["bias"], flax_params["bias"])
+    boxed = ours.init(jax.random.key(7), x)["params"]
+    assert boxed["kernel"].names == AXES and boxed["bias"].names == ("mlp",)
+
+
+@pytest.mark.parametrize("shape", [(5, 16), (2, 7, 16), (2, 3, 4, 16)])
+def test_forward_and_gradients_equal_flax_dense_float32(shape):
+    ours, flax_dense = _modules(24)
+    x = _inputs(shape)
+    params = _random_params(ours, x, seed=3)
+    upstream = _inputs((*shape[:-1], 24), seed=9)
+    np.testing.assert_array_equal(
+        ours.apply({"params": params}, x), flax_dense.apply({"params": params}, x)
+    )
+    (loss, (grad_params, grad_x)) = _loss_and_grads(ours, params, x, upstream)
+    (ref_loss, (ref_params, ref_x)) = _loss_and_grads(flax_dense, params, x, upstream)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    # summation order may differ between the two dots; float32 rounding only
+    np.testing.assert_allclose(grad_x, ref_x, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad_params["kernel"], ref_params["kernel"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad_params["bias"], ref_params["bias"], rtol=1e-5, atol=1e-5)
+    # and the gradients are right, not only equal: against float64 numpy
+    x64, k64 = np.float64(x).reshape(-1, 16), np.float64(params["kernel"])
+    up64 = np.float64(upstream).reshape(-1, 24)
+    np.testing.assert_allclose(grad_params["kernel"], x64.T @ up64, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad_params["bias"], up64.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.reshape(grad_x, (-1, 16)), up64 @ k64.T, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_compute_with_float32_parameters_matches_flax_dense():
+    ours, flax_dense = _modules(32, dtype=jnp.bfloat16)
+    x = _inputs((4, 8, 16))
+    params = _random_params(ours, x, seed=5)
+    upstream = _inputs((4, 8, 32), seed=11)
+    out = ours.apply({"params": params}, x)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out, flax_dense.apply({"params": params}, x))
+    (_, (grad_params, grad_x)) = _loss_and_grads(ours, params, x, upstream)
+    assert grad_params["kernel"].dtype == jnp.float32 and grad_x.dtype == jnp.float32
+    # against float64 sums of the bf16-rounded operands: each gradient is a sum of products
+    # rounded to bf16 along the way, so its error is bounded by a few bf16 ulps (2^-8) of the
+    # sum of the terms' magnitudes (autodiff's bias gradient was 0.097 off where ours was 0.054)
+    x64 = _as_float64(x).reshape(-1, 16)
+    up64 = _as_float64(upstream).reshape(-1, 32)
+    k64 = _as_float64(params["kernel"])
+    expected = {
+        "x": (up64 @ k64.T, np.abs(up64) @ np.abs(k64.T), np.reshape(grad_x, (-1, 16))),
+        "kernel": (x64.T @ up64, np.abs(x64.T) @ np.abs(up64), grad_params["kernel"]),
+        "bias": (up64.sum(0), np.abs(up64).sum(0), grad_params["bias"]),
+    }
+    for name, (want, magnitude, got) in expected.items():
+        error = np.abs(np.float64(got) - want)
+        assert np.all(error <= 2**-7 * magnitude + 1e-6), (name, float(error.max()))
+
+
+def _as_float64(a):
+    """The array as bf16 rounds it, in float64."""
+    return np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def test_gradients_sharded_over_data_and_tensor_equal_unsharded():
+    devices = np.array(jax.devices()[:4]).reshape(2, 2)
+    mesh = jax.sharding.Mesh(devices, ("data", "tensor"))
+    x = _inputs((4, 6, 16))
+    kernel, bias, upstream = _inputs((16, 8), 1), _inputs((8,), 2), _inputs((4, 6, 8), 3)
+
+    def loss(x, kernel, bias):
+        return jnp.sum(linear(x, kernel, bias) * upstream)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    unsharded = grads(x, kernel, bias)
+    sharded = grads(
+        jax.device_put(x, NamedSharding(mesh, P("data", None, None))),
+        jax.device_put(kernel, NamedSharding(mesh, P(None, "tensor"))),
+        jax.device_put(bias, NamedSharding(mesh, P("tensor"))),
+    )
+    for got, want in zip(sharded, unsharded, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
