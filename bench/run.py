@@ -227,6 +227,11 @@ def run_benchmarks(names: list[str], ctx) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    from jaxcore.host_memory import keep_freed_host_memory
+
+    # as the difforge command does: the figures are what its stages get (every peer in this
+    # process shares the allocator)
+    host_memory_kept = keep_freed_host_memory()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
     from bench.common import BenchContext
@@ -237,6 +242,7 @@ def main(argv=None) -> int:
         list(BENCHMARKS) if not args.only else ["matmul", *[n for n in args.only if n != "matmul"]]
     )
     facts = machine_facts()
+    facts["host_memory_kept"] = host_memory_kept
     started = time.perf_counter()
     records = run_benchmarks(names, ctx)
     add_derived(records)

@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from jaxcore.host_memory import keep_freed_host_memory
+
+    try:
+        keep_freed_host_memory()  # before JAX starts its CPU runtime's threads (see the module)
+    except ValueError as err:  # a bad DIFFORGE_KEEP_HOST_MEMORY
+        print(f"difforge: error: {err}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may also follow flags (`... -q key=value`), which argparse leaves over.

@@ -14,6 +14,10 @@ os.environ.setdefault("NO_GCE_CHECK", "true")
 # etils reads this when orbax is first imported (possibly at collection): never tf.io.gfile for
 # gs://, which cannot reach the local GCS server.
 os.environ.setdefault("EPATH_USE_TF", "false")
+# The difforge command keeps freed host memory for reuse (jaxcore/host_memory.py); tests call
+# it in-process, and a pytest worker runs hundreds of unlike programs: keep glibc's default
+# there (tests/foundation/test_host_memory.py checks the policy in its own processes).
+os.environ.setdefault("DIFFORGE_KEEP_HOST_MEMORY", "0")
 
 import jax  # noqa: E402
 
