@@ -14,7 +14,7 @@ import time
 import jax
 import numpy as np
 
-from bench.common import BenchContext, block, time_calls, timed_record
+from bench.common import BenchContext, block, set_torch_threads, time_calls, timed_record
 from bench.transformer import BENCH_M, BENCH_S, TINY, WAN_1_3B_480P, ForwardCase, video_tokens
 from jaxcore import families, sharding
 from jaxcore.compute import ComputeConfig
@@ -29,7 +29,10 @@ from stages.train.config import OptimizerSection
 log = logging.getLogger(__name__)
 
 BENCH = "train_step"
-CASES = {"smoke": (TINY,), "quick": (BENCH_S,), "full": (BENCH_S, BENCH_M)}
+# The CPU demo's DiT (`make demo`): batch 32 of 64 tokens; its step time decides how many
+# images the demo's training sees in its budget. Timed alternately with PyTorch (below).
+DEMO = ForwardCase("demo b32", "configs/models/wan_demo.yml", (32, 4, 1, 16, 16), 16)
+CASES = {"smoke": (TINY,), "quick": (DEMO, BENCH_S), "full": (DEMO, BENCH_S, BENCH_M)}
 ACCELERATOR_CASES = {"smoke": (TINY,), "quick": (BENCH_S,), "full": (BENCH_S, WAN_1_3B_480P)}
 
 
@@ -63,7 +66,8 @@ def build_step(config: wan.WanTransformerConfig, features, remat_policy: str = "
     return step, params, opt_state
 
 
-def run_case(ctx: BenchContext, case: ForwardCase) -> dict:
+def _difforge_step(case: ForwardCase):
+    """(one_step(), state) of the train stage's step on this case's shapes."""
     config = case.config()
     features = (
         TensorSpec(records.LATENTS, tuple(case.latent_shape[1:])),
@@ -90,14 +94,25 @@ def run_case(ctx: BenchContext, case: ForwardCase) -> dict:
             loss=float(metrics["loss"]),
         )
 
-    started = time.perf_counter()
-    one_step()
-    first = time.perf_counter() - started
-    times, _ = time_calls(one_step, reps=ctx.reps, warmup=max(ctx.warmup - 1, 0))
+    return one_step, state
+
+
+def _step_flops_and_tokens(case: ForwardCase) -> tuple[float, int]:
+    config = case.config()
     tokens = video_tokens(config, case.latent_shape)
     flops = 3 * wan.flops_per_forward(
         config, case.latent_shape[0], tokens // case.latent_shape[0], case.text_tokens
     )
+    return flops, tokens
+
+
+def run_case(ctx: BenchContext, case: ForwardCase) -> dict:
+    one_step, state = _difforge_step(case)
+    started = time.perf_counter()
+    one_step()
+    first = time.perf_counter() - started
+    times, _ = time_calls(one_step, reps=ctx.reps, warmup=max(ctx.warmup - 1, 0))
+    flops, tokens = _step_flops_and_tokens(case)
     return timed_record(
         BENCH,
         case.name,
@@ -113,9 +128,80 @@ def run_case(ctx: BenchContext, case: ForwardCase) -> dict:
     )
 
 
+def _torch_step(case: ForwardCase):
+    """diffusers' WanTransformer3DModel of the same config, one flow-matching step with
+    torch's AdamW and gradient clipping (as the train stage's defaults), eager."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    set_torch_threads()
+    config = case.config()
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**config.to_dict()).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(0)
+    batch = case.latent_shape[0]
+    latents = torch.randn(case.latent_shape, generator=generator)
+    text = torch.randn((batch, case.text_tokens, config.text_dim), generator=generator)
+
+    def one_step():
+        noise = torch.randn(latents.shape, generator=generator)
+        sigma = torch.rand((batch,), generator=generator)
+        noisy = (1 - sigma[:, None, None, None, None]) * latents + sigma[
+            :, None, None, None, None
+        ] * noise
+        out = model(noisy, sigma * 1000, text, return_dict=False)[0]
+        loss = torch.mean((out - (noise - latents)) ** 2)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    return one_step
+
+
+def run_alternating(ctx: BenchContext, case: ForwardCase) -> list[dict]:
+    """difforge's step and PyTorch's, timed call by call in turn: this VM's speed drifts by
+    20-30% within an hour, which one side timed after the other would read as a ratio."""
+    ours, state = _difforge_step(case)
+    theirs = _torch_step(case)
+    firsts = {}
+    for name, fn in (("difforge", ours), ("pytorch eager", theirs)):
+        started = time.perf_counter()
+        fn()
+        firsts[name] = time.perf_counter() - started
+    for _ in range(max(ctx.warmup - 1, 0)):
+        ours(), theirs()
+    times = {"difforge": [], "pytorch eager": []}
+    for _ in range(max(ctx.reps, 5)):
+        for name, fn in (("difforge", ours), ("pytorch eager", theirs)):
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    flops, tokens = _step_flops_and_tokens(case)
+    return [
+        timed_record(
+            BENCH,
+            case.name,
+            name,
+            times[name],
+            flops=flops,
+            items=tokens,
+            item_unit="video tokens",
+            first_call_s=firsts[name],
+            timing="alternating call by call",
+            **({"last_loss": state["loss"]} if name == "difforge" else {}),
+        )
+        for name in times
+    ]
+
+
 def run(ctx: BenchContext) -> list[dict]:
     out = []
     for case in cases_for(ctx):
         log.info("train step: case %s", case.name)
-        out.append(run_case(ctx, case))
+        if case is DEMO and not ctx.on_accelerator:
+            out.extend(run_alternating(ctx, case))
+        else:
+            out.append(run_case(ctx, case))
     return out
