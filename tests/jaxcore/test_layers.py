@@ -9,7 +9,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcore.models.layers import Dense, linear
+from jaxcore.models.layers import Dense, layer_norm, linear
 
 AXES = ("embed", "mlp")
 
@@ -129,3 +129,43 @@ def test_gradients_sharded_over_data_and_tensor_equal_unsharded():
     )
     for got, want in zip(sharded, unsharded, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _autodiff_layer_norm(x, eps):
+    x = x.astype(jnp.float32)
+    centered = x - x.mean(-1, keepdims=True)
+    var = jnp.mean(centered * centered, axis=-1, keepdims=True)
+    return centered * jax.lax.rsqrt(var + eps)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_layer_norm_gradient_equals_autodiff(dtype):
+    # an offset and a scale per row, so mean and variance both matter
+    x = (_inputs((3, 5, 64)) * 3.0 + _inputs((3, 5, 1), 1) * 4.0).astype(dtype)
+    upstream = _inputs((3, 5, 64), 2)
+
+    def loss(norm):
+        return lambda x: jnp.sum(norm(x, 1e-6) * upstream)
+
+    np.testing.assert_array_equal(layer_norm(x, 1e-6), _autodiff_layer_norm(x, 1e-6))
+    grad = jax.jit(jax.grad(loss(layer_norm)))(x)
+    want = jax.jit(jax.grad(loss(_autodiff_layer_norm)))(x)
+    assert grad.dtype == dtype
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-6)
+    else:  # both computed in float32, rounded once to bf16: one bf16 ulp apart at most
+        np.testing.assert_allclose(
+            np.float32(grad), np.float32(want), rtol=2**-7, atol=2**-7 * float(jnp.abs(want).max())
+        )
+    # and right: against float64 finite differences along a random direction
+    direction = _inputs((3, 5, 64), 3)
+    x64 = np.float64(np.asarray(x.astype(jnp.float32)))
+
+    def loss64(v):
+        c = v - v.mean(-1, keepdims=True)
+        return np.sum(c / np.sqrt((c * c).mean(-1, keepdims=True) + 1e-6) * np.float64(upstream))
+
+    h = 1e-4
+    numeric = (loss64(x64 + h * direction) - loss64(x64 - h * direction)) / (2 * h)
+    analytic = float(jnp.sum(np.float64(np.float32(grad)) * np.float64(direction)))
+    assert abs(analytic - numeric) <= 2e-2 * max(1.0, abs(numeric)), (analytic, numeric)
