@@ -280,6 +280,89 @@ def iterate_numpy(spec: DataSpec, dataset) -> Iterator[Batch]:
         yield {k: v.numpy() for k, v in batch.items()}
 
 
+def split_mib(spec: DataSpec) -> float:
+    """MiB of the split's record tensors (what holding it in memory takes)."""
+    per_record = sum(
+        np.dtype(f.dtype).itemsize * int(np.prod(f.shape, dtype=np.int64)) for f in spec.features
+    )
+    return per_record * spec.records / 2**20
+
+
+def load_split(spec: DataSpec) -> dict[str, np.ndarray]:
+    """Every record of the split (less its excluded ids) in shard order: ``{tensor: [N, ...]}``."""
+    dataset = tf_dataset(
+        spec, 256, seed=0, start_step=0, shuffle_buffer=1, prefetch=1, repeat=False
+    )
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in spec.tensor_names}
+    for batch in iterate_numpy(spec, dataset):
+        for name, chunks in parts.items():
+            chunks.append(batch[name])
+    if not parts[records.LATENTS]:
+        raise StageInputError(f"{spec.artifact_uri}: the {spec.split!r} split has no records")
+    return {name: np.concatenate(chunks) for name, chunks in parts.items()}
+
+
+class DeviceBatches:
+    """Global batches gathered on the devices from a whole split held there (replicated).
+
+    The order: epoch ``e`` visits the records in the permutation ``default_rng([seed, e])``, and
+    step ``s`` takes rows ``s * B .. (s + 1) * B - 1`` of the epochs laid end to end (``B``: the
+    global batch). It depends on the seed and the global batch only, not on hosts, devices or
+    ``data_streams``, and a run resumed at step ``s`` reads what an uninterrupted run reads.
+    Each step costs the host one index vector; the gather runs on the devices, each device
+    gathering its own rows of the batch sharding.
+    """
+
+    def __init__(
+        self,
+        arrays: dict[str, np.ndarray],
+        mesh: Mesh,
+        global_batch: int,
+        *,
+        seed: int,
+        start_step: int,
+    ):
+        self.count = len(arrays[records.LATENTS])
+        self.global_batch, self.seed, self.step = global_batch, seed, start_step
+        self._replicated = replicated(mesh)
+        self._data = {name: self._put(value) for name, value in arrays.items()}
+        out = {name: batch_sharding(mesh, value.ndim) for name, value in arrays.items()}
+        self._gather = jax.jit(
+            lambda data, rows: {name: value[rows] for name, value in data.items()},
+            out_shardings=out,
+        )
+        self._epochs: dict[int, np.ndarray] = {}
+
+    def _put(self, value: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(
+            value.shape, self._replicated, lambda index: value[index]
+        )
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._epochs:
+            self._epochs = {e: p for e, p in self._epochs.items() if e >= epoch - 1}
+            self._epochs[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.count)
+        return self._epochs[epoch]
+
+    def rows(self, step: int) -> np.ndarray:
+        """The record indices of step ``step``'s global batch."""
+        flat = step * self.global_batch + np.arange(self.global_batch, dtype=np.int64)
+        epochs, positions = np.divmod(flat, self.count)
+        out = np.empty(self.global_batch, np.int32)
+        for epoch in np.unique(epochs):
+            where = epochs == epoch
+            out[where] = self._permutation(int(epoch))[positions[where]]
+        return out
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, jax.Array]:
+        rows = self.rows(self.step)
+        self.step += 1
+        return self._gather(self._data, self._put(rows))
+
+
 def synthetic_batches(
     features: tuple[TensorSpec, ...], local_batch: int, *, seed: int, start_step: int
 ) -> Iterator[Batch]:

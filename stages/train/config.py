@@ -67,6 +67,10 @@ class DataSection:
     dataset_type: Literal["tfrecord", "synthetic"] = "tfrecord"
     shuffle_buffer_size: int = 1024
     prefetch_batches: int = 2
+    # A train split of at most this many MiB of tensors is read once and held on the devices;
+    # each step's batch is then gathered there from a seeded per-epoch permutation (no tf.data
+    # on the step's critical path: small data sets such as DreamBooth's or the demo's). 0: never.
+    in_memory_max_mib: float = 64.0
     # The global batch is this many equal parts, each read from its own shards; fixed, it
     # makes the data order independent of the host count (a 2-host run equals a 1-host run
     # and resumes on any host count dividing it). None: one stream per host.
@@ -84,6 +88,10 @@ class DataSection:
         if not 0.0 <= self.proportion_empty_prompts <= 1.0:
             raise ValueError(
                 f"proportion_empty_prompts must be in [0, 1], got {self.proportion_empty_prompts}"
+            )
+        if self.in_memory_max_mib < 0:
+            raise ValueError(
+                f"in_memory_max_mib must be >= 0 (0 = never), got {self.in_memory_max_mib}"
             )
         if self.shuffle_buffer_size < 1:
             raise ValueError(f"shuffle_buffer_size must be >= 1, got {self.shuffle_buffer_size}")

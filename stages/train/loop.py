@@ -354,24 +354,42 @@ def resume(run: Run) -> None:
 
 
 def batches(run: Run, spec=None, seed_offset: int = 0):
-    """Host batches of ``spec`` (default: the train split) from the run's start step on (same
-    order as an uninterrupted run); ``seed_offset`` gives a second stream its own order."""
+    """Global batches of ``spec`` (default: the train split) from the run's start step on (same
+    order as an uninterrupted run); ``seed_offset`` gives a second stream its own order. A split
+    of at most ``input.in_memory_max_mib`` is held on the devices (:class:`data.DeviceBatches`),
+    a larger one streams through tf.data."""
     config, local_batch = run.config, data.local_batch_size(run.batch)
+    keys = tuple(f.name for f in run.features)
     spec = spec or run.train_spec
     if spec is None:
-        return data.synthetic_batches(
+        host = data.synthetic_batches(
             run.features, local_batch, seed=config.seed, start_step=run.start
         )
-    ds = data.tf_dataset(
-        spec,
-        local_batch,
-        seed=config.seed + seed_offset,
-        start_step=run.start,
-        shuffle_buffer=config.input.shuffle_buffer_size,
-        prefetch=config.input.prefetch_batches,
-        streams=config.input.data_streams,
-    )
-    return data.iterate_numpy(spec, ds)
+    elif data.split_mib(spec) <= config.input.in_memory_max_mib:
+        log.info(
+            "%s (%s): %d records, %.1f MiB, held in memory (input.in_memory_max_mib=%g)",
+            spec.artifact_uri,
+            spec.split,
+            spec.records,
+            data.split_mib(spec),
+            config.input.in_memory_max_mib,
+        )
+        arrays = data.load_split(spec)
+        arrays = {name: arrays[name] for name in keys}
+        seed = config.seed + seed_offset
+        return data.DeviceBatches(arrays, run.mesh, run.batch, seed=seed, start_step=run.start)
+    else:
+        ds = data.tf_dataset(
+            spec,
+            local_batch,
+            seed=config.seed + seed_offset,
+            start_step=run.start,
+            shuffle_buffer=config.input.shuffle_buffer_size,
+            prefetch=config.input.prefetch_batches,
+            streams=config.input.data_streams,
+        )
+        host = data.iterate_numpy(spec, ds)
+    return (data.to_global(batch, run.mesh, run.batch, keys=keys) for batch in host)
 
 
 def run_eval(run: Run, step: int) -> None:
@@ -496,7 +514,6 @@ def run_steps(run: Run) -> tuple[bool, float | None]:
     from tqdm import tqdm
 
     config = run.config
-    keys = tuple(f.name for f in run.features)
     source = batches(run)
     prior_source = batches(run, run.prior_spec, seed_offset=1) if run.prior_spec else None
     profiler = Profiler(run)
@@ -512,10 +529,8 @@ def run_steps(run: Run) -> tuple[bool, float | None]:
         )
         for step in progress:
             profiler.before(step)
-            global_batch = data.to_global(next(source), run.mesh, run.batch, keys=keys)
-            prior = None
-            if prior_source is not None:
-                prior = data.to_global(next(prior_source), run.mesh, run.batch, keys=keys)
+            global_batch = next(source)
+            prior = None if prior_source is None else next(prior_source)
             t0 = time.perf_counter()
             run.trainable.params, run.opt_state, m = run.step_fn(
                 run.params, run.opt_state, global_batch, step, run.trainable.frozen, prior
