@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from apache_beam.ml.inference.base import ModelHandler
 
 from jaxcore import families
 from jaxcore.compute import ComputeConfig
@@ -73,22 +72,33 @@ def load_encoders(config: EncoderConfig, compute: ComputeConfig) -> Encoders:
     return family.load_encoders(directory, compute, config.max_sequence_length, config.batch_size)
 
 
-class EncoderHandler(ModelHandler[dict, dict, Encoders]):
-    """Beam ``ModelHandler``: ``{"source_id", "caption", "video"}`` -> the record's tensors.
+class EncoderHandler:
+    """Loads the encoders and encodes batches: ``{"source_id", "caption", "video"}`` -> the
+    record's tensors.
 
     Each output element is ``{"source_id", "caption", "tensors": {name: array}}`` with the
     latents and the family's conditioning tensors (from the caption and, for image-to-video,
-    from the video's own frames); the video is dropped. Batches hold
-    1..batch_size elements; the encoders pad them to batch_size.
+    from the video's own frames); the video is dropped. A batch holds 1..batch_size elements;
+    every encoder call is padded to batch_size rows (videos and captions alike), so one compiled
+    program serves every batch.
+
+    The methods are those of Beam's ``ModelHandler`` (``load_model``, ``run_inference``,
+    ``batch_elements_kwargs``, ...), but the class does not derive from it: importing
+    ``apache_beam.ml`` imports torch, seconds in every worker process. The graph encodes with
+    its own DoFn (:class:`stages.convert.pipeline.EncodeBatches`); ``large_model`` jobs wrap
+    this in a real ModelHandler for ``RunInference`` (:mod:`stages.convert.model_handler`).
     """
 
     def __init__(
         self, config: EncoderConfig, compute: ComputeConfig, plan: EncoderPlan | None = None
     ):
-        super().__init__()
         self._config = config
         self._compute = compute
         self._plan = plan
+
+    @property
+    def batch_size(self) -> int:
+        return self._config.batch_size
 
     def load_model(self) -> Encoders:
         return load_encoders(self._config, self._compute)
@@ -96,10 +106,15 @@ class EncoderHandler(ModelHandler[dict, dict, Encoders]):
     def run_inference(
         self, batch: Sequence[dict], model: Encoders, inference_args: dict | None = None
     ) -> Iterable[dict]:
+        count = len(batch)
         videos = np.stack([item["video"] for item in batch])
         tensors = {records.LATENTS: model.encode_media(videos)}
         tensors.update(model.encode_media_conditioning(videos))
-        text = model.encode_text([item["caption"] for item in batch])
+        # full batches of captions too: the text encoder's results are sliced per call, and a
+        # new batch length would compile new slicing programs (rows are independent)
+        captions = [item["caption"] for item in batch]
+        captions += captions[-1:] * (self.batch_size - count)
+        text = {name: value[:count] for name, value in model.encode_text(captions).items()}
         tensors.update(text)
         if self._plan is not None:
             for name, shape in self._plan.shapes.items():
@@ -116,7 +131,8 @@ class EncoderHandler(ModelHandler[dict, dict, Encoders]):
             }
 
     def batch_elements_kwargs(self) -> dict[str, Any]:
-        return {"min_batch_size": 1, "max_batch_size": self._config.batch_size}
+        """Full batches: a smaller one costs a full batch's compute (it is padded)."""
+        return {"min_batch_size": self.batch_size, "max_batch_size": self.batch_size}
 
     def share_model_across_processes(self) -> bool:
         return self._config.large_model

@@ -1,7 +1,8 @@
-"""The convert Beam graph: rows -> decoded clips -> RunInference(JAX encoders) -> TFRecords.
+"""The convert Beam graph: rows -> decoded clips -> the JAX encoders -> TFRecords.
 
-    ranges --ReadRows--> rows --PrepareItem--> items --RunInference--> encoded --MakeRecord-->
+    ranges --ReadRows--> rows --PrepareItem--> items --Encode--> encoded --MakeRecord-->
         train/*.tfrecord, eval/*.tfrecord (eval records carry a timestep)
+    (Encode: full batches of ``batch_size`` items -> the JAX encoders, loaded once per process)
     PrepareItem's "dropped" side output --> dropped/dropped.jsonl (one JSON line per bad row)
 
 Every dropped row increments a Beam ``Metrics`` counter named after its reason; the stage
@@ -25,10 +26,11 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
+from apache_beam.utils import shared
 
 from jaxcore import storage
 from stages.common import records
-from stages.convert import media, split
+from stages.convert import media, split, tfrecord
 from stages.convert.config import BeamConfig, DatasetConfig, MediaConfig, SplitConfig
 from stages.convert.encode import EncoderHandler, EncoderPlan
 
@@ -38,6 +40,8 @@ NAMESPACE = "convert"
 DROPPED_TAG = "dropped"
 EMPTY_PROMPT_TAG = "empty_prompt"
 ROWS_READ = "rows_read"
+ENCODE_BATCHES = "encode_batches"
+ENCODE_PADDING = "encode_padding_rows"
 ROWS_PER_READ = 256
 DROPPED_FILE = "dropped/dropped.jsonl"
 RECORD_OVERHEAD_BYTES = 512  # feature names, shapes, id, TFRecord framing: a generous bound
@@ -94,17 +98,25 @@ def plan_shards(
 
 
 class ReadRows(beam.DoFn):
-    """``(start, stop)`` row range -> ``(source_id, media cell, caption cell)``; loads once."""
+    """``(start, stop)`` row range -> ``(source_id, media cell, caption cell)``; loads once.
 
-    def __init__(self, dataset_config: DatasetConfig):
+    ``dataset_token``: the driver's copy of the dataset (:func:`stages.convert.source.keep`),
+    used when this DoFn runs in the driver's process (the DirectRunner in memory); a worker
+    process elsewhere loads its own.
+    """
+
+    def __init__(self, dataset_config: DatasetConfig, dataset_token: str | None = None):
         self._config = dataset_config
+        self._token = dataset_token
         self._dataset = None
         self._rows_read = Metrics.counter(NAMESPACE, ROWS_READ)
 
     def setup(self):
-        from stages.convert.source import dataset_root, id_kind, load_source
+        from stages.convert.source import dataset_root, id_kind, kept, load_source
 
-        self._dataset = load_source(self._config)
+        self._dataset = kept(self._token)
+        if self._dataset is None:
+            self._dataset = load_source(self._config)
         # the same rule the driver applied to the same dataset (source.source_ids)
         self._id_kind = id_kind(self._dataset, self._config)
         self._root = dataset_root(self._config)
@@ -166,7 +178,8 @@ class MakeRecord(beam.DoFn):
         if timestep is not None:
             self._buckets[timestep].inc()
         self._records[which].inc()
-        example = records.make_example(item["tensors"], item["caption"], sid, timestep)
+        # records.make_example's bytes, without TensorFlow (see stages.convert.tfrecord)
+        example = tfrecord.example_bytes(item["tensors"], item["caption"], sid, timestep)
         yield beam.pvalue.TaggedOutput(which, (sid, example))
 
 
@@ -205,12 +218,14 @@ def build_graph(
     handler: EncoderHandler,
     ranges: Sequence[tuple[int, int]] | None = None,
     first_eval_bucket: int = 0,
+    dataset_token: str | None = None,
 ) -> dict[str, beam.PCollection]:
     """Attach the convert transforms; returns ``{"train", "eval", "dropped"}`` PCollections.
 
     Reads rows ``0..num_rows`` or only the given ``ranges`` (an incremental convert);
     ``first_eval_bucket``: where eval timesteps start being dealt (see
-    :func:`~stages.convert.split.assign_timesteps`). ``train``/``eval`` hold
+    :func:`~stages.convert.split.assign_timesteps`); ``dataset_token``: see :class:`ReadRows`.
+    ``train``/``eval`` hold
     ``(source_id, serialized example)``, ``dropped`` dicts ``{source_id, reason, detail}``.
     Writing them out is the caller's (see :func:`write_outputs`).
     """
@@ -219,7 +234,7 @@ def build_graph(
     rows = (
         pipeline
         | "RowRanges" >> beam.Create(list(ranges) if ranges is not None else row_ranges(num_rows))
-        | "ReadRows" >> beam.ParDo(ReadRows(dataset_config))
+        | "ReadRows" >> beam.ParDo(ReadRows(dataset_config, dataset_token))
         | "SpreadRows" >> beam.Reshuffle()
     )
     prepared = rows | "PrepareItem" >> beam.ParDo(PrepareItem(media_config)).with_outputs(
@@ -235,7 +250,7 @@ def build_graph(
         | "BlankVideo" >> beam.Map(_empty_prompt_item, media_config)
     )
     both = (prepared.items, empty) | "WithEmptyPrompt" >> beam.Flatten()
-    encoded_all = both | "Encode" >> RunInference(handler)
+    encoded_all = both | "Encode" >> Encode(handler)
     empty_prompt = encoded_all | "EmptyPromptOnly" >> beam.Filter(_is_empty_prompt)
     encoded = encoded_all | "Records" >> beam.Filter(lambda item: not _is_empty_prompt(item))
     eval_timesteps = (
@@ -271,10 +286,47 @@ def _is_empty_prompt(item: dict) -> bool:
     return item["source_id"] == records.EMPTY_PROMPT_ID
 
 
-def RunInference(handler):  # noqa: N802 - a transform factory reads like a class
-    from apache_beam.ml.inference.base import RunInference as _RunInference
+class Encode(beam.PTransform):
+    """Items -> encoded items, in full batches of ``batch_size`` (a smaller batch costs as much:
+    it is padded), by :class:`EncodeBatches`; with ``large_model``, by Beam's ``RunInference``
+    (one model copy shared by a worker's processes)."""
 
-    return _RunInference(handler)
+    def __init__(self, handler: EncoderHandler):
+        super().__init__()
+        self._handler = handler
+
+    def expand(self, items):
+        if self._handler.share_model_across_processes():
+            from apache_beam.ml.inference.base import RunInference
+
+            from stages.convert.model_handler import EncoderModelHandler
+
+            return items | "RunInference" >> RunInference(EncoderModelHandler(self._handler))
+        return (
+            items
+            | "Batch" >> beam.BatchElements(**self._handler.batch_elements_kwargs())
+            | "EncodeBatch" >> beam.ParDo(EncodeBatches(self._handler))
+        )
+
+
+class EncodeBatches(beam.DoFn):
+    """A batch of items -> its encoded items; the encoders load in ``setup``, once per worker
+    process (shared by the process's threads, as ``RunInference`` shares its model)."""
+
+    def __init__(self, handler: EncoderHandler):
+        self._handler = handler
+        self._shared = shared.Shared()
+        self._model = None
+        self._batches = Metrics.counter(NAMESPACE, ENCODE_BATCHES)
+        self._padding = Metrics.counter(NAMESPACE, ENCODE_PADDING)
+
+    def setup(self):
+        self._model = self._shared.acquire(self._handler.load_model, tag="encoders")
+
+    def process(self, batch: Sequence[dict]) -> Iterator[dict]:
+        self._batches.inc()
+        self._padding.inc(self._handler.batch_size - len(batch))
+        yield from self._handler.run_inference(batch, self._model)
 
 
 class WriteShard(beam.DoFn):
@@ -285,13 +337,11 @@ class WriteShard(beam.DoFn):
         self._output_dir, self._split, self._count = output_dir, split_name, num_shards
 
     def process(self, element) -> Iterator[str]:
-        import tensorflow as tf
-
         index, keyed = element
         name = records.shard_name(self._split, index, self._count)
         with tempfile.TemporaryDirectory() as tmp:
             local = os.path.join(tmp, "shard.tfrecord")
-            with tf.io.TFRecordWriter(local) as writer:
+            with tfrecord.TFRecordWriter(local) as writer:  # tf.io.TFRecordWriter's bytes
                 for _, example in sorted(keyed, key=lambda pair: pair[0]):
                     writer.write(example)
             storage.upload_file(local, storage.join(self._output_dir, name))

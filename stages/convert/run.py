@@ -37,7 +37,14 @@ from stages.convert.pipeline import (
     write_empty_shards,
     write_outputs,
 )
-from stages.convert.source import ID_ROW_INDEX, describe, load_source, source_ids
+from stages.convert.source import (
+    ID_ROW_INDEX,
+    describe,
+    keep,
+    load_source,
+    release,
+    source_ids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +69,6 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
     ids, id_source = source_ids(dataset, config.dataset)
     if not ids:
         raise StageInputError(f"source {config.dataset.source}: the dataset has no rows")
-    del dataset  # workers open their own copy
     if config.base and id_source == ID_ROW_INDEX:
         raise StageInputError(
             f"base={config.base}: an incremental convert needs stable ids, but "
@@ -119,13 +125,13 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
     ranges = index_ranges(new_indices)
     first_bucket = base.eval_count() if base is not None else 0
     if config.beam.dry_run:
-        _, staged = _run_beam(config, ranges, first_bucket, encoders, plan, writer.uri)
+        _, staged = _run_beam(config, dataset, ranges, first_bucket, encoders, plan, writer.uri)
         log.info("convert: dry run built the job (staging %s); nothing was submitted", staged)
         return None
     started = time.perf_counter()
     counters: dict = {}
     if new_indices:
-        counters, _ = _run_beam(config, ranges, first_bucket, encoders, plan, writer.uri)
+        counters, _ = _run_beam(config, dataset, ranges, first_bucket, encoders, plan, writer.uri)
         write_empty_shards(writer.uri, plan)
     else:
         log.info("convert: no new rows; the artifact lists the base's shards only")
@@ -223,9 +229,22 @@ def _publish(config: ConvertConfig, manifest: Manifest) -> None:
 
 
 def _run_beam(
-    config: ConvertConfig, ranges, first_bucket: int, encoders, plan, output_dir: str
+    config: ConvertConfig, dataset, ranges, first_bucket: int, encoders, plan, output_dir: str
 ) -> tuple[dict, list[str]]:
-    """Build and run the job; returns (Metrics counters, files a remote runner stages)."""
+    """Build and run the job; returns (Metrics counters, files a remote runner stages).
+
+    ``dataset``: the driver's copy, which DoFns running in this process read (workers
+    elsewhere open their own)."""
+    token = keep(dataset)
+    try:
+        return _run_pipeline(config, token, ranges, first_bucket, encoders, plan, output_dir)
+    finally:
+        release(token)
+
+
+def _run_pipeline(
+    config: ConvertConfig, token: str, ranges, first_bucket: int, encoders, plan, output_dir: str
+) -> tuple[dict, list[str]]:
     import apache_beam as beam
 
     use_anonymous_gcs_with_emulator()
@@ -237,6 +256,7 @@ def _run_beam(
         ranges=ranges,
         first_eval_bucket=first_bucket,
         dataset_config=config.dataset,
+        dataset_token=token,
         media_config=config.media,
         split_config=config.split,
         handler=handler,

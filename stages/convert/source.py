@@ -21,6 +21,7 @@ stage decodes (and counts failures) itself.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -60,7 +61,8 @@ def _load_local(path: Path, config: DatasetConfig):
                     )
                 loaded = loaded[config.dataset_split]
             return loaded
-        return datasets.load_dataset(str(path), split=config.dataset_split)
+        with _quick_split_inference(path):
+            return datasets.load_dataset(str(path), split=config.dataset_split)
     builder = FILE_BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise StageInputError(
@@ -68,6 +70,77 @@ def _load_local(path: Path, config: DatasetConfig):
             f"use a folder or one of {sorted(FILE_BUILDERS)}"
         )
     return datasets.load_dataset(builder, data_files=str(path), split=config.dataset_split)
+
+
+# Substrings of every file pattern `datasets` tries before its catch-all ("**" -> train):
+# the split keywords (train/training, validation/valid/dev/val, test/testing/eval/evaluation)
+# and the logs / harbor files. A folder where no path holds one of them gets the catch-all.
+_SPLIT_MARKERS = ("train", "val", "dev", "test", "eval", "task.toml", "instruction.md")
+
+
+def _only_catch_all(root: Path) -> bool:
+    """Whether ``datasets``' split inference provably ends in its catch-all for ``root``.
+
+    Conservative: any marker anywhere in any path (any case), a top-level ``data/`` folder (the
+    sharded ``data/{split}-NNNNN-of-NNNNN`` layout), a symlinked folder, or no visible file
+    means "not provably", and ``datasets`` infers as usual.
+    """
+    from datasets import data_files as df
+
+    catch_all = {str(k): v for k, v in df.ALL_DEFAULT_PATTERNS[-1].items()}
+    known = all(p.startswith("data/") for p in df.ALL_SPLIT_PATTERNS) and all(
+        any(m in pattern.lower() for m in _SPLIT_MARKERS)
+        for patterns in df.ALL_DEFAULT_PATTERNS[:-1]
+        for group in patterns.values()
+        for pattern in group
+    )
+    if not known or catch_all != {"train": ["**"]}:
+        return False  # another datasets version: its own rules
+    visible = False
+    for folder, dirs, files in os.walk(root):
+        rel = os.path.relpath(folder, root).replace(os.sep, "/")
+        rel = "" if rel == "." else rel + "/"
+        if any(os.path.islink(os.path.join(folder, d)) for d in dirs):
+            return False
+        for name in [*dirs, *files]:
+            path = (rel + name).lower()
+            if path.startswith("data/") or path == "data" or any(m in path for m in _SPLIT_MARKERS):
+                return False
+        visible = visible or any(
+            not any(part.startswith((".", "_")) for part in (rel + name).split("/"))
+            for name in files
+        )
+    return visible
+
+
+@contextlib.contextmanager
+def _quick_split_inference(root: Path):
+    """``datasets.load_dataset(folder)`` first infers the folder's splits by globbing it with
+    ~66 patterns (1.5 s for 1,200 images on two cores, each glob a walk of the folder). When
+    the answer is provably its catch-all (:func:`_only_catch_all`, one walk), hand it that
+    answer: the same data files, the same dataset and fingerprint, without the globs."""
+    import datasets.load as hf_load
+    from datasets import data_files as df
+
+    original = hf_load.get_data_patterns
+    if not _only_catch_all(root):
+        yield
+        return
+    target = os.path.realpath(root)
+
+    def get_data_patterns(base_path, download_config=None):
+        if os.path.realpath(str(base_path)) == target:
+            return {
+                split: list(patterns) for split, patterns in df.ALL_DEFAULT_PATTERNS[-1].items()
+            }
+        return original(base_path, download_config=download_config)
+
+    hf_load.get_data_patterns = get_data_patterns
+    try:
+        yield
+    finally:
+        if hf_load.get_data_patterns is get_data_patterns:
+            hf_load.get_data_patterns = original
 
 
 def _generate_artifact(source: str):
@@ -254,6 +327,34 @@ def source_ids(dataset, config: DatasetConfig) -> tuple[list[str], str]:
             )
         seen[sid] = index
     return ids, kind
+
+
+# datasets the driver opened, for DoFns that run in its process (see keep)
+_KEPT: dict[str, object] = {}
+
+
+def keep(dataset) -> str:
+    """Keep the driver's ``dataset`` for :func:`kept` in this process; returns its token.
+
+    A DirectRunner job in memory runs its DoFns in the driver's process: they take this copy
+    instead of opening the dataset again (for a folder of images, resolving its files takes
+    seconds). Workers in other processes (multi_processing, Dataflow) find nothing and open
+    their own. :func:`release` the token when the job is done.
+    """
+    import uuid
+
+    token = uuid.uuid4().hex
+    _KEPT[token] = dataset
+    return token
+
+
+def kept(token: str | None):
+    """The dataset :func:`keep` kept under ``token`` in this process, else None."""
+    return _KEPT.get(token) if token else None
+
+
+def release(token: str) -> None:
+    _KEPT.pop(token, None)
 
 
 def describe(dataset, config: DatasetConfig) -> SourceInfo:

@@ -119,7 +119,7 @@ def test_handler_matches_direct_encoding(encoder_config, direct):
     import weakref
 
     weakref.ref(model)  # Beam's shared model cache keeps weak references
-    assert handler.batch_elements_kwargs() == {"min_batch_size": 1, "max_batch_size": 4}
+    assert handler.batch_elements_kwargs() == {"min_batch_size": 4, "max_batch_size": 4}
     captions = ["a red circle on a blue background", "a green square", "three small dots"]
     batch = [
         {"source_id": f"s{i}", "caption": c, "video": _video(i)} for i, c in enumerate(captions)

@@ -1,0 +1,201 @@
+"""Convert's fast paths produce what the slow ones did: records serialised without TensorFlow
+(the bytes of ``records.make_example`` and ``tf.io.TFRecordWriter``), a folder's split inference
+answered without globbing (the same dataset and fingerprint), the driver's dataset reused in
+process, full encode batches, and a default job that never imports TensorFlow or
+``apache_beam.ml`` (torch)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipelines.demo import shapes as synthetic
+from stages.common import records
+from stages.convert import source, tfrecord
+from stages.convert.config import DatasetConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+SHAPES = [
+    {"latents": (4, 1, 16, 16), "encoder_hidden_states": (16, 32)},
+    {"latents": (16,), "pooled": ()},  # a scalar: an empty shape
+    {"latents": (0, 3), "x": (2, 0, 1)},  # empty tensors
+    {"latents": (3, 2), "latents_mask": (2,), "text_ids": (7, 3)},  # prefix-sharing names
+]
+
+
+@pytest.mark.parametrize("shapes", SHAPES)
+@pytest.mark.parametrize(
+    "caption,sid,timestep",
+    [("a red circle", "cat/001.png", None), ("ünï ✓", "x", 875), ("c", "s", 0)],
+)
+def test_example_bytes_equal_make_example(shapes, caption, sid, timestep):
+    rng = np.random.default_rng(0)
+    tensors = {
+        name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()
+    }
+    expected = records.make_example(tensors, caption, sid, timestep)
+    assert tfrecord.example_bytes(tensors, caption, sid, timestep) == expected
+
+
+def test_example_bytes_cast_to_float32_and_refuse_reserved_names():
+    array = np.arange(12, dtype=np.float64).reshape(3, 4).T  # float64, not C-contiguous
+    assert tfrecord.example_bytes({"latents": array}, "c", "s") == records.make_example(
+        {"latents": array}, "c", "s"
+    )
+    with pytest.raises(ValueError, match="clash"):
+        tfrecord.example_bytes({"caption": np.zeros(2)}, "c", "s")
+
+
+def test_tfrecord_files_equal_tensorflows_and_read_back(tmp_path):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(1)
+    shapes = {"latents": (4, 1, 2, 2), "encoder_hidden_states": (3, 5)}
+    examples = [
+        records.make_example(
+            {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()},
+            f"caption {i}",
+            f"id{i}",
+            125 if i % 2 else None,
+        )
+        for i in range(5)
+    ]
+    with tf.io.TFRecordWriter(str(tmp_path / "tf.tfrecord")) as writer:
+        for example in examples:
+            writer.write(example)
+    with tfrecord.TFRecordWriter(str(tmp_path / "ours.tfrecord")) as writer:
+        for example in examples:
+            writer.write(example)
+    assert (tmp_path / "ours.tfrecord").read_bytes() == (tmp_path / "tf.tfrecord").read_bytes()
+    read = list(tf.data.TFRecordDataset(str(tmp_path / "ours.tfrecord")).as_numpy_iterator())
+    assert read == examples
+
+
+def _load(folder: Path, quick: bool, monkeypatch):
+    if not quick:
+        monkeypatch.setattr(source, "_only_catch_all", lambda root: False)
+    dataset = source.load_source(DatasetConfig(source=str(folder)))
+    monkeypatch.undo()
+    return dataset
+
+
+def test_quick_split_inference_gives_the_same_dataset(tmp_path, monkeypatch):
+    folder = synthetic.make_shapes_dataset(tmp_path / "shapes", num_items=12, height=8, width=8)
+    assert source._only_catch_all(folder)
+    quick, slow = _load(folder, True, monkeypatch), _load(folder, False, monkeypatch)
+    assert quick._fingerprint == slow._fingerprint
+    assert quick.features == slow.features and quick[:] == slow[:]
+    config = DatasetConfig(source=str(folder))
+    assert source.source_ids(quick, config) == source.source_ids(slow, config)
+    import datasets.load
+
+    assert datasets.load.get_data_patterns.__module__ == "datasets.data_files"  # restored
+
+
+@pytest.mark.parametrize(
+    "relative", ["train/a.png", "img_val.png", "Test/x.png", "data/train-00000-of-00001.png"]
+)
+def test_quick_split_inference_steps_aside_for_split_names(tmp_path, relative):
+    folder = synthetic.make_shapes_dataset(tmp_path / "shapes", num_items=3, height=8, width=8)
+    (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+    (folder / relative).write_bytes(b"")
+    assert not source._only_catch_all(folder)
+
+
+def test_a_folder_with_split_folders_still_gets_its_splits(tmp_path):
+    from PIL import Image
+
+    for split_name in ("train", "test"):
+        (tmp_path / split_name).mkdir()
+        Image.new("RGB", (8, 8), (255, 0, 0)).save(tmp_path / split_name / "a.png")
+    (tmp_path / "train" / "metadata.jsonl").write_text('{"file_name": "a.png", "text": "red"}\n')
+    (tmp_path / "test" / "metadata.jsonl").write_text('{"file_name": "a.png", "text": "red"}\n')
+    test = source.load_source(DatasetConfig(source=str(tmp_path), dataset_split="test"))
+    assert len(test) == 1
+
+
+def test_kept_dataset_is_found_in_process_only_until_released():
+    token = source.keep(["a dataset"])
+    assert source.kept(token) == ["a dataset"]
+    assert source.kept(None) is None and source.kept("unknown") is None
+    source.release(token)
+    assert source.kept(token) is None
+
+
+class _Model:
+    """Encoders that record their batch sizes (the real ones pad to batch_size)."""
+
+    def __init__(self):
+        self.text_batches = []
+
+    def encode_media(self, videos):
+        return np.asarray(videos)[:, :1] * 2
+
+    def encode_media_conditioning(self, videos):
+        return {}
+
+    def encode_text(self, captions):
+        self.text_batches.append(len(captions))
+        return {"encoder_hidden_states": np.array([[[len(c)]] for c in captions], np.float32)}
+
+
+def test_encode_batches_pads_captions_and_counts_batches():
+    from jaxcore.compute import ComputeConfig
+    from stages.convert.config import EncoderConfig
+    from stages.convert.encode import EncoderHandler
+    from stages.convert.pipeline import EncodeBatches
+
+    handler = EncoderHandler(
+        EncoderConfig(pretrained_model_name_or_path="x", batch_size=4), ComputeConfig()
+    )
+    assert handler.batch_elements_kwargs() == {"min_batch_size": 4, "max_batch_size": 4}
+    dofn = EncodeBatches(handler)
+    dofn._model = model = _Model()
+    batch = [
+        {"source_id": f"s{i}", "caption": "ab" * (i + 1), "video": np.ones((3, 1, 2, 2))}
+        for i in range(3)
+    ]
+    out = list(dofn.process(batch))
+    assert model.text_batches == [4]  # a full batch of captions: no new program per size
+    assert [o["source_id"] for o in out] == ["s0", "s1", "s2"]
+    assert [float(o["tensors"]["encoder_hidden_states"][0, 0]) for o in out] == [2, 4, 6]
+
+
+def test_large_model_encodes_through_run_inference():
+    from jaxcore.compute import ComputeConfig
+    from stages.convert.config import EncoderConfig
+    from stages.convert.encode import EncoderHandler
+    from stages.convert.model_handler import EncoderModelHandler
+
+    config = EncoderConfig(pretrained_model_name_or_path="x", batch_size=2, large_model=True)
+    handler = EncoderModelHandler(EncoderHandler(config, ComputeConfig()))
+    assert handler.share_model_across_processes()
+    assert handler.batch_elements_kwargs() == {"min_batch_size": 2, "max_batch_size": 2}
+    batch = [{"source_id": "a", "caption": "c", "video": np.ones((3, 1, 2, 2))}]
+    (item,) = handler.run_inference(batch, _Model())
+    assert item["source_id"] == "a" and set(item["tensors"]) == {"latents", "encoder_hidden_states"}
+
+
+def test_default_graph_imports_neither_tensorflow_nor_beam_ml(tmp_path):
+    """TensorFlow and apache_beam.ml (which imports torch) cost seconds in every process."""
+    script = f"""
+import sys
+import numpy as np
+from stages.convert import run, pipeline
+from stages.convert.config import SplitConfig
+dofn = pipeline.MakeRecord(SplitConfig(eval_fraction=0.0))
+tensors = {{"latents": np.ones((4, 1, 2, 2), np.float32)}}
+(out,) = dofn.process({{"source_id": "a", "caption": "c", "tensors": tensors}}, {{}})
+writer = pipeline.WriteShard({str(tmp_path)!r}, "train", 1)
+list(writer.process((0, [(("k",), out.value[1])])))
+bad = [m for m in ("tensorflow", "apache_beam.ml") if m in sys.modules]
+assert not bad, bad
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / records.shard_name("train", 0, 1)).stat().st_size > 0
