@@ -167,16 +167,23 @@ def write_demo_dataset(
     return directory
 
 
-def demo_prompts(seed: int = 0) -> list[dict]:
-    """The 24 demo prompts ``{id, prompt, seed}``, one per :func:`demo_combinations` entry
-    (held-out combinations included: the check grades them apart)."""
+def demo_prompts(seed: int = 0, renders: int = 1) -> list[dict]:
+    """The demo prompts ``{id, prompt, seed}``: ``renders`` per :func:`demo_combinations` entry
+    (held-out combinations included: the check grades them apart), each with its own seed, so
+    a grade is a share of ``24 x renders`` images rather than of one draw per prompt. Render
+    ``r`` of a combination is ``<colour>-<shape>-on-<background>`` plus ``-r<r>`` from the
+    second on; the first render of each keeps the seed it had with ``renders=1``."""
+    if renders < 1:
+        raise ValueError(f"renders must be >= 1, got {renders}")
+    combos = demo_combinations()
     return [
         {
-            "id": f"{colour}-{shape}-on-{background}",
+            "id": f"{colour}-{shape}-on-{background}" + (f"-r{r}" if r else ""),
             "prompt": synthetic.caption_for(colour, shape, background),
-            "seed": seed * 1000 + i,
+            "seed": seed * 1000 + r * len(combos) + i,
         }
-        for i, (colour, shape, background) in enumerate(demo_combinations())
+        for r in range(renders)
+        for i, (colour, shape, background) in enumerate(combos)
     ]
 
 
@@ -453,11 +460,11 @@ def _build_dir(final: Path, stamp: dict, build) -> Path:
     return final
 
 
-def _write_prompts(path: Path, seed: int) -> Path:
-    stamp = {"asset": "prompts", "seed": seed}
+def _write_prompts(path: Path, seed: int, renders: int) -> Path:
+    stamp = {"asset": "prompts", "seed": seed, "renders": renders}
     if _is_complete(path, stamp):
         return path
-    text = "".join(json.dumps(p) + "\n" for p in demo_prompts(seed))
+    text = "".join(json.dumps(p) + "\n" for p in demo_prompts(seed, renders))
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -483,11 +490,13 @@ def build_demo_assets(
     model_yaml: str | os.PathLike = DEMO_MODEL_YAML,
     vae_dir: str | os.PathLike = DEMO_VAE_DIR,
     held_out: Sequence[tuple[str, str, str]] = (),
+    renders_per_prompt: int = 1,
 ) -> DemoAssets:
     """Write ``root/assets/{shapes, tiny_wan, prompts.jsonl}``; skip each one already complete.
 
     ``held_out``: combinations left out of the dataset (the demo's ``hold_out=true`` passes
-    :data:`DEMO_HELD_OUT`); the prompts always cover all 24.
+    :data:`DEMO_HELD_OUT`); the prompts always cover all 24, ``renders_per_prompt`` times each
+    (:func:`demo_prompts`).
 
     ``shapes``: :func:`write_demo_dataset`; ``tiny_wan``: a random-init diffusers WanPipeline
     from ``model_yaml`` (:func:`pipelines.demo.tiny.build_tiny_wan_pipeline`) whose ``vae/``
@@ -528,7 +537,7 @@ def build_demo_assets(
         "vae_weights_sha256": hashlib.sha256(vae_bytes).hexdigest(),
     }
     pipeline = _build_dir(assets / "tiny_wan", pipeline_stamp, build_pipeline)
-    prompts = _write_prompts(assets / "prompts.jsonl", seed)
+    prompts = _write_prompts(assets / "prompts.jsonl", seed, renders_per_prompt)
     return DemoAssets(dataset, pipeline, prompts)
 
 

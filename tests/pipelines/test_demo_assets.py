@@ -244,3 +244,14 @@ def test_build_demo_assets_is_loadable_and_idempotent(tmp_path):
 def test_build_demo_assets_names_a_missing_vae(tmp_path):
     with pytest.raises(FileNotFoundError, match="fit-vae"):
         demo_assets.build_demo_assets(tmp_path, vae_dir=tmp_path / "nowhere")
+
+
+def test_several_renders_per_prompt_each_with_its_own_seed():
+    one, four = demo_assets.demo_prompts(3), demo_assets.demo_prompts(3, renders=4)
+    assert len(four) == 96 and len({p["id"] for p in four}) == 96
+    assert len({p["seed"] for p in four}) == 96
+    assert four[:24] == one  # the first round is the one-render prompt file
+    for r in range(4):
+        assert [p["prompt"] for p in four[24 * r : 24 * (r + 1)]] == [p["prompt"] for p in one]
+    with pytest.raises(ValueError, match="renders must be >= 1"):
+        demo_assets.demo_prompts(0, renders=0)
