@@ -9,8 +9,10 @@ Per platform:
 - GPU: ``jax.nn.dot_product_attention(implementation="cudnn")`` when cuDNN accepts the shapes and
   dtypes (bf16/fp16, head dim a multiple of 8); otherwise the chunked XLA path below.
 - TPU: the Pallas splash kernel (``jax.experimental.pallas.ops.tpu.splash_attention``).
-- CPU and every fallback: a chunked online softmax, ``lax.map`` over query blocks and
-  ``lax.scan`` over key blocks (the block step is rematerialised in the backward pass).
+- CPU and every fallback: blockwise online softmax over query and key blocks with
+  FlashAttention-2's backward written out (:mod:`jaxcore.kernels.blockwise`). The
+  online-softmax pieces below (:func:`update_state`, :func:`attend_kv_blocks`) serve ring
+  attention, whose backward is autodiff's.
 
 With a ``mesh`` the computation runs in ``jax.shard_map``: batch over the batch axes, heads over
 ``tensor``, queries over ``context`` (keys/values gathered whole on every context shard).
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
+from jaxcore.kernels.blockwise import blockwise_attention
 from jaxcore.kernels.sharded import (
     CONTEXT_AXIS,
     axis_size,
@@ -163,27 +166,13 @@ def attend_kv_blocks(state: SoftmaxState, q, k, v, kv_mask, scale: float, block_
 def chunked_attention(q, k, v, kv_mask=None, *, scale: float, block_sizes: BlockSizes):
     """Blockwise exact attention on one device; never builds the ``[Lq, Lk]`` scores.
 
-    Queries are split in ``block_q`` blocks (``lax.map``), keys in ``block_kv`` blocks
-    (``lax.scan``); both are padded to a block multiple, padded keys are masked.
+    FlashAttention-2's forward and its written-out backward in XLA
+    (:mod:`jaxcore.kernels.blockwise`): ``block_q`` x ``block_kv`` tiles, sequences padded to
+    block multiples, padded keys masked.
     """
-    b, lq, h, d = q.shape
-    block_q = min(block_sizes.block_q, lq)
-    block_kv = min(block_sizes.block_kv, k.shape[1])
-    k, v, kv_mask = pad_keys(k, v, kv_mask, block_kv)
-    q_padded = pad_axis(q, block_q)
-    num_q_blocks = q_padded.shape[1] // block_q
-
-    def one_query_block(q_blk):
-        state = attend_kv_blocks(init_state(q_blk), q_blk, k, v, kv_mask, scale, block_kv)
-        return finalize(state, q.dtype)
-
-    if num_q_blocks == 1:
-        out = one_query_block(q_padded)
-    else:
-        q_blocks = jnp.moveaxis(q_padded.reshape(b, num_q_blocks, block_q, h, d), 1, 0)
-        out = lax.map(one_query_block, q_blocks)
-        out = jnp.moveaxis(out, 0, 1).reshape(b, num_q_blocks * block_q, h, d)
-    return out[:, :lq]
+    return blockwise_attention(
+        q, k, v, kv_mask, scale=scale, block_q=block_sizes.block_q, block_kv=block_sizes.block_kv
+    )
 
 
 # --- platform kernels -----------------------------------------------------------------------

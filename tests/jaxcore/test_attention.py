@@ -141,6 +141,96 @@ def test_flash_never_materialises_the_score_matrix():
     assert flash_temp < scores_bytes / 8, f"flash temp memory {flash_temp} bytes"
 
 
+# --- the written-out backward (jaxcore.kernels.blockwise) ----------------------------------
+
+
+def _grads(fn, q, k, v, cotangent):
+    """d(sum(fn(q, k, v) * cotangent)) / d(q, k, v), jitted."""
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent), argnums=(0, 1, 2)))(
+        q, k, v
+    )
+
+
+@pytest.mark.parametrize(
+    ("lq", "lk", "masked", "blocks"),
+    [
+        (16, 16, False, BlockSizes(16, 16)),  # one tile: no loop at all
+        (32, 12, True, BlockSizes(8, 16)),  # query blocks only
+        (12, 32, True, BlockSizes(16, 8)),  # key blocks only (dq summed over key blocks)
+        (29, 37, True, BlockSizes(8, 4)),  # both, queries and keys padded
+        (40, 24, False, BlockSizes(16, 8)),  # both, no user mask (padding mask only)
+    ],
+)
+def test_blockwise_backward_matches_autodiff_of_dot_product(lq, lk, masked, blocks):
+    """The FlashAttention-2 backward against autodiff of the plain softmax, every tiling."""
+    q, k, v, mask = make_inputs(2, lq, lk, 3, 8, masked=masked, seed=lq + lk)
+    cotangent = jnp.asarray(np.random.default_rng(2).normal(size=q.shape), jnp.float32)
+    expected = _grads(
+        lambda q, k, v: dot_product_attention(q, k, v, kv_mask=mask), q, k, v, cotangent
+    )
+    blockwise = functools.partial(
+        chunked_attention, kv_mask=mask, scale=8**-0.5, block_sizes=blocks
+    )
+    got = _grads(blockwise, q, k, v, cotangent)
+    for name, g, e in zip("qkv", got, expected, strict=True):
+        assert max_diff(g, e) < GRAD_ATOL, f"d{name}"
+
+
+def test_blockwise_fully_masked_rows_give_zero_output_and_zero_gradients():
+    """Rows of an example whose keys are all masked: zeros out, zero (not NaN) gradients."""
+    q, k, v, _ = make_inputs(2, 10, 12, 2, 8)
+    mask = jnp.asarray([[False] * 12, [True] * 5 + [False] * 7])
+    fn = functools.partial(
+        chunked_attention, kv_mask=mask, scale=0.35, block_sizes=BlockSizes(4, 4)
+    )
+    out = jax.jit(fn)(q, k, v)
+    assert float(jnp.abs(out[0]).max()) == 0.0
+    grads = _grads(fn, q, k, v, jnp.ones_like(q))
+    for name, g in zip("qkv", grads, strict=True):
+        assert bool(jnp.all(jnp.isfinite(g))), f"d{name} not finite"
+        assert float(jnp.abs(g[0]).max()) == 0.0, f"d{name} of the masked example"
+    # the other example's gradients equal dot_product's on its 5 keys
+    expected = _grads(
+        lambda q, k, v: dot_product_attention(q, k, v, scale=0.35),
+        q[1:],
+        k[1:, :5],
+        v[1:, :5],
+        jnp.ones_like(q[1:]),
+    )
+    for name, g, e in zip("qkv", grads, expected, strict=True):
+        assert max_diff(g[1:, : e.shape[1]], e) < GRAD_ATOL, f"d{name}"
+
+
+def test_blockwise_bf16_gradients_are_close_to_float32():
+    """bf16 inputs: the backward accumulates in float32; within bf16 resolution of the f32 grads."""
+    q, k, v, mask = make_inputs(1, 40, 24, 2, 16, masked=True)
+    cotangent = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32)
+    fn = functools.partial(
+        chunked_attention, kv_mask=mask, scale=0.25, block_sizes=BlockSizes(16, 8)
+    )
+    expected = _grads(fn, q, k, v, cotangent)
+    low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    got = _grads(fn, *low, cotangent.astype(jnp.bfloat16))
+    for name, g, e in zip("qkv", got, expected, strict=True):
+        assert g.dtype == jnp.bfloat16
+        assert max_diff(g, e) < BF16_ATOL * float(jnp.abs(e).max()), f"d{name}"
+
+
+def test_blockwise_backward_never_materialises_the_score_matrix():
+    """The gradient program at Lq = Lk = 4096 holds no [4096, 4096] buffer either (autodiff of
+    dot_product does: the positive control)."""
+    q, k, v, _ = make_inputs(1, 4096, 4096, 1, 8)
+
+    def grad_program(fn):
+        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2)))
+
+    blocks = BlockSizes(512, 512)
+    flash = grad_program(lambda q, k, v: chunked_attention(q, k, v, scale=0.35, block_sizes=blocks))
+    reference = grad_program(lambda q, k, v: dot_product_attention(q, k, v))
+    assert _largest_hlo_buffer_with(reference.lower(q, k, v).compile().as_text(), 4096, 4096)
+    assert not _largest_hlo_buffer_with(flash.lower(q, k, v).compile().as_text(), 4096, 4096)
+
+
 def test_splash_kernel_matches_dot_product_in_interpret_mode():
     """The TPU splash path, run by the Pallas interpreter on CPU (padding + segment ids)."""
     q, k, v, mask = make_inputs(1, 200, 130, 2, 128, masked=True)

@@ -1,0 +1,212 @@
+"""Blockwise exact attention with its backward written out (FlashAttention-2 on XLA).
+
+Forward (Dao, 2023, "FlashAttention-2", Algorithm 1): per block of ``block_q`` queries, keys
+are visited ``block_kv`` at a time with the online softmax of Milakov & Gimelshein (2018): a
+running maximum, denominator and unnormalised output in float32. It keeps the output and the
+per-query log-sum-exp ``lse`` and nothing of size ``[Lq, Lk]``.
+
+Backward (Algorithm 2): for each key block and each query block the probabilities are
+recomputed from ``lse`` (``p = exp(s - lse)``), then ``dv += p^T do``, ``dp = do v^T``,
+``ds = p (dp - delta)`` with ``delta = rowsum(do * o)``, ``dq += ds k``, ``dk += ds^T q``.
+
+Why not autodiff of the forward loops: XLA differentiates the online softmax through its
+scans with a transposed copy of every probability tile and the rescaling chain kept per block
+(tests and ``bench/train_step.py``: the Wan train step at size S spends more in attention's
+backward than in all of its projections). Written out, the backward is five matrix products
+per tile and two elementwise passes.
+
+Layout: heads-major ``[B, H, L, D]`` inside (one transpose per call, not per tile); the public
+:func:`blockwise_attention` takes and returns ``[B, L, H, D]``. Sequences are padded to block
+multiples; padded keys are masked; a row whose keys are all masked returns zeros and gets
+zero gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcore.kernels.sharded import pad_axis, pad_keys
+
+
+class _Blocks(NamedTuple):
+    """Static tiling of one call: block sizes and counts along queries and keys."""
+
+    block_q: int
+    block_kv: int
+    num_q: int
+    num_kv: int
+
+
+def _slice(x, index: jax.Array, size: int, axis: int = 2):
+    """Block ``index`` (``size`` long) of ``x`` along ``axis``."""
+    return lax.dynamic_slice_in_dim(x, index * size, size, axis)
+
+
+def _masked_scores(q_i, k_j, mask_j):
+    """``q k^T`` (q pre-scaled) in float32 ``[B, H, bq, bk]``, -inf where the key is masked."""
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, preferred_element_type=jnp.float32)
+    if mask_j is None:
+        return scores
+    return jnp.where(mask_j[:, None, None, :], scores, -jnp.inf)
+
+
+# --- forward ---------------------------------------------------------------------------------
+
+
+def _fold_keys(state, q_i, k_j, v_j, mask_j):
+    """One online-softmax step: fold keys ``k_j``/``v_j`` into ``(m, l, acc)`` (float32)."""
+    m, l, acc = state  # noqa: E741 - the softmax denominator's usual name
+    scores = _masked_scores(q_i, k_j, mask_j)
+    m_new = jnp.maximum(m, scores.max(axis=-1))
+    # rows that have seen only masked keys keep m = -inf: shift by 0 there (no inf - inf)
+    m_shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    probs = jnp.exp(scores - m_shift[..., None])
+    correction = jnp.exp(m - m_shift)
+    pv = jnp.einsum(
+        "bhqk,bhkd->bhqd", probs.astype(v_j.dtype), v_j, preferred_element_type=jnp.float32
+    )
+    return m_new, l * correction + probs.sum(axis=-1), acc * correction[..., None] + pv
+
+
+def _forward_query_block(q_i, k, v, mask, blocks: _Blocks):
+    """Output ``[B, H, bq, D]`` (float32) and ``lse`` ``[B, H, bq]`` of one query block."""
+    b, h, bq, d = q_i.shape
+    state = (
+        jnp.full((b, h, bq), -jnp.inf, jnp.float32),
+        jnp.zeros((b, h, bq), jnp.float32),
+        jnp.zeros((b, h, bq, d), jnp.float32),
+    )
+    if blocks.num_kv == 1:
+        m, l, acc = _fold_keys(state, q_i, k, v, mask)  # noqa: E741
+    else:
+
+        def step(j, state):
+            k_j, v_j = _slice(k, j, blocks.block_kv), _slice(v, j, blocks.block_kv)
+            mask_j = None if mask is None else _slice(mask, j, blocks.block_kv, axis=1)
+            return _fold_keys(state, q_i, k_j, v_j, mask_j)
+
+        m, l, acc = lax.fori_loop(0, blocks.num_kv, step, state)  # noqa: E741
+    seen = l > 0
+    out = acc / jnp.where(seen, l, 1.0)[..., None]
+    # lse = +inf for rows with no key: their recomputed probabilities are exp(-inf) = 0
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+    return out, lse
+
+
+def _forward(q, k, v, mask, blocks: _Blocks):
+    """(out ``[B, H, Lq, D]`` in q's dtype, lse ``[B, H, Lq]`` float32), heads-major."""
+    if blocks.num_q == 1:
+        out, lse = _forward_query_block(q, k, v, mask, blocks)
+        return out.astype(q.dtype), lse
+
+    def step(i, carry):
+        out, lse = carry
+        out_i, lse_i = _forward_query_block(_slice(q, i, blocks.block_q), k, v, mask, blocks)
+        start = i * blocks.block_q
+        out = lax.dynamic_update_slice_in_dim(out, out_i.astype(out.dtype), start, 2)
+        return out, lax.dynamic_update_slice_in_dim(lse, lse_i, start, 2)
+
+    init = (jnp.zeros(q.shape, q.dtype), jnp.zeros(q.shape[:3], jnp.float32))
+    return lax.fori_loop(0, blocks.num_q, step, init)
+
+
+# --- backward --------------------------------------------------------------------------------
+
+
+def _tile_grads(q_i, k_j, v_j, mask_j, do_i, lse_i, delta_i):
+    """(dq_i, dk_j, dv_j) of one query block against one key block, all float32."""
+    probs = jnp.exp(_masked_scores(q_i, k_j, mask_j) - lse_i[..., None])
+    dv = jnp.einsum(
+        "bhqk,bhqd->bhkd", probs.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32
+    )
+    dprobs = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, preferred_element_type=jnp.float32)
+    dscores = (probs * (dprobs - delta_i[..., None])).astype(q_i.dtype)
+    dq = jnp.einsum("bhqk,bhkd->bhqd", dscores, k_j, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bhqk,bhqd->bhkd", dscores, q_i, preferred_element_type=jnp.float32)
+    return dq, dk, dv
+
+
+def _key_block_grads(q, k_j, v_j, mask_j, do, lse, delta, blocks: _Blocks):
+    """(dq [B, H, Lq, D], dk_j, dv_j) of every query against one key block."""
+    if blocks.num_q == 1:
+        return _tile_grads(q, k_j, v_j, mask_j, do, lse, delta)
+
+    def step(i, carry):
+        dq, dk_j, dv_j = carry
+        rows = functools.partial(_slice, index=i, size=blocks.block_q)
+        dq_i, dk_ij, dv_ij = _tile_grads(
+            rows(q), k_j, v_j, mask_j, rows(do), rows(lse), rows(delta)
+        )
+        dq = lax.dynamic_update_slice_in_dim(dq, dq_i, i * blocks.block_q, 2)
+        return dq, dk_j + dk_ij, dv_j + dv_ij
+
+    init = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.zeros(k_j.shape, jnp.float32),
+        jnp.zeros(v_j.shape, jnp.float32),
+    )
+    return lax.fori_loop(0, blocks.num_q, step, init)
+
+
+def _backward(q, k, v, mask, out, lse, d_out, blocks: _Blocks):
+    """(dq, dk, dv) in float32, heads-major."""
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    if blocks.num_kv == 1:
+        return _key_block_grads(q, k, v, mask, d_out, lse, delta, blocks)
+
+    def step(j, carry):
+        dq, dk, dv = carry
+        k_j, v_j = _slice(k, j, blocks.block_kv), _slice(v, j, blocks.block_kv)
+        mask_j = None if mask is None else _slice(mask, j, blocks.block_kv, axis=1)
+        dq_j, dk_j, dv_j = _key_block_grads(q, k_j, v_j, mask_j, d_out, lse, delta, blocks)
+        start = j * blocks.block_kv
+        dk = lax.dynamic_update_slice_in_dim(dk, dk_j, start, 2)
+        return dq + dq_j, dk, lax.dynamic_update_slice_in_dim(dv, dv_j, start, 2)
+
+    init = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+    return lax.fori_loop(0, blocks.num_kv, step, init)
+
+
+# --- the differentiable kernel -----------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, mask, blocks: _Blocks):
+    return _forward(q, k, v, mask, blocks)[0]
+
+
+def _attention_forward(q, k, v, mask, blocks: _Blocks):
+    out, lse = _forward(q, k, v, mask, blocks)
+    return out, (q, k, v, mask, out, lse)
+
+
+def _attention_backward(blocks: _Blocks, residuals, d_out):
+    q, k, v, mask, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, mask, out, lse, d_out, blocks)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_attention.defvjp(_attention_forward, _attention_backward)
+
+
+def blockwise_attention(q, k, v, kv_mask=None, *, scale: float, block_q: int, block_kv: int):
+    """Exact attention of q ``[B, Lq, H, D]`` over k/v ``[B, Lk, H, D]`` (``kv_mask`` ``[B, Lk]``,
+    True = attend) in tiles of ``block_q`` x ``block_kv``; see the module docstring."""
+    lq, lk = q.shape[1], k.shape[1]
+    block_q, block_kv = min(block_q, lq), min(block_kv, lk)
+    k, v, kv_mask = pad_keys(k, v, kv_mask, block_kv)
+    q = pad_axis(q, block_q)
+    blocks = _Blocks(block_q, block_kv, q.shape[1] // block_q, k.shape[1] // block_kv)
+
+    def heads_major(x):
+        return x.transpose(0, 2, 1, 3)
+
+    # the scale folded into q once: no pass over the [Lq, Lk] tiles for it
+    q_scaled = heads_major(q * jnp.asarray(scale, q.dtype))
+    out = _attention(q_scaled, heads_major(k), heads_major(v), kv_mask, blocks)
+    return heads_major(out)[:, :lq]
