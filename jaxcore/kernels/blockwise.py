@@ -194,19 +194,35 @@ def _attention_backward(blocks: _Blocks, residuals, d_out):
 _attention.defvjp(_attention_forward, _attention_backward)
 
 
-def blockwise_attention(q, k, v, kv_mask=None, *, scale: float, block_q: int, block_kv: int):
+def blockwise_attention(
+    q, k, v, kv_mask=None, *, scale: float, block_q: int, block_kv: int, head_by_head: bool = False
+):
     """Exact attention of q ``[B, Lq, H, D]`` over k/v ``[B, Lk, H, D]`` (``kv_mask`` ``[B, Lk]``,
-    True = attend) in tiles of ``block_q`` x ``block_kv``; see the module docstring."""
+    True = attend) in tiles of ``block_q`` x ``block_kv``; see the module docstring.
+
+    ``head_by_head``: one head's tiles at a time (a loop over heads) instead of all heads' at
+    once; on CPU a tile then stays in the core's cache between its matrix product, softmax
+    and second product."""
     lq, lk = q.shape[1], k.shape[1]
     block_q, block_kv = min(block_q, lq), min(block_kv, lk)
     k, v, kv_mask = pad_keys(k, v, kv_mask, block_kv)
     q = pad_axis(q, block_q)
     blocks = _Blocks(block_q, block_kv, q.shape[1] // block_q, k.shape[1] // block_kv)
-
-    def heads_major(x):
-        return x.transpose(0, 2, 1, 3)
-
     # the scale folded into q once: no pass over the [Lq, Lk] tiles for it
-    q_scaled = heads_major(q * jnp.asarray(scale, q.dtype))
-    out = _attention(q_scaled, heads_major(k), heads_major(v), kv_mask, blocks)
-    return heads_major(out)[:, :lq]
+    q = q * jnp.asarray(scale, q.dtype)
+    if not head_by_head:
+
+        def heads_major(x):
+            return x.transpose(0, 2, 1, 3)
+
+        out = _attention(heads_major(q), heads_major(k), heads_major(v), kv_mask, blocks)
+        return heads_major(out)[:, :lq]
+
+    def heads_first(x):  # [B, L, H, D] -> [H, B, 1, L, D]
+        return x.transpose(2, 0, 1, 3)[:, :, None]
+
+    def one_head(qkv):
+        return _attention(*qkv, kv_mask, blocks)
+
+    out = lax.map(one_head, (heads_first(q), heads_first(k), heads_first(v)))
+    return out[:, :, 0].transpose(1, 2, 0, 3)[:, :lq]

@@ -80,7 +80,7 @@ def ulysses_attention(
     local_attention = functools.partial(
         flash.local_flash_attention,
         scale=resolve_scale(q, scale),
-        block_sizes=block_sizes or flash.DEFAULT_BLOCK_SIZES,
+        block_sizes=block_sizes,
         platform=platform_of(mesh),
     )
 
