@@ -162,6 +162,53 @@ def test_pad_batch_to_reuses_one_compilation(tokenizer_dir, encoder_dir):
         text.encode_prompts(tokenizer, module, params, PROMPTS, MAX_LEN, pad_batch_to=2)
 
 
+def test_encoding_length_is_the_next_power_of_two_within_bounds():
+    assert [text.encoding_length(n, 512) for n in (0, 1, 16, 17, 33, 300, 512)] == [
+        16,
+        16,
+        16,
+        32,
+        64,
+        512,
+        512,
+    ]
+    assert text.encoding_length(20, 24) == 24  # never past max_sequence_length
+    assert text.encoding_length(3, 8) == 8
+
+
+def test_short_batches_run_only_their_tokens_and_match_wan_pipeline(
+    tokenizer_dir, encoder_dir, monkeypatch
+):
+    """At max_sequence_length 64 a batch of short prompts runs the encoder on 16 tokens, a
+    batch with the long prompt on 32, and both equal diffusers' 64-token encoding."""
+    max_len = 64
+    tokenizer = text.load_tokenizer(tokenizer_dir)
+    torch_encoder = transformers.UMT5EncoderModel.from_pretrained(encoder_dir).eval()
+    module, params = umt5.load_umt5(encoder_dir)
+    seen = []
+    jitted = text._jitted_encoder(module)
+
+    def recording(module_):
+        def encode(params_, ids_bl, mask_bl):
+            seen.append(ids_bl.shape[1])
+            return jitted(params_, ids_bl, mask_bl)
+
+        return encode
+
+    monkeypatch.setattr(text, "_jitted_encoder", recording)
+    _, mask = text.tokenize_prompts(tokenizer, PROMPTS, max_len)
+    assert 16 < mask[2].sum() <= 32 and mask[:2].sum(axis=1).max() <= 16
+    for prompts, length in ((PROMPTS[:2], 16), (PROMPTS, 32)):
+        expected = _wan_reference(tokenizer, torch_encoder, prompts, max_len)
+        embeddings, lengths = text.encode_prompts(tokenizer, module, params, prompts, max_len)
+        assert seen[-1] == length
+        assert embeddings.shape == expected.shape == (len(prompts), max_len, 32)
+        err = np.abs(embeddings - expected).max()
+        assert err < ATOL, f"{len(prompts)} prompts: max abs error {err:.2e}"
+        for row, n in zip(embeddings, lengths, strict=True):
+            assert np.all(row[n:] == 0.0)
+
+
 def test_prompts_must_be_a_list(tokenizer_dir):
     tokenizer = text.load_tokenizer(tokenizer_dir)
     with pytest.raises(TypeError, match="list of strings"):
