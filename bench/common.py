@@ -93,6 +93,25 @@ def time_calls(fn: Callable[[], Any], *, reps: int, warmup: int = 1) -> tuple[li
     return times, first
 
 
+def interleaved_times(
+    calls: dict[str, Callable[[], Any]], *, reps: int, warmup: int = 0
+) -> dict[str, list[float]]:
+    """Seconds per call of each of ``calls``, called in turn round by round (after ``warmup``
+    rounds), so a drift of this VM's speed during the run (20-30% within an hour was seen)
+    reaches every side alike instead of reading as a ratio. Each call must block until its
+    work is done; compile before (a first call) so no round includes a compilation."""
+    for _ in range(warmup):
+        for fn in calls.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, fn in calls.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return times
+
+
 def timed_record(
     bench: str,
     case: str,

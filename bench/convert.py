@@ -46,7 +46,7 @@ class ConvertCase:
 
         if self.name == "tiny":
             return cached_tiny_pipeline("wan")
-        return cached_tiny_pipeline("wan", _s_model_yaml(work))
+        return cached_tiny_pipeline("wan", s_model_yaml(work))
 
 
 CASES = {
@@ -56,9 +56,10 @@ CASES = {
 }
 
 
-def _s_model_yaml(work: Path) -> Path:
+def s_model_yaml(work: Path, *, transformer: bool = False) -> Path:
     """Wan 2.1's VAE (the bench model S's) with a UMT5-base-size text encoder (UMT5-XXL, the
-    real one, does not fit this machine's memory) and a one-layer transformer (unused here)."""
+    real one, does not fit this machine's memory) and, with ``transformer``, the S transformer
+    (its text_dim set to the encoder's width), else a one-layer one (unused by convert)."""
     import yaml
 
     s = yaml.safe_load((REPO / "configs/models/wan_bench_s.yml").read_text())
@@ -71,10 +72,13 @@ def _s_model_yaml(work: Path) -> Path:
         "num_layers": 12,
         "num_heads": 12,
     }
-    transformer = {**s["transformer"], "num_layers": 1, "text_dim": 768, "ffn_dim": 256}
-    transformer.update(num_attention_heads=2, attention_head_dim=32, freq_dim=32)
-    path = work / "wan_convert_s.yml"
-    model = {"family": "wan", "transformer": transformer, "vae": s["vae"], "text_encoder": text}
+    denoiser = {**s["transformer"], "text_dim": 768}
+    if not transformer:
+        denoiser.update(num_layers=1, ffn_dim=256, num_attention_heads=2, attention_head_dim=32)
+        denoiser.update(freq_dim=32)
+    name = "wan_s_pipeline.yml" if transformer else "wan_convert_s.yml"
+    path = work / name
+    model = {"family": "wan", "transformer": denoiser, "vae": s["vae"], "text_encoder": text}
     path.write_text(yaml.safe_dump(model, sort_keys=True))
     return path
 

@@ -2,8 +2,10 @@
 
 Uses the train stage's own step (``stages.train.trainer.make_train_step``: flow-matching loss
 with shifted timesteps, AdamW, donated buffers) on a one-device mesh, so the figure is the
-step ``difforge train`` runs. MFU = 3 x ``flops_per_forward`` / step time / the matmul limit
-(added by ``bench.run``); throughput in video tokens per second.
+step ``difforge train`` runs. On CPU every case is timed alternately, call by call, with
+PyTorch (diffusers' ``WanTransformer3DModel`` of the same config, the same flow-matching step
+with torch's AdamW and clipping, eager). MFU = 3 x ``flops_per_forward`` / step time / the
+matmul limit (added by ``bench.run``); throughput in video tokens per second.
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ import time
 import jax
 import numpy as np
 
-from bench.common import BenchContext, block, set_torch_threads, time_calls, timed_record
+from bench.common import (
+    BenchContext,
+    block,
+    interleaved_times,
+    set_torch_threads,
+    time_calls,
+    timed_record,
+)
 from bench.transformer import BENCH_M, BENCH_S, TINY, WAN_1_3B_480P, ForwardCase, video_tokens
 from jaxcore import families, sharding
 from jaxcore.compute import ComputeConfig
@@ -30,7 +39,7 @@ log = logging.getLogger(__name__)
 
 BENCH = "train_step"
 # The CPU demo's DiT (`make demo`): batch 32 of 64 tokens; its step time decides how many
-# images the demo's training sees in its budget. Timed alternately with PyTorch (below).
+# images the demo's training sees in its budget.
 DEMO = ForwardCase("demo b32", "configs/models/wan_demo.yml", (32, 4, 1, 16, 16), 16)
 CASES = {"smoke": (TINY,), "quick": (DEMO, BENCH_S), "full": (DEMO, BENCH_S, BENCH_M)}
 ACCELERATOR_CASES = {"smoke": (TINY,), "quick": (BENCH_S,), "full": (BENCH_S, WAN_1_3B_480P)}
@@ -161,23 +170,18 @@ def _torch_step(case: ForwardCase):
 
 
 def run_alternating(ctx: BenchContext, case: ForwardCase) -> list[dict]:
-    """difforge's step and PyTorch's, timed call by call in turn: this VM's speed drifts by
-    20-30% within an hour, which one side timed after the other would read as a ratio."""
+    """difforge's step and PyTorch's, timed call by call in turn
+    (:func:`bench.common.interleaved_times`): this VM's speed drifts by 20-30% within an hour,
+    which one side timed after the other would read as a ratio."""
     ours, state = _difforge_step(case)
     theirs = _torch_step(case)
+    calls = {"difforge": ours, "pytorch eager": theirs}
     firsts = {}
-    for name, fn in (("difforge", ours), ("pytorch eager", theirs)):
+    for name, fn in calls.items():
         started = time.perf_counter()
         fn()
         firsts[name] = time.perf_counter() - started
-    for _ in range(max(ctx.warmup - 1, 0)):
-        ours(), theirs()
-    times = {"difforge": [], "pytorch eager": []}
-    for _ in range(max(ctx.reps, 5)):
-        for name, fn in (("difforge", ours), ("pytorch eager", theirs)):
-            started = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - started)
+    times = interleaved_times(calls, reps=max(ctx.reps, 5), warmup=max(ctx.warmup - 1, 0))
     flops, tokens = _step_flops_and_tokens(case)
     return [
         timed_record(
@@ -200,7 +204,7 @@ def run(ctx: BenchContext) -> list[dict]:
     out = []
     for case in cases_for(ctx):
         log.info("train step: case %s", case.name)
-        if case is DEMO and not ctx.on_accelerator:
+        if not ctx.on_accelerator:
             out.extend(run_alternating(ctx, case))
         else:
             out.append(run_case(ctx, case))

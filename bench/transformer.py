@@ -17,9 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from bench.common import BenchContext, block, set_torch_threads, time_calls, timed_record
+from bench.common import (
+    BenchContext,
+    block,
+    interleaved_times,
+    set_torch_threads,
+    timed_record,
+)
 from jaxcore.model_configs import load_model_yaml
 from jaxcore.models import wan_transformer as wan
 
@@ -39,6 +46,7 @@ class ForwardCase:
     text_tokens: int
     overrides: tuple[tuple[str, object], ...] = ()
     torch_compile: bool = True
+    dtype: str = "float32"  # weights, activations and inputs of both sides
 
     def config(self) -> wan.WanTransformerConfig:
         base = load_model_yaml(REPO / self.model_yaml, ("transformer",))["transformer"]
@@ -50,6 +58,8 @@ TINY = ForwardCase(
 )
 BENCH_S = ForwardCase("S", "configs/models/wan_bench_s.yml", (1, 16, 4, 32, 32), 512)
 BENCH_M = ForwardCase("M", "configs/models/wan_bench_m.yml", (1, 16, 4, 32, 32), 512)
+# bf16 weights and activations (diffusers: the model and inputs cast to bfloat16)
+BENCH_S_BF16 = dataclasses.replace(BENCH_S, name="S-bf16", torch_compile=False, dtype="bfloat16")
 # Wan 2.1 1.3B at 480p, 81 frames: latents 21 x 60 x 104 (32,760 tokens), 512 text tokens.
 WAN_1_3B_480P = ForwardCase(
     "1.3B-480p", "configs/models/wan2.1_t2v_1.3b.yml", (1, 16, 21, 60, 104), 512
@@ -57,7 +67,7 @@ WAN_1_3B_480P = ForwardCase(
 CASES = {
     "smoke": (TINY,),
     "quick": (TINY, BENCH_S),
-    "full": (TINY, BENCH_S, BENCH_M),
+    "full": (TINY, BENCH_S, BENCH_M, BENCH_S_BF16),
 }
 ACCELERATOR_CASES = {"smoke": (TINY,), "quick": (TINY, BENCH_S), "full": (BENCH_S, WAN_1_3B_480P)}
 
@@ -91,13 +101,17 @@ def make_inputs(config: wan.WanTransformerConfig, case: ForwardCase, seed: int =
     return latents, timestep, text.astype(np.float32)
 
 
-def jax_forward(directory: Path, attention: str = "dot_product"):
-    """(jitted forward(latents, timestep, text), params) of our loaded model."""
-    module, params = wan.load_wan_transformer(directory, attention=attention)
+def jax_forward(directory: Path, attention: str = "dot_product", dtype: str = "float32"):
+    """(jitted forward(latents, timestep, text), params) of our loaded model, weights and
+    activations in ``dtype``."""
+    kind = jnp.dtype(dtype)
+    module, params = wan.load_wan_transformer(
+        directory, attention=attention, dtype=kind, param_dtype=kind
+    )
 
     @jax.jit
     def forward(params, latents, timestep, text):
-        return module.apply({"params": params}, latents, timestep, text)
+        return module.apply({"params": params}, latents.astype(kind), timestep, text.astype(kind))
 
     return forward, params
 
@@ -112,11 +126,14 @@ def compare_with_diffusers(
     common: dict,
     *,
     torch_compile: bool,
+    attentions: tuple[str, ...] = ("dot_product", "flash"),
     **extra,
 ) -> list[dict]:
-    """difforge (dot_product and flash attention), diffusers eager and torch.compile on one
-    input: timed records, each difforge one with its max |diff| to diffusers' output.
+    """difforge (each of ``attentions``), diffusers eager and torch.compile on one input:
+    timed records, each difforge one with its max |diff| to diffusers' output.
 
+    Every side is compiled and run once, then all are timed **in turn, call by call**
+    (:func:`bench.common.interleaved_times`), so the ratios hold under this VM's drift.
     ``forward_for(attention)`` returns a no-argument call of our jitted forward."""
     import torch
 
@@ -126,59 +143,74 @@ def compare_with_diffusers(
         with torch.inference_mode():
             return torch_model(**torch_inputs)[0]
 
-    reference = eager().numpy()
-    records = []
-    for attention, label in (("dot_product", "difforge"), ("flash", "difforge_flash")):
+    reference = eager().float().numpy()
+    labels = {"dot_product": "difforge", "flash": "difforge_flash"}
+    calls, firsts, diffs = {}, {}, {}
+    for attention in attentions:
+        label = labels[attention]
         call = forward_for(attention)
         started = time.perf_counter()
-        ours = np.asarray(block(call()))
-        first = time.perf_counter() - started
-        times, _ = time_calls(lambda call=call: block(call()), reps=ctx.reps, warmup=ctx.warmup)
-        info = {"first_call_s": first, **(extra if label == "difforge" else {})}
-        records.append(
-            timed_record(
-                bench,
-                case_name,
-                label,
-                times,
-                **common,
-                max_abs_diff_vs_diffusers=float(np.max(np.abs(reference - ours))),
-                **info,
-            )
-        )
-    eager_times, _ = time_calls(eager, reps=ctx.reps, warmup=ctx.warmup)
-    records.append(
-        timed_record(bench, case_name, "diffusers_eager", eager_times, **common, threads=threads)
-    )
+        ours = np.asarray(block(call()), np.float32)
+        firsts[label] = time.perf_counter() - started
+        diffs[label] = float(np.max(np.abs(reference - ours)))
+        calls[label] = lambda call=call: block(call())
+    calls["diffusers_eager"] = eager
     if torch_compile and ctx.profile != "smoke":
-        records.append(
-            _compiled_record(ctx, bench, case_name, torch_model, torch_inputs, common, threads)
-        )
+        compiled = torch.compile(torch_model)
+
+        def compiled_call():
+            with torch.inference_mode():
+                return compiled(**torch_inputs)[0]
+
+        started = time.perf_counter()
+        compiled_call()
+        firsts["diffusers_compile"] = time.perf_counter() - started
+        calls["diffusers_compile"] = compiled_call
+    times = interleaved_times(calls, reps=ctx.reps, warmup=max(ctx.warmup - 1, 0))
+    records = []
+    for label, measured in times.items():
+        info = {"timing": "alternating call by call"}
+        if label in firsts:
+            info["first_call_s"] = firsts[label]
+        if label in diffs:
+            info["max_abs_diff_vs_diffusers"] = diffs[label]
+        if label.startswith("diffusers"):
+            info["threads"] = threads
+        if label == "difforge":
+            info.update(extra)
+        records.append(timed_record(bench, case_name, label, measured, **common, **info))
     return records
 
 
 def run_case(ctx: BenchContext, case: ForwardCase) -> list[dict]:
-    """difforge jit (both attention backends), diffusers eager and torch.compile on one shape."""
+    """difforge jit (both attention backends in float32, flash in bf16), diffusers eager and
+    torch.compile on one shape, in ``case.dtype``."""
     import torch
 
     config = case.config()
-    directory = ctx.scratch(f"wan_{case.name}")
+    directory = ctx.scratch(f"wan_{case.model_yaml.rsplit('/', 1)[-1]}")
     torch_model = write_diffusers_model(config, directory)
     latents, timestep, text = make_inputs(config, case)
     tokens = video_tokens(config, case.latent_shape)
     flops = wan.flops_per_forward(
         config, case.latent_shape[0], tokens // case.latent_shape[0], case.text_tokens
     )
-    common = {"flops": flops, "items": tokens, "item_unit": "video tokens"}
+    common = {"flops": flops, "items": tokens, "item_unit": "video tokens", "dtype": case.dtype}
 
     def forward_for(attention: str):
-        forward, params = jax_forward(directory, attention)
+        forward, params = jax_forward(directory, attention, case.dtype)
         return lambda: forward(params, latents, timestep, text)
 
+    torch_dtype = getattr(torch, case.dtype)
+    if torch_dtype != torch.float32:
+        # as a diffusers user loads it: the modules it keeps in float32 stay there
+        from diffusers import WanTransformer3DModel
+
+        torch_model = WanTransformer3DModel.from_pretrained(directory, torch_dtype=torch_dtype)
     t_inputs = {
-        "hidden_states": torch.from_numpy(latents),
+        "hidden_states": torch.from_numpy(latents).to(torch_dtype),
         "timestep": torch.from_numpy(timestep),
-        "encoder_hidden_states": torch.from_numpy(text),
+        "encoder_hidden_states": torch.from_numpy(text).to(torch_dtype),
         "return_dict": False,
     }
     return compare_with_diffusers(
@@ -186,35 +218,12 @@ def run_case(ctx: BenchContext, case: ForwardCase) -> list[dict]:
         BENCH,
         case.name,
         forward_for,
-        torch_model,
+        torch_model.eval(),
         t_inputs,
         common,
         torch_compile=case.torch_compile,
+        attentions=("dot_product", "flash") if case.dtype == "float32" else ("flash",),
         params=wan.count_params(config),
-    )
-
-
-def _compiled_record(ctx, bench, case_name, torch_model, t_inputs, common, threads) -> dict:
-    import torch
-
-    compiled = torch.compile(torch_model)
-
-    def call():
-        with torch.inference_mode():
-            return compiled(**t_inputs)[0]
-
-    started = time.perf_counter()
-    call()
-    compile_s = time.perf_counter() - started
-    times, _ = time_calls(call, reps=ctx.reps, warmup=max(ctx.warmup - 1, 0))
-    return timed_record(
-        bench,
-        case_name,
-        "diffusers_compile",
-        times,
-        **common,
-        threads=threads,
-        first_call_s=compile_s,
     )
 
 

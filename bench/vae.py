@@ -13,12 +13,11 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import BenchContext, block, set_torch_threads, timed_record
+from bench.common import BenchContext, block, interleaved_times, set_torch_threads, timed_record
 from jaxcore.model_configs import load_model_yaml
 from jaxcore.models import wan_vae
 
@@ -71,23 +70,6 @@ def write_diffusers_vae(config: wan_vae.WanVAEConfig, directory: Path, seed: int
     return model
 
 
-def interleaved_times(
-    ours: Callable[[], object], theirs: Callable[[], object], *, reps: int, warmup: int
-) -> tuple[list[float], list[float]]:
-    """Seconds per call of ``ours`` and ``theirs``, called alternately (after ``warmup`` calls
-    of each); both must block until their work is done."""
-    for _ in range(warmup):
-        ours()
-        theirs()
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(reps):
-        for fn, out in zip((ours, theirs), times, strict=True):
-            started = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - started)
-    return times
-
-
 def run_case(ctx: BenchContext, case: VAECase) -> list[dict]:
     import torch
 
@@ -135,9 +117,10 @@ def run_case(ctx: BenchContext, case: VAECase) -> list[dict]:
         (BENCH_DECODE, jax_decode, torch_decode, decode_first, decode_diff),
     ):
         # The first call (compile included) is done; the torch side has run once too.
-        our_times, their_times = interleaved_times(
-            ours, theirs, reps=ctx.reps, warmup=max(ctx.warmup - 1, 0)
+        times = interleaved_times(
+            {"difforge": ours, "diffusers": theirs}, reps=ctx.reps, warmup=max(ctx.warmup - 1, 0)
         )
+        our_times, their_times = times["difforge"], times["diffusers"]
         ratio = statistics.median(their_times) / statistics.median(our_times)
         log.info(
             "%s %s: difforge %.0f ms, diffusers %.0f ms -> %.2fx diffusers "
