@@ -55,6 +55,7 @@ from jaxcore.compute import remat_block
 from jaxcore.config import config_json_kwargs
 from jaxcore.models.layers import (
     MLP2,
+    RMSNorm,
     apply_rope,
     dense,
     gelu_tanh,
@@ -397,14 +398,8 @@ class FluxAttention(nn.Module):
         q, k, v = project(q_name), project(k_name), project(v_name)
         return self._rms_norm(qn_name)(q), self._rms_norm(kn_name)(k), v
 
-    def _rms_norm(self, name: str) -> nn.RMSNorm:
-        return nn.RMSNorm(
-            epsilon=NORM_EPS,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",)),
-            name=name,
-        )
+    def _rms_norm(self, name: str) -> RMSNorm:
+        return RMSNorm(NORM_EPS, self.dtype, self.param_dtype, name=name)
 
     def _out(self, name: str, x_blhd, heads_axes, embed_axes):
         dim = self.config.hidden_dim

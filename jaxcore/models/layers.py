@@ -138,6 +138,54 @@ def _layer_norm_backward(eps, residuals, g):
 layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """``x * rsqrt(mean(x^2) + eps) * scale`` over the last axis, statistics in float32, the
+    result in x's dtype: flax ``nn.RMSNorm`` (diffusers' ``RMSNorm``), with the backward
+    written out as :func:`layer_norm`'s is (two reductions from the saved normalised input)."""
+    return _rms_norm_forward(x, scale, eps)[0]
+
+
+def _rms_norm_forward(x, scale, eps):
+    x32 = x.astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    normed = x32 * rstd
+    out = (normed * scale.astype(jnp.float32)).astype(x.dtype)
+    return out, (normed, rstd, scale)
+
+
+def _rms_norm_backward(eps, residuals, g):
+    del eps
+    normed, rstd, scale = residuals
+    g32 = g.astype(jnp.float32)
+    g_normed = g32 * scale.astype(jnp.float32)
+    dx = rstd * (g_normed - normed * jnp.mean(g_normed * normed, axis=-1, keepdims=True))
+    dscale = jnp.sum((g32 * normed).reshape(-1, normed.shape[-1]), axis=0)
+    return dx.astype(g.dtype), dscale.astype(scale.dtype)
+
+
+rms_norm.defvjp(_rms_norm_forward, _rms_norm_backward)
+
+
+class RMSNorm(nn.Module):
+    """flax ``nn.RMSNorm`` over the last axis (its ``scale`` parameter, ones-initialised, with
+    the logical axis ``norm``) through :func:`rms_norm`."""
+
+    epsilon: float = 1e-6
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",)),
+            (x.shape[-1],),
+            self.param_dtype,
+        )
+        return rms_norm(x.astype(self.dtype), scale, self.epsilon)
+
+
 def gelu_tanh(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True)
 

@@ -60,6 +60,7 @@ from jaxcore.compute import remat_block
 from jaxcore.config import config_json_kwargs
 from jaxcore.models.layers import (
     MLP2,
+    RMSNorm,
     apply_rope,
     dense,
     gelu_tanh,
@@ -436,14 +437,8 @@ class WanAttention(nn.Module):
     attention: str = "dot_product"
     mesh: Any = None
 
-    def _rms_norm(self, name: str) -> nn.RMSNorm:
-        return nn.RMSNorm(
-            epsilon=self.config.eps,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",)),
-            name=name,
-        )
+    def _rms_norm(self, name: str) -> RMSNorm:
+        return RMSNorm(self.config.eps, self.dtype, self.param_dtype, name=name)
 
     @nn.compact
     def __call__(self, x_bld, context_bmd=None, rope=None, image_bsd=None):

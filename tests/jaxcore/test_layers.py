@@ -9,7 +9,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcore.models.layers import Dense, layer_norm, linear
+from jaxcore.models.layers import Dense, RMSNorm, layer_norm, linear
 
 AXES = ("embed", "mlp")
 
@@ -169,3 +169,36 @@ def test_layer_norm_gradient_equals_autodiff(dtype):
     numeric = (loss64(x64 + h * direction) - loss64(x64 - h * direction)) / (2 * h)
     analytic = float(jnp.sum(np.float64(np.float32(grad)) * np.float64(direction)))
     assert abs(analytic - numeric) <= 2e-2 * max(1.0, abs(numeric)), (analytic, numeric)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rms_norm_equals_flax_rms_norm_and_its_autodiff(dtype):
+    """RMSNorm's forward, input gradient and scale gradient against flax nn.RMSNorm (the module
+    Wan's and Flux's q/k norms used before), which autodiff differentiates; same parameters."""
+    x = (_inputs((3, 5, 64)) * 3.0).astype(dtype)
+    scale = 1.0 + 0.1 * _inputs((64,), 1)
+    upstream = _inputs((3, 5, 64), 2)
+    ours_module = RMSNorm(1e-6, dtype=dtype)
+    flax_module = nn.RMSNorm(epsilon=1e-6, dtype=dtype)
+    assert jax.tree.map(
+        jnp.shape, nn.unbox(ours_module.init(jax.random.key(0), x))
+    ) == jax.tree.map(jnp.shape, flax_module.init(jax.random.key(0), x))
+
+    def loss(module):
+        return lambda x, scale: jnp.sum(
+            module.apply({"params": {"scale": scale}}, x).astype(jnp.float32) * upstream
+        )
+
+    got_out = ours_module.apply({"params": {"scale": scale}}, x)
+    want_out = flax_module.apply({"params": {"scale": scale}}, x)
+    assert got_out.dtype == want_out.dtype == dtype
+    got = jax.jit(jax.grad(loss(ours_module), argnums=(0, 1)))(x, scale)
+    want = jax.jit(jax.grad(loss(flax_module), argnums=(0, 1)))(x, scale)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(got_out, want_out, rtol=1e-6, atol=1e-6)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    else:  # both in float32 inside, rounded once to bf16: an ulp apart at most
+        for g, w in zip((got_out, *got), (want_out, *want), strict=True):
+            g, w = np.float32(g), np.float32(w)
+            np.testing.assert_allclose(g, w, rtol=2**-7, atol=2**-7 * float(np.abs(w).max()))
