@@ -58,8 +58,10 @@ from jaxcore.models.layers import (
     RMSNorm,
     apply_rope,
     dense,
+    gated_add,
     gelu_tanh,
     layer_norm,
+    scale_shift,
     timestep_embedding,
 )
 
@@ -304,13 +306,13 @@ _MLP_CHUNKS = ("activation_batch", "activation_length", None, "activation_mlp")
 
 def _modulate(x_bld: jax.Array, shift_bd: jax.Array, scale_bd: jax.Array, dtype: Dtype):
     """LayerNorm(x) * (1 + scale) + shift with per-sample [B, D] modulation, float32 inside."""
-    out = layer_norm(x_bld, NORM_EPS) * (1.0 + scale_bd[:, None, :]) + shift_bd[:, None, :]
+    out = scale_shift(layer_norm(x_bld, NORM_EPS), scale_bd[:, None, :], shift_bd[:, None, :])
     return out.astype(dtype)
 
 
 def _gated_residual(x_bld: jax.Array, h_bld: jax.Array, gate_bd: jax.Array, axes) -> jax.Array:
     """x + gate * h, added in float32 and cast back to x's dtype."""
-    out = x_bld.astype(jnp.float32) + gate_bd[:, None, :] * h_bld.astype(jnp.float32)
+    out = gated_add(x_bld, h_bld, gate_bd[:, None, :])
     return sharding.constrain(out.astype(x_bld.dtype), axes)
 
 

@@ -10,6 +10,9 @@
   with ``use_real_unbind_dim=-1``), in float32;
 - :func:`timestep_embedding`: diffusers' sinusoidal ``get_timestep_embedding`` (cos first)
   with torch's float32 frequency table (:func:`timestep_frequencies`);
+- :func:`rms_norm` / :class:`RMSNorm`: flax ``nn.RMSNorm`` with the backward written out;
+- :func:`scale_shift` (adaLN modulation) and :func:`gated_add` (gated residual), whose
+  per-sample parameter gradients are matrix products rather than XLA CPU's slow reductions;
 - :func:`gelu_tanh`.
 """
 
@@ -136,6 +139,66 @@ def _layer_norm_backward(eps, residuals, g):
 
 
 layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
+
+
+def _sum_over_tokens(t_bld: jax.Array, like: jax.Array) -> jax.Array:
+    """``t`` [B, L, D] summed to ``like``'s shape: over L when ``like`` is [B, 1, D] (one value
+    per sample), unchanged when it is [B, L, D] (one per token). The sum is a matrix product
+    with ones: XLA CPU's fused multiply-and-reduce over L of a [1, L, D] array ran ~16x slower
+    than the same product (batch 1, L = 1024, D = 512: 6.4 vs 0.39 ms)."""
+    if like.shape[1] != 1:
+        return t_bld
+    ones_bl = jnp.ones(t_bld.shape[:2], t_bld.dtype)
+    return jnp.einsum("bl,bld->bd", ones_bl, t_bld, preferred_element_type=jnp.float32)[:, None]
+
+
+@jax.custom_vjp
+def scale_shift(y: jax.Array, scale: jax.Array, shift: jax.Array) -> jax.Array:
+    """``y * (1 + scale) + shift`` in float32 (adaLN modulation), ``y`` [B, L, D] and
+    ``scale``/``shift`` [B, 1, D] or [B, L, D]; their gradients sum over tokens as matrix
+    products (:func:`_sum_over_tokens`)."""
+    return y * (1.0 + scale) + shift
+
+
+def _scale_shift_forward(y, scale, shift):
+    return scale_shift(y, scale, shift), (y, scale, shift)
+
+
+def _scale_shift_backward(residuals, g):
+    y, scale, shift = residuals
+    g = g.astype(jnp.float32)
+    return (
+        (g * (1.0 + scale)).astype(y.dtype),
+        _sum_over_tokens(g * y, scale).astype(scale.dtype),
+        _sum_over_tokens(g, shift).astype(shift.dtype),
+    )
+
+
+scale_shift.defvjp(_scale_shift_forward, _scale_shift_backward)
+
+
+@jax.custom_vjp
+def gated_add(x: jax.Array, h: jax.Array, gate: jax.Array) -> jax.Array:
+    """``x + h * gate`` in float32 (a gated residual), ``gate`` [B, 1, D] or [B, L, D]; its
+    gradient sums over tokens as a matrix product (:func:`_sum_over_tokens`)."""
+    return x.astype(jnp.float32) + h.astype(jnp.float32) * gate
+
+
+def _gated_add_forward(x, h, gate):
+    return gated_add(x, h, gate), (h, gate, jnp.zeros((), x.dtype))
+
+
+def _gated_add_backward(residuals, g):
+    h, gate, like_x = residuals
+    g = g.astype(jnp.float32)
+    return (
+        g.astype(like_x.dtype),
+        (g * gate).astype(h.dtype),
+        _sum_over_tokens(g * h.astype(jnp.float32), gate).astype(gate.dtype),
+    )
+
+
+gated_add.defvjp(_gated_add_forward, _gated_add_backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -63,9 +63,11 @@ from jaxcore.models.layers import (
     RMSNorm,
     apply_rope,
     dense,
+    gated_add,
     gelu_tanh,
     layer_norm,
     linear,
+    scale_shift,
     timestep_embedding,
 )
 
@@ -494,7 +496,7 @@ def _modulate(x_bld: jax.Array, eps: float, shift_b1d, scale_b1d, dtype: Dtype) 
     """LayerNorm(x) * (1 + scale) + shift, in float32, cast to the activation dtype.
 
     shift/scale are [B, 1, D] (one timestep per sample) or [B, L, D] (one per token)."""
-    return (layer_norm(x_bld, eps) * (1.0 + scale_b1d) + shift_b1d).astype(dtype)
+    return scale_shift(layer_norm(x_bld, eps), scale_b1d, shift_b1d).astype(dtype)
 
 
 def _split_modulation(table_1nd: jax.Array, temb: jax.Array, n: int) -> list[jax.Array]:
@@ -535,7 +537,7 @@ class WanBlock(nn.Module):
         # 1. self-attention, modulated and gated; the residual add happens in float32
         h = _modulate(x_bld, cfg.eps, shift_sa, scale_sa, self.dtype)
         h = WanAttention(**attn_kw, name="attn1")(h, rope=(rope_cos, rope_sin))
-        x_bld = (x_bld.astype(jnp.float32) + h * gate_sa).astype(self.dtype)
+        x_bld = gated_add(x_bld, h, gate_sa).astype(self.dtype)
         x_bld = sharding.constrain(x_bld, _BATCH_LENGTH_EMBED)
 
         # 2. cross-attention to the text (and the image tokens of I2V), ungated
@@ -549,7 +551,7 @@ class WanBlock(nn.Module):
         # 3. feed-forward, modulated and gated
         h = _modulate(x_bld, cfg.eps, shift_ff, scale_ff, self.dtype)
         h = FeedForward(cfg, self.dtype, self.param_dtype, name="ffn")(h)
-        x_bld = (x_bld.astype(jnp.float32) + h.astype(jnp.float32) * gate_ff).astype(self.dtype)
+        x_bld = gated_add(x_bld, h, gate_ff).astype(self.dtype)
         return sharding.constrain(x_bld, _BATCH_LENGTH_EMBED)
 
 

@@ -202,3 +202,32 @@ def test_rms_norm_equals_flax_rms_norm_and_its_autodiff(dtype):
         for g, w in zip((got_out, *got), (want_out, *want), strict=True):
             g, w = np.float32(g), np.float32(w)
             np.testing.assert_allclose(g, w, rtol=2**-7, atol=2**-7 * float(np.abs(w).max()))
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_scale_shift_and_gated_add_gradients_equal_autodiff(batch, per_token):
+    """The modulation and the gated residual against autodiff of the same expressions, for
+    per-sample ([B, 1, D]: gradients summed over tokens) and per-token ([B, L, D]) parameters."""
+    from jaxcore.models.layers import gated_add, scale_shift
+
+    tokens = 7
+    x, y, h = (_inputs((batch, tokens, 16), seed) for seed in (0, 1, 2))
+    rows = tokens if per_token else 1
+    scale, shift, gate = (_inputs((batch, rows, 16), seed) for seed in (3, 4, 5))
+    upstream = _inputs((batch, tokens, 16), 6)
+
+    def loss(fn):
+        return lambda *args: jnp.sum(fn(*args) * upstream)
+
+    cases = (
+        (scale_shift, lambda y, s, b: y * (1.0 + s) + b, (y, scale, shift)),
+        (gated_add, lambda x, h, g: x + h * g, (x, h, gate)),
+    )
+    for ours, plain, args in cases:
+        np.testing.assert_allclose(ours(*args), plain(*args), rtol=1e-6, atol=1e-6)
+        got = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(*args)
+        want = jax.grad(loss(plain), argnums=(0, 1, 2))(*args)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
