@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcore.kernels.sharded import pad_axis, pad_keys
+from jaxcore.kernels.sharded import pad_axis, pad_keys, round_up
 
 
 class _Blocks(NamedTuple):
@@ -194,6 +194,18 @@ def _attention_backward(blocks: _Blocks, residuals, d_out):
 _attention.defvjp(_attention_forward, _attention_backward)
 
 
+def balanced_block(length: int, max_block: int, multiple: int = 8) -> int:
+    """The block for a sequence of ``length``: as many blocks as ``max_block`` needs, each as
+    long as that count needs (rounded up to ``multiple``), so padding stays under ``multiple``
+    per block: Flux's 4096 + 512 tokens take 5 blocks of 928 instead of 5 of 1024 (11% more
+    rows and keys each, 23% more attention work); a sequence shorter than ``max_block`` is one
+    block of its own length."""
+    if length <= max_block:
+        return length
+    blocks = -(-length // max_block)
+    return min(max_block, round_up(-(-length // blocks), multiple))
+
+
 def blockwise_attention(
     q, k, v, kv_mask=None, *, scale: float, block_q: int, block_kv: int, head_by_head: bool = False
 ):
@@ -204,7 +216,7 @@ def blockwise_attention(
     once; on CPU a tile then stays in the core's cache between its matrix product, softmax
     and second product."""
     lq, lk = q.shape[1], k.shape[1]
-    block_q, block_kv = min(block_q, lq), min(block_kv, lk)
+    block_q, block_kv = balanced_block(lq, block_q), balanced_block(lk, block_kv)
     k, v, kv_mask = pad_keys(k, v, kv_mask, block_kv)
     q = pad_axis(q, block_q)
     blocks = _Blocks(block_q, block_kv, q.shape[1] // block_q, k.shape[1] // block_kv)
