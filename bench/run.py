@@ -44,11 +44,15 @@ BENCHMARKS = {
     "tpu_compile": "bench.tpu_compile",
 }
 GOALS = {
-    "transformer_forward": "difforge >= 0.90 of the matmul limit",
+    "transformer_forward": "difforge >= 1.0x diffusers eager and torch.compile (fp32, S and M); "
+    ">= 1.0x diffusers eager in bf16",
     "flux_forward": "difforge >= 1.0x diffusers eager",
-    "train_step": "MFU >= 0.70",
-    "generate": "share of wall time outside device compute < 0.10",
+    "train_step": "difforge >= 1.0x PyTorch eager (diffusers' model, torch AdamW); MFU >= 0.70",
+    "vae_encode / vae_decode": "difforge >= 1.0x diffusers eager",
+    "generate": "S: seconds per prompt <= diffusers' WanPipeline; share of wall time outside "
+    "device compute < 0.10",
     "step_cache": "MagCache (diffusers' defaults) >= 1.8x fewer block-stack evaluations at PSNR >= 30 dB",
+    "convert": "records/s of the whole Beam run >= 0.5x the bare encoders' items/s",
     "memory_load": "peak RSS growth < 1.3 x weight bytes",
     "memory_attention": "flash temp memory grows linearly (exponent ~1)",
     "tpu_compile": "every config fits its TPU slice's HBM (5% headroom), known without a TPU",
