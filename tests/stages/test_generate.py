@@ -216,9 +216,12 @@ def test_same_pixels_for_any_batch_size_and_device_count(tiny_dir):
 def test_kill_and_resume_renders_only_the_rest(tiny_dir, tmp_path):
     """SIGTERM (preemption): the batch in flight finishes, exit 75, no manifest; SIGKILL of
     the rerun: every visible file is complete; the last rerun renders only the rest."""
-    prompts = tmp_path / "forty.txt"
+    # Enough prompts that the renders after each stop outlast the poll-and-signal gap: the tiny
+    # model renders ~30 prompts/s here, and 40 could all finish between a poll and the kill.
+    count = 120
+    prompts = tmp_path / "prompts.txt"
     words = ["red", "blue", "green", "gold", "circle", "star", "ring", "square"]
-    prompts.write_text("\n".join(f"{words[i % 8]} {words[(i * 3) % 8]} {i}" for i in range(40)))
+    prompts.write_text("\n".join(f"{words[i % 8]} {words[(i * 3) % 8]} {i}" for i in range(count)))
     killed = tmp_path / "killed"
     common = [
         f"pretrained_model_name_or_path={tiny_dir}",
@@ -252,11 +255,11 @@ def test_kill_and_resume_renders_only_the_rest(tiny_dir, tmp_path):
 
     assert start_and_stop(signal.SIGTERM, 5) == 75  # EXIT_PREEMPTED: retry me
     after_term = len(list(records.glob("*.json")))
-    assert 5 <= after_term < 40 and not (killed / "manifest.json").exists()
+    assert 5 <= after_term < count and not (killed / "manifest.json").exists()
     assert not list(killed.rglob("*.partial"))  # the batch in flight was finished, not cut
     assert start_and_stop(signal.SIGKILL, after_term + 5) == -signal.SIGKILL
     done_before = len(list(records.glob("*.json")))
-    assert after_term + 5 <= done_before < 40 and not (killed / "manifest.json").exists()
+    assert after_term + 5 <= done_before < count and not (killed / "manifest.json").exists()
     for png in (killed / "outputs").glob("*.png"):  # every visible file is complete
         from PIL import Image
 
@@ -265,7 +268,7 @@ def test_kill_and_resume_renders_only_the_rest(tiny_dir, tmp_path):
     argv = ["generate", "configs/stages/generate.yml", *common]
     assert cli.main([*argv, f"output_dir={killed}", "-q"]) == 0
     summary = open_artifact(str(killed), "generate").summary
-    assert summary["rendered_this_run"] == 40 - done_before
+    assert summary["rendered_this_run"] == count - done_before
     assert summary["reused"] == done_before
     assert not list(killed.rglob("*.partial"))
 
@@ -273,7 +276,7 @@ def test_kill_and_resume_renders_only_the_rest(tiny_dir, tmp_path):
     assert cli.main([*argv, f"output_dir={fresh}", "-q"]) == 0
     fresh_files = sorted(p.relative_to(fresh).as_posix() for p in fresh.rglob("*.npy"))
     assert fresh_files == sorted(p.relative_to(killed).as_posix() for p in killed.rglob("*.npy"))
-    assert len(fresh_files) == 40
+    assert len(fresh_files) == count
     for rel in fresh_files:
         np.testing.assert_allclose(
             np.load(killed / rel), np.load(fresh / rel), atol=INVARIANCE_TOLERANCE, rtol=0
