@@ -40,6 +40,7 @@ BENCHMARKS = {
     "step_cache": "bench.step_cache",
     "convert": "bench.convert",
     "compile_cache": "bench.compile_cache",
+    "compile_layers": "bench.compile_layers",
     "memory": "bench.memory",
     "tpu_compile": "bench.tpu_compile",
 }
@@ -53,6 +54,8 @@ GOALS = {
     "device compute < 0.10",
     "step_cache": "MagCache (diffusers' defaults) >= 1.8x fewer block-stack evaluations at PSNR >= 30 dB",
     "convert": "records/s of the whole Beam run >= 0.5x the bare encoders' items/s",
+    "compile_layers": "with compute.scan_layers, compile seconds of the train step do not grow "
+    "with depth (growth from the shallow to the 5x deeper model ~1x)",
     "memory_load": "peak RSS growth < 1.3 x weight bytes",
     "memory_attention": "flash temp memory grows linearly (exponent ~1)",
     "tpu_compile": "every config fits its TPU slice's HBM (5% headroom), known without a TPU",

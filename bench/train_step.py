@@ -49,11 +49,11 @@ def cases_for(ctx: BenchContext) -> tuple[ForwardCase, ...]:
     return (ACCELERATOR_CASES if ctx.on_accelerator else CASES)[ctx.profile]
 
 
-def build_step(config: wan.WanTransformerConfig, features, remat_policy: str = "none"):
+def build_step(config: wan.WanTransformerConfig, features, compute: ComputeConfig | None = None):
     """(step, params, opt_state) of the train stage on a mesh of the first device."""
     family = families.get("wan")
     mesh = sharding.make_mesh(sharding.MeshConfig(), devices=jax.devices()[:1])
-    compute = ComputeConfig(remat_policy=remat_policy)
+    compute = compute or ComputeConfig()
     with sharding.mesh_context(mesh):
         module, params = family.init_denoiser(config, jax.random.key(0), compute, mesh)
     param_shardings = jax.tree.map(lambda _: replicated(mesh), params)
@@ -75,19 +75,25 @@ def build_step(config: wan.WanTransformerConfig, features, remat_policy: str = "
     return step, params, opt_state
 
 
-def _difforge_step(case: ForwardCase):
-    """(one_step(), state) of the train stage's step on this case's shapes."""
-    config = case.config()
+def step_inputs(case: ForwardCase, config: wan.WanTransformerConfig):
+    """(features, batch): the train step's record features for this case and a random batch."""
     features = (
         TensorSpec(records.LATENTS, tuple(case.latent_shape[1:])),
         TensorSpec("encoder_hidden_states", (case.text_tokens, config.text_dim)),
     )
-    step, params, opt_state = build_step(config, features)
     rng = np.random.default_rng(0)
     batch = {
         f.name: rng.standard_normal((case.latent_shape[0], *f.shape), dtype=np.float32)
         for f in features
     }
+    return features, batch
+
+
+def _difforge_step(case: ForwardCase, compute: ComputeConfig | None = None):
+    """(one_step(), state) of the train stage's step on this case's shapes."""
+    config = case.config()
+    features, batch = step_inputs(case, config)
+    step, params, opt_state = build_step(config, features, compute)
     state = {"params": params, "opt_state": opt_state, "step": 0, "loss": None}
 
     def one_step():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
@@ -68,6 +69,30 @@ def remat_block(block_cls: type[nn.Module], policy: str) -> type[nn.Module]:
     return nn.remat(block_cls, policy=REMAT_POLICIES[policy], prevent_cse=True)
 
 
+def scan_blocks(parent: nn.Module, template: nn.Module, names: Sequence[str], carry, call):
+    """``carry`` through the blocks ``names`` (submodules of ``parent``, all of ``template``'s
+    class and config) as one ``lax.scan``: what ``for name in names: carry = call(block, carry)``
+    computes, compiled once for any depth.
+
+    The blocks keep their own parameters (``blocks_0``, ``blocks_1``, ... as the checkpoint,
+    LoRA and the sharding rules name them); each call stacks them along a new leading axis and
+    the scan body applies ``template`` (an unbound copy of the block, ``parent=None``) to one
+    slice. The stack is a copy of the blocks' weights for the length of the call (sharded as
+    the weights are), the price of per-layer names. ``call(block, carry) -> carry`` runs one
+    block; ``carry`` is any pytree of arrays whose shapes the blocks keep.
+    """
+    if not names:
+        return carry
+    params = parent.variables["params"]
+    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *[params[n] for n in names])
+
+    def body(streams, block_params):
+        return template.apply({"params": block_params}, streams, method=call), None
+
+    carry, _ = jax.lax.scan(body, carry, stacked)
+    return carry
+
+
 def dtype_of(name: str):
     """The jnp dtype named ``name`` (a key of :data:`DTYPES`)."""
     try:
@@ -93,6 +118,10 @@ class ComputeConfig:
     activations_dtype: DtypeName = "float32"
     attention: str = "flash"
     remat_policy: str = "none"
+    # The denoiser's repeated blocks as one lax.scan (jaxcore.compute.scan_blocks): compile
+    # time independent of depth; same parameters and checkpoints. Off by default: on CPU the
+    # scanned step is slower (bench/compile_layers.py measures both).
+    scan_layers: bool = False
     idle_expert: Literal["device", "host"] = "device"
 
     def __post_init__(self):
@@ -119,4 +148,5 @@ class ComputeConfig:
             "param_dtype": self.param_dtype,
             "attention": self.attention,
             "remat_policy": self.remat_policy,
+            "scan_layers": self.scan_layers,
         }

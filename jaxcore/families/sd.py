@@ -482,21 +482,33 @@ class SDFamily(Family):
             )
 
     # --- the denoiser -----------------------------------------------------------------------
+    @staticmethod
+    def _unet_kwargs(compute: ComputeConfig) -> dict:
+        """compute's denoiser keywords for the UNet: its down/mid/up blocks differ in width and
+        kind from one to the next, so there is no stack of equal layers to scan."""
+        kwargs = dict(compute.denoiser_kwargs)
+        if kwargs.pop("scan_layers"):
+            raise FamilyError(
+                "compute.scan_layers: the SD/SDXL UNet has no repeated equal blocks to scan "
+                "(it applies to the transformer families, wan and flux); set it to false"
+            )
+        return kwargs
+
     def make_denoiser(self, config, compute: ComputeConfig, mesh=None):
-        return unet.UNet2DConditionModel(config, mesh=mesh, **compute.denoiser_kwargs)
+        return unet.UNet2DConditionModel(config, mesh=mesh, **self._unet_kwargs(compute))
 
     def abstract_params(self, module):
         return unet.abstract_params(module)
 
     def init_denoiser(self, config, rng, compute: ComputeConfig, mesh=None, rules=None):
         return unet.init_unet_2d_condition(
-            config, rng, mesh=mesh, rules=rules, **compute.denoiser_kwargs
+            config, rng, mesh=mesh, rules=rules, **self._unet_kwargs(compute)
         )
 
     def load_denoiser(self, directory, compute: ComputeConfig, mesh=None, rules=None):
         try:
             return unet.load_unet_2d_condition(
-                directory, mesh=mesh, rules=rules, **compute.denoiser_kwargs
+                directory, mesh=mesh, rules=rules, **self._unet_kwargs(compute)
             )
         except unet.UNet2DConditionConfigError as err:
             raise FamilyError(f"{directory}/config.json: {err}") from None

@@ -51,7 +51,7 @@ from flax import linen as nn
 
 from jaxcore import sharding, weights
 from jaxcore.attention import attention as attention_fn
-from jaxcore.compute import remat_block
+from jaxcore.compute import remat_block, scan_blocks
 from jaxcore.config import config_json_kwargs
 from jaxcore.models.layers import (
     MLP2,
@@ -601,6 +601,7 @@ class FluxTransformer(nn.Module):
     attention: str = "dot_product"
     mesh: Any = None
     remat_policy: str = "none"
+    scan_layers: bool = False  # each block kind as one lax.scan (jaxcore.compute.scan_blocks)
 
     def _check_inputs(self, hidden, text, pooled, timestep, img_ids, txt_ids, guidance):
         cfg = self.config
@@ -719,17 +720,30 @@ class FluxTransformer(nn.Module):
             for i in range(cfg.num_single_layers)
         ]
 
+        def one_double(block, streams):
+            return block(*streams, temb, *rope)
+
+        def one_single(block, joint):
+            return block(joint, temb, *rope)
+
+        def run(block_cls, run_one, chosen, carry):
+            if self.scan_layers and not self.is_initializing():
+                template = block_cls(**block_kw, parent=None)
+                names = [block.name for block in chosen]
+                return scan_blocks(self, template, names, carry, run_one)
+            for block in chosen:
+                carry = run_one(block, carry)
+            return carry
+
         def run_blocks(streams, start, stop):
-            img, txt = streams
-            for block in doubles[start:stop]:
-                img, txt = block(img, txt, temb, *rope)
+            img, txt = run(double_cls, one_double, doubles[start:stop], tuple(streams))
             first, last = max(start, cfg.num_layers), stop
             if first < last:
                 # diffusers concatenates and splits in every single block; once around the
                 # run is the same (concatenation and slicing are exact)
                 joint = sharding.constrain(jnp.concatenate([txt, img], axis=1), _IMAGE_EMBED)
-                for block in singles[first - cfg.num_layers : last - cfg.num_layers]:
-                    joint = block(joint, temb, *rope)
+                chosen = singles[first - cfg.num_layers : last - cfg.num_layers]
+                joint = run(single_cls, one_single, chosen, joint)
                 txt = joint[:, :text_len]
                 img = sharding.constrain(joint[:, text_len:], _IMAGE_EMBED)
             return img, txt
@@ -879,6 +893,7 @@ def load_flux_transformer(
     mesh: jax.sharding.Mesh | None = None,
     rules=None,
     remat_policy: str = "none",
+    scan_layers: bool = False,
 ) -> tuple[FluxTransformer, dict]:
     """Load a diffusers ``FluxTransformer2DModel`` directory (config.json + safetensors).
 
@@ -895,6 +910,7 @@ def load_flux_transformer(
         attention=attention,
         mesh=mesh,
         remat_policy=remat_policy,
+        scan_layers=scan_layers,
     )
     params = weights.load_placed(
         directory,
@@ -917,6 +933,7 @@ def init_flux_transformer(
     mesh: jax.sharding.Mesh | None = None,
     rules=None,
     remat_policy: str = "none",
+    scan_layers: bool = False,
 ) -> tuple[FluxTransformer, dict]:
     """Random-init (training from scratch). With a mesh, params are created already sharded."""
     module = FluxTransformer(
@@ -926,6 +943,7 @@ def init_flux_transformer(
         attention=attention,
         mesh=mesh,
         remat_policy=remat_policy,
+        scan_layers=scan_layers,
     )
     return module, weights.init_placed(module, _dummy_inputs(config), rng, mesh=mesh, rules=rules)
 

@@ -56,7 +56,7 @@ from flax import linen as nn
 
 from jaxcore import sharding, weights
 from jaxcore.attention import attention as attention_fn
-from jaxcore.compute import remat_block
+from jaxcore.compute import remat_block, scan_blocks
 from jaxcore.config import config_json_kwargs
 from jaxcore.models.layers import (
     MLP2,
@@ -607,6 +607,7 @@ class WanTransformer(nn.Module):
     attention: str = "dot_product"
     mesh: Any = None
     remat_policy: str = "none"
+    scan_layers: bool = False  # the blocks as one lax.scan (jaxcore.compute.scan_blocks)
 
     def _check_inputs(self, video_shape, timestep_shape, text_shape, image_shape) -> None:
         """Raise ValueError naming the argument whose shape does not fit the config."""
@@ -698,17 +699,20 @@ class WanTransformer(nn.Module):
         )(timestep, encoder_hidden_states, image)
 
         block_cls = remat_block(WanBlock, self.remat_policy)
-        blocks = [
-            block_cls(
-                cfg, self.dtype, self.param_dtype, self.attention, self.mesh, name=f"blocks_{i}"
-            )
-            for i in range(cfg.num_layers)
-        ]
+        block_args = (cfg, self.dtype, self.param_dtype, self.attention, self.mesh)
+        blocks = [block_cls(*block_args, name=f"blocks_{i}") for i in range(cfg.num_layers)]
+
+        def one_block(block, h):
+            return block(h, context, temb_6d, *rope, image)
 
         def run_blocks(streams, start, stop):
             (h,) = streams
+            if self.scan_layers and not self.is_initializing():
+                names = [block.name for block in blocks[start:stop]]
+                template = block_cls(*block_args, parent=None)
+                return (scan_blocks(self, template, names, h, one_block),)
             for block in blocks[start:stop]:
-                h = block(h, context, temb_6d, *rope, image)
+                h = one_block(block, h)
             return (h,)
 
         extra = None
@@ -844,6 +848,7 @@ def load_wan_transformer(
     mesh: jax.sharding.Mesh | None = None,
     rules=None,
     remat_policy: str = "none",
+    scan_layers: bool = False,
 ) -> tuple[WanTransformer, dict]:
     """Load a diffusers ``WanTransformer3DModel`` directory (config.json + safetensors).
 
@@ -860,6 +865,7 @@ def load_wan_transformer(
         attention=attention,
         mesh=mesh,
         remat_policy=remat_policy,
+        scan_layers=scan_layers,
     )
     params = weights.load_placed(
         directory,
@@ -883,6 +889,7 @@ def init_wan_transformer(
     mesh: jax.sharding.Mesh | None = None,
     rules=None,
     remat_policy: str = "none",
+    scan_layers: bool = False,
 ) -> tuple[WanTransformer, dict]:
     """Random-init (training from scratch). With a mesh, params are created already sharded."""
     module = WanTransformer(
@@ -892,6 +899,7 @@ def init_wan_transformer(
         attention=attention,
         mesh=mesh,
         remat_policy=remat_policy,
+        scan_layers=scan_layers,
     )
     return module, weights.init_placed(module, _dummy_inputs(config), rng, mesh=mesh, rules=rules)
 

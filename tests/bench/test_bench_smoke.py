@@ -16,6 +16,7 @@ SLOW = (
     "step_cache",
     "convert",
     "compile_cache",
+    "compile_layers",
     "memory",
     "tpu_compile",
 )

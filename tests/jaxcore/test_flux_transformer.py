@@ -360,6 +360,44 @@ def test_remat_same_output_and_gradients(tiny_checkpoint, policy):
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grad_plain))
 
 
+@pytest.mark.parametrize("remat_policy", ["none", "full"])
+def test_scan_layers_equals_the_unrolled_blocks(tmp_path, remat_policy):
+    """scan_layers (the double blocks as one lax.scan, the single blocks as another, over
+    stacks of their per-layer parameters): same output and per-layer gradients; a block range
+    that starts inside the double blocks and ends inside the single ones (step caching) too."""
+    _save_reference(tmp_path, dict(TINY_DEV, num_layers=2, num_single_layers=3))
+    plain, params = ft.load_flux_transformer(tmp_path, remat_policy=remat_policy)
+    scanned = ft.FluxTransformer(plain.config, remat_policy=remat_policy, scan_layers=True)
+    inputs = _inputs(TINY_DEV, 2, 4, 4, 3)
+
+    def loss(module):
+        def fn(p):
+            return jnp.mean(module.apply({"params": p}, **inputs) ** 2)
+
+        return jax.jit(jax.value_and_grad(fn))(params)
+
+    (loss_plain, grad_plain), (loss_scan, grad_scan) = loss(plain), loss(scanned)
+    np.testing.assert_allclose(loss_scan, loss_plain, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grad_scan, grad_plain)
+
+    cfg = plain.config
+    start, stop = 1, cfg.num_layers + cfg.num_single_layers - 1
+
+    def partial(module):
+        def run_stack(streams, run_blocks, num_blocks):
+            return run_blocks(streams, start, stop), None
+
+        fn = functools.partial(module.apply, run_stack=run_stack)
+        return jax.jit(fn)({"params": params}, **inputs)[0]
+
+    assert _max_diff(partial(scanned), partial(plain)) <= 1e-6
+
+    def jaxpr(module):
+        return str(jax.make_jaxpr(lambda p: module.apply({"params": p}, **inputs))(params))
+
+    assert "scan" in jaxpr(scanned) and "scan" not in jaxpr(plain)
+
+
 def test_unknown_remat_policy():
     module = ft.FluxTransformer(ft.FluxTransformerConfig.from_dict(TINY_DEV), remat_policy="often")
     with pytest.raises(ValueError, match="remat_policy"):

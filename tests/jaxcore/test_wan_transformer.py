@@ -223,6 +223,60 @@ def test_loads_onto_a_mesh(tiny_checkpoint):
         got = jax.jit(module.apply)({"params": params}, video, timestep, text)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5)
 
+    # the blocks scanned over their stacked (still fsdp x tensor sharded) weights: the same
+    scanned = wt.WanTransformer(module.config, mesh=mesh, scan_layers=True)
+    with sharding.mesh_context(mesh):
+        got = jax.jit(scanned.apply)({"params": params}, video, timestep, text)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5)
+
+
+@pytest.mark.parametrize("remat_policy", ["none", "full"])
+def test_scan_layers_equals_the_unrolled_blocks(tmp_path, remat_policy):
+    """scan_layers runs the same blocks with the same parameters (one lax.scan over a stack of
+    them): forward, parameter gradients (per block, under the per-layer names) and a step-cache
+    block range equal the unrolled model's; the compiled forward holds one block, not three."""
+    config = dict(TINY, num_layers=3)
+    _save_reference(tmp_path, config)
+    unrolled, params = wt.load_wan_transformer(tmp_path, remat_policy=remat_policy)
+    scanned, scanned_params = wt.load_wan_transformer(
+        tmp_path, remat_policy=remat_policy, scan_layers=True
+    )
+    assert jax.tree.structure(scanned_params) == jax.tree.structure(params)
+    video, timestep, text = _inputs(TINY, 2, 3, 8, 8, 7)
+
+    def loss(module, p):
+        return jnp.mean(module.apply({"params": p}, video, timestep, text) ** 2)
+
+    want, want_grads = jax.jit(jax.value_and_grad(lambda p: loss(unrolled, p)))(params)
+    got, got_grads = jax.jit(jax.value_and_grad(lambda p: loss(scanned, p)))(params)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    for path, grad in jax.tree_util.tree_leaves_with_path(want_grads):
+        other = got_grads
+        for key in path:
+            other = other[key.key]
+        np.testing.assert_allclose(np.asarray(other), np.asarray(grad), rtol=1e-5, atol=1e-7)
+
+    # a block range, as step caching runs it (blocks 1..2 only, then the rest of the model)
+    def partial(module):
+        def run_stack(streams, run_blocks, num_blocks):
+            return run_blocks(streams, 1, num_blocks), None
+
+        out, _ = module.apply({"params": params}, video, timestep, text, run_stack=run_stack)
+        return out
+
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(lambda: partial(scanned))()),
+        np.asarray(jax.jit(lambda: partial(unrolled))()),
+        rtol=0,
+        atol=1e-6,
+    )
+
+    def dots(module):
+        hlo = jax.jit(module.apply).lower({"params": params}, video, timestep, text).as_text()
+        return hlo.count("dot_general")
+
+    assert dots(scanned) < dots(unrolled)
+
 
 # --- config -------------------------------------------------------------------------------
 
