@@ -413,3 +413,13 @@ def test_real_sd_configs_count_like_diffusers(name):
     assert family.latent_shape(configs, size, size, 1) == (4, size // 8, size // 8)
     defaults = family.sampling_defaults(configs)
     assert (defaults["height"], defaults["num_inference_steps"]) == (size, 50)
+
+
+def test_scan_layers_is_refused_for_the_unet_by_name():
+    """compute.scan_layers scans equal transformer blocks (Wan, Flux); the UNet has none, and
+    saying so beats silently running it unrolled."""
+    from jaxcore.compute import ComputeConfig
+
+    family = families.get("sd")
+    with pytest.raises(families.FamilyError, match="compute.scan_layers"):
+        family.make_denoiser(None, ComputeConfig(scan_layers=True))
