@@ -167,6 +167,28 @@ def write_transformer(directory: str | os.PathLike, config, params) -> None:
     )
 
 
+# The output projections of a T5/UMT5 block's two residual branches, as transformers names them.
+T5_BRANCH_OUTPUTS = ("SelfAttention.o.weight", "DenseReluDense.wo.weight")
+
+
+def scale_residual_branches(tensors: Mapping[str, Any], scale: float) -> dict[str, Any]:
+    """A T5/UMT5 state dict whose residual branches' output projections are ``scale`` times
+    the given ones (the embeddings, norms and other projections unchanged).
+
+    The blocks are pre-norm, so a branch adds ``scale`` times what it added before while the
+    token embeddings stay as they are: the encoder's output leans on each word's own embedding
+    and mixes in less of the sentence around it. A random-init encoder with ``scale`` 1 mixes
+    so much that one word's output differs from prompt to prompt about as much as two words
+    differ (pipelines.demo.assets.DEMO_TEXT_ENCODER_BRANCH_SCALE gives the figures).
+    """
+    if not scale > 0:
+        raise ValueError(f"text_encoder_branch_scale must be > 0, got {scale}")
+    return {
+        key: value * scale if key.endswith(T5_BRANCH_OUTPUTS) else value
+        for key, value in tensors.items()
+    }
+
+
 def build_tiny_wan_pipeline(
     directory: str | os.PathLike,
     *,
@@ -174,6 +196,7 @@ def build_tiny_wan_pipeline(
     model_config: str | os.PathLike | Mapping = DEFAULT_MODEL_CONFIG,
     flow_shift: float = 3.0,
     transformer_output_scale: float = 1.0,
+    text_encoder_branch_scale: float = 1.0,
 ) -> Path:
     """Write a complete random-init diffusers Wan pipeline into ``directory``; returns it.
 
@@ -182,7 +205,10 @@ def build_tiny_wan_pipeline(
     is the text encoder's ``vocab_size``. ``seed`` fixes every weight.
     ``transformer_output_scale`` multiplies the transformer's output projection: random-init
     models predict velocities of order 0.01, so a test can scale them up to make guidance and
-    the sampler visibly matter.
+    the sampler visibly matter. ``text_encoder_branch_scale`` multiplies the output projections
+    of the text encoder's residual branches (each block's attention ``o`` and feed-forward
+    ``wo``), so a random-init encoder mixes less context into each word (see
+    :func:`scale_residual_branches`).
     """
     from jaxcore.models import umt5, wan_transformer, wan_vae
     from pipelines.demo.tokenizers import build_tiny_tokenizer
@@ -222,6 +248,7 @@ def build_tiny_wan_pipeline(
     _write_json(root / "text_encoder/config.json", _umt5_config(e_cfg))
     # transformers stores the tied embedding once, as shared.weight.
     tensors = weights.export_state_dict(e_params, umt5.weight_map(e_cfg, "shared.weight"))
+    tensors = scale_residual_branches(tensors, text_encoder_branch_scale)
     weights.save_safetensors(tensors, root / "text_encoder/model.safetensors", {"format": "pt"})
 
     tokenizer = build_tiny_tokenizer(root / "tokenizer", vocab_size=e_cfg.vocab_size)

@@ -118,7 +118,7 @@ def test_demo_check_reports_attributes_and_keeps_its_colour_bar(monkeypatch):
     combos = demo_assets.demo_combinations()
     images = [_blob(c, b) for c, _, b in combos]  # right colours, no shapes
     prompts = [synthetic.caption_for(*c) for c in combos]
-    plain = check_renders(images, prompts, DemoConfig())  # nothing held out (the default)
+    plain = check_renders(images, prompts, DemoConfig(hold_out=False))  # nothing held out
     assert plain["held_out_combinations"] == [] and plain["counts"]["held_out"] == 0
     result = check_renders(images, prompts, DemoConfig(hold_out=True))
     assert result["passed"] and result["pass_fraction"] == 1.0 and not result["failures"]
