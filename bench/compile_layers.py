@@ -1,6 +1,6 @@
 """Benchmark: compile seconds of the training step as the transformer gets deeper, its blocks
 unrolled against ``compute.scan_layers`` (one ``lax.scan`` over the blocks' stacked weights,
-:func:`jaxcore.compute.scan_blocks`), and what the scan costs per step.
+:func:`jaxcore.compute.run_blocks`), and what the scan costs per step.
 
 For each depth of the case (bench size S at 8 and 40 layers; ``quick``: the demo DiT at 4 and
 20; ``smoke``: the tiny model at 2 and 6), the train stage's own step

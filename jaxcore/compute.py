@@ -69,25 +69,29 @@ def remat_block(block_cls: type[nn.Module], policy: str) -> type[nn.Module]:
     return nn.remat(block_cls, policy=REMAT_POLICIES[policy], prevent_cse=True)
 
 
-def scan_blocks(parent: nn.Module, template: nn.Module, names: Sequence[str], carry, call):
-    """``carry`` through the blocks ``names`` (submodules of ``parent``, all of ``template``'s
-    class and config) as one ``lax.scan``: what ``for name in names: carry = call(block, carry)``
-    computes, compiled once for any depth.
+def run_blocks(parent: nn.Module, blocks: Sequence[nn.Module], carry, call, scan_template=None):
+    """``carry`` through ``blocks`` (submodules of ``parent``) in order: ``carry = call(block,
+    carry)`` for each. With ``scan_template`` (an unbound copy of the blocks, ``parent=None``,
+    same class and config; ``compute.scan_layers``) the same as one ``lax.scan``, compiled once
+    for any depth; while ``parent`` initialises, always the loop, which creates the parameters.
 
-    The blocks keep their own parameters (``blocks_0``, ``blocks_1``, ... as the checkpoint,
-    LoRA and the sharding rules name them); each call stacks them along a new leading axis and
-    the scan body applies ``template`` (an unbound copy of the block, ``parent=None``) to one
-    slice. The stack is a copy of the blocks' weights for the length of the call (sharded as
-    the weights are), the price of per-layer names. ``call(block, carry) -> carry`` runs one
-    block; ``carry`` is any pytree of arrays whose shapes the blocks keep.
+    Scanned, the blocks keep their own parameters (``blocks_0``, ``blocks_1``, ... as the
+    checkpoint, LoRA and the sharding rules name them); each call stacks them along a new
+    leading axis and the scan body applies ``scan_template`` to one slice. The stack is a copy of
+    the blocks' weights for the length of the call (sharded as the weights are), the price of
+    per-layer names. ``carry`` is any pytree of arrays whose shapes the blocks keep.
     """
-    if not names:
+    if scan_template is None or parent.is_initializing() or not blocks:
+        for block in blocks:
+            carry = call(block, carry)
         return carry
     params = parent.variables["params"]
-    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *[params[n] for n in names])
+    stacked = jax.tree.map(
+        lambda *leaves: jnp.stack(leaves), *[params[block.name] for block in blocks]
+    )
 
     def body(streams, block_params):
-        return template.apply({"params": block_params}, streams, method=call), None
+        return scan_template.apply({"params": block_params}, streams, method=call), None
 
     carry, _ = jax.lax.scan(body, carry, stacked)
     return carry
@@ -118,7 +122,7 @@ class ComputeConfig:
     activations_dtype: DtypeName = "float32"
     attention: str = "flash"
     remat_policy: str = "none"
-    # The denoiser's repeated blocks as one lax.scan (jaxcore.compute.scan_blocks): compile
+    # The denoiser's repeated blocks as one lax.scan (jaxcore.compute.run_blocks): compile
     # time independent of depth; same parameters and checkpoints. Off by default: on CPU the
     # scanned step is slower (bench/compile_layers.py measures both).
     scan_layers: bool = False

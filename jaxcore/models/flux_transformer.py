@@ -49,9 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from jaxcore import sharding, weights
+from jaxcore import compute, sharding, weights
 from jaxcore.attention import attention as attention_fn
-from jaxcore.compute import remat_block, scan_blocks
+from jaxcore.compute import remat_block
 from jaxcore.config import config_json_kwargs
 from jaxcore.models.layers import (
     MLP2,
@@ -601,7 +601,7 @@ class FluxTransformer(nn.Module):
     attention: str = "dot_product"
     mesh: Any = None
     remat_policy: str = "none"
-    scan_layers: bool = False  # each block kind as one lax.scan (jaxcore.compute.scan_blocks)
+    scan_layers: bool = False  # each block kind as one lax.scan (jaxcore.compute.run_blocks)
 
     def _check_inputs(self, hidden, text, pooled, timestep, img_ids, txt_ids, guidance):
         cfg = self.config
@@ -726,24 +726,22 @@ class FluxTransformer(nn.Module):
         def one_single(block, joint):
             return block(joint, temb, *rope)
 
-        def run(block_cls, run_one, chosen, carry):
-            if self.scan_layers and not self.is_initializing():
-                template = block_cls(**block_kw, parent=None)
-                names = [block.name for block in chosen]
-                return scan_blocks(self, template, names, carry, run_one)
-            for block in chosen:
-                carry = run_one(block, carry)
-            return carry
+        def template(block_cls):
+            return block_cls(**block_kw, parent=None) if self.scan_layers else None
+
+        double_template, single_template = template(double_cls), template(single_cls)
 
         def run_blocks(streams, start, stop):
-            img, txt = run(double_cls, one_double, doubles[start:stop], tuple(streams))
+            img, txt = compute.run_blocks(
+                self, doubles[start:stop], tuple(streams), one_double, double_template
+            )
             first, last = max(start, cfg.num_layers), stop
             if first < last:
                 # diffusers concatenates and splits in every single block; once around the
                 # run is the same (concatenation and slicing are exact)
                 joint = sharding.constrain(jnp.concatenate([txt, img], axis=1), _IMAGE_EMBED)
                 chosen = singles[first - cfg.num_layers : last - cfg.num_layers]
-                joint = run(single_cls, one_single, chosen, joint)
+                joint = compute.run_blocks(self, chosen, joint, one_single, single_template)
                 txt = joint[:, :text_len]
                 img = sharding.constrain(joint[:, text_len:], _IMAGE_EMBED)
             return img, txt

@@ -54,9 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from jaxcore import sharding, weights
+from jaxcore import compute, sharding, weights
 from jaxcore.attention import attention as attention_fn
-from jaxcore.compute import remat_block, scan_blocks
+from jaxcore.compute import remat_block
 from jaxcore.config import config_json_kwargs
 from jaxcore.models.layers import (
     MLP2,
@@ -607,7 +607,7 @@ class WanTransformer(nn.Module):
     attention: str = "dot_product"
     mesh: Any = None
     remat_policy: str = "none"
-    scan_layers: bool = False  # the blocks as one lax.scan (jaxcore.compute.scan_blocks)
+    scan_layers: bool = False  # the blocks as one lax.scan (jaxcore.compute.run_blocks)
 
     def _check_inputs(self, video_shape, timestep_shape, text_shape, image_shape) -> None:
         """Raise ValueError naming the argument whose shape does not fit the config."""
@@ -705,15 +705,11 @@ class WanTransformer(nn.Module):
         def one_block(block, h):
             return block(h, context, temb_6d, *rope, image)
 
+        template = block_cls(*block_args, parent=None) if self.scan_layers else None
+
         def run_blocks(streams, start, stop):
             (h,) = streams
-            if self.scan_layers and not self.is_initializing():
-                names = [block.name for block in blocks[start:stop]]
-                template = block_cls(*block_args, parent=None)
-                return (scan_blocks(self, template, names, h, one_block),)
-            for block in blocks[start:stop]:
-                h = one_block(block, h)
-            return (h,)
+            return (compute.run_blocks(self, blocks[start:stop], h, one_block, template),)
 
         extra = None
         if run_stack is None:
