@@ -339,6 +339,17 @@ def _zeros_like(spec):
     return None if spec is None else jnp.zeros(spec.shape, spec.dtype)
 
 
+def shapes_of_init(init, *inputs):
+    """``jax.eval_shape(init, rng, *inputs)`` with the PRNG key made inside the trace.
+
+    A concrete ``jax.random.key(0)`` (or ``jnp.zeros``) outside the trace compiles and runs
+    small XLA programs, and a process's first compile grows its resident memory by ~60 MiB
+    (XLA's CPU compiler starting) before a single weight is read: loading a model then looked
+    like 1.34x its weight bytes (``make bench``, memory_load). Traced, nothing runs.
+    ``inputs``: arrays or ShapeDtypeStructs."""
+    return jax.eval_shape(lambda *args: init(jax.random.key(0), *args), *inputs)
+
+
 def abstract_from_inputs(module, dummy_inputs) -> Mapping:
     """A module's ``params`` collection as boxed ShapeDtypeStructs (``nn.Partitioned`` kept),
     traced on ``dummy_inputs`` (ShapeDtypeStructs or None); nothing is allocated. The mesh is
@@ -348,7 +359,7 @@ def abstract_from_inputs(module, dummy_inputs) -> Mapping:
     def init(rng):
         return shapes_only.init(rng, *(_zeros_like(s) for s in dummy_inputs))
 
-    return jax.eval_shape(init, jax.random.key(0))["params"]
+    return shapes_of_init(init)["params"]
 
 
 def init_placed(module, dummy_inputs, rng, *, mesh=None, rules=None) -> dict:

@@ -715,7 +715,7 @@ def abstract_params(module: AutoencoderKL) -> dict:
     def init(rng):
         return shapes_only.init(rng, jnp.zeros(shape, jnp.float32))
 
-    return jax.eval_shape(init, jax.random.key(0))["params"]
+    return weights.shapes_of_init(init)["params"]
 
 
 def _source_entry(path: tuple[str, ...], ndim: int) -> tuple[str, weights.Transform]:

@@ -622,8 +622,8 @@ def weight_map(
 
 
 def abstract_variables(module: CLIPTextEncoder):
-    ids = jnp.zeros((1, 1), jnp.int32)
-    return jax.eval_shape(module.init, jax.random.key(0), ids, jnp.ones((1, 1), jnp.int32))
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return weights.shapes_of_init(module.init, ids, ids)  # input ids, attention mask
 
 
 def count_params(config: CLIPTextConfig, with_projection: bool = False) -> int:

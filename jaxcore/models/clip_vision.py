@@ -406,8 +406,8 @@ def weight_map(
 
 def abstract_variables(module: CLIPVisionEncoder):
     c = module.config
-    pixels = jnp.zeros((1, c.num_channels, c.image_size, c.image_size), jnp.float32)
-    return jax.eval_shape(module.init, jax.random.key(0), pixels)
+    pixels = jax.ShapeDtypeStruct((1, c.num_channels, c.image_size, c.image_size), jnp.float32)
+    return weights.shapes_of_init(module.init, pixels)
 
 
 def count_params(config: CLIPVisionConfig, with_projection: bool = False) -> int:

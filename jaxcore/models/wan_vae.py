@@ -1103,7 +1103,7 @@ def abstract_params(module: WanVAE) -> dict:
     def init(rng):
         return module.init(rng, jnp.zeros(spec.shape, spec.dtype))
 
-    return jax.eval_shape(init, jax.random.key(0))["params"]
+    return weights.shapes_of_init(init)["params"]
 
 
 def _conv1x1_to_dense(w: np.ndarray) -> np.ndarray:
