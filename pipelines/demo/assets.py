@@ -365,10 +365,10 @@ def demo_vae_config():
 def fit_demo_vae(
     out: str | os.PathLike,
     *,
-    steps: int = 1500,
+    steps: int = 4000,
     num_images: int = 2048,
     batch_size: int = 16,
-    crop_size: int | None = 16,
+    crop_size: int | None = None,
     learning_rate: float = 4e-3,
     kl_weight: float = 1e-3,
     image_size: int = DEMO_IMAGE_SIZE,
@@ -379,6 +379,12 @@ def fit_demo_vae(
     Training images: :func:`pipelines.demo.shapes.make_items` (all 8 colours, 5 shapes) plus as
     many demo-palette items, so the VAE covers the demo and more. Held-out images use other
     seeds. ``latents_mean/std`` are measured on the training images.
+
+    The defaults made the shipped VAE (about 7 minutes on 2 cores): held out 34.4 dB on the demo
+    palette, 31.3 dB on all colours. Fidelity matters downstream: the VAE fitted before (1,500
+    steps on 16-pixel crops, 29 dB) rounded triangles off, and the demo's shape grade was 43-69%
+    with it against 81-91% with this one (same three seeds), the DiT and its training unchanged
+    (README, The demo).
     """
     from jaxcore.models.wan_vae import WanVAE
     from pipelines.demo import vae_fitting
@@ -567,10 +573,16 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     fit = commands.add_parser("fit-vae", help="fit the demo VAE and write it in diffusers format")
     fit.add_argument("--out", default=str(DEMO_VAE_DIR))
-    fit.add_argument("--steps", type=int, default=1500)
+    fit.add_argument("--steps", type=int, default=4000)
     fit.add_argument("--num-images", type=int, default=2048)
     fit.add_argument("--batch-size", type=int, default=16)
-    fit.add_argument("--crop-size", type=int, default=16, help="0 trains on whole images")
+    fit.add_argument(
+        "--crop-size",
+        type=int,
+        default=0,
+        help="train on random crops of this size (0: whole images, as the shipped VAE was: "
+        "16-pixel crops for 1,500 steps gave 29 dB and a demo whose shapes came out rounded)",
+    )
     fit.add_argument("--learning-rate", type=float, default=4e-3)
     fit.add_argument("--kl-weight", type=float, default=1e-3)
     fit.add_argument("--seed", type=int, default=0)
