@@ -488,6 +488,16 @@ def _write_prompts(path: Path, seed: int, renders: int) -> Path:
     return path
 
 
+def assets_digest(assets: DemoAssets) -> str:
+    """One digest of what the demo's assets were built from (their stamps): it changes whenever
+    an asset is rebuilt differently (another VAE, encoder scale, data seed, prompt count)."""
+    stamps = []
+    for path in assets:
+        marker = path / ASSETS_STAMP if path.is_dir() else path.with_name(path.name + ASSETS_STAMP)
+        stamps.append(json.loads(marker.read_text()))
+    return hashlib.sha256(json.dumps(stamps, sort_keys=True).encode()).hexdigest()[:20]
+
+
 def _check_vae_dir(vae_dir: Path) -> None:
     for name in ("config.json", "diffusion_pytorch_model.safetensors"):
         if not (vae_dir / name).is_file():

@@ -29,6 +29,10 @@ from jaxcore.config import load_config
 
 log = logging.getLogger(__name__)
 
+# <root>/CHAIN_ASSETS_MARKER: the assets digest the chain's artifacts were last made from,
+# written after the chain finishes.
+CHAIN_ASSETS_MARKER = ".demo_chain_assets"
+
 
 class DemoCheckError(RuntimeError):
     """The generated images do not show what the prompts ask for often enough."""
@@ -129,11 +133,21 @@ def check_renders(images: list[np.ndarray], prompts: list[str], config: DemoConf
     }
 
 
+def chain_is_stale(root: str, digest: str) -> bool:
+    """Whether the chain's artifacts under ``root`` may have been made from other assets: the
+    marker names another digest, or a chain ran here before markers existed (its pipeline
+    manifest is there, the marker is not). A fresh root is not stale."""
+    marker = storage.join(root, CHAIN_ASSETS_MARKER)
+    if storage.exists(marker):
+        return storage.read_text(marker).strip() != digest
+    return artifacts.read_manifest(storage.join(root, "pipeline")) is not None
+
+
 def run(config: DemoConfig, *, force: bool = False):
     """Assets, the chain, the check. Returns the generate artifact's manifest."""
     from pipelines import runner
     from pipelines.config import PipelineConfig
-    from pipelines.demo.assets import build_demo_assets
+    from pipelines.demo.assets import assets_digest, build_demo_assets
 
     assets = build_demo_assets(
         config.root,
@@ -143,8 +157,15 @@ def run(config: DemoConfig, *, force: bool = False):
         renders_per_prompt=config.renders_per_prompt,
     )
     log.info("demo assets: %s", assets)
+    digest = assets_digest(assets)
+    if not force and chain_is_stale(config.root, digest):
+        # The steps' keys hold the asset paths, not their contents: without this a rebuilt VAE
+        # or prompt file would reuse data, checkpoints and renders made from the old ones.
+        log.info("the demo's assets changed since its chain last ran: rebuilding every step")
+        force = True
     pipeline = load_config(PipelineConfig, config.pipeline, [f"root={config.root}"])
     runner.run(pipeline, force=force)
+    storage.write_text(storage.join(config.root, CHAIN_ASSETS_MARKER), digest)
     render = artifacts.open_artifact(storage.join(config.root, "render"), "generate")
     images, prompts = _rendered(render)
     result = check_renders(images, prompts, config)

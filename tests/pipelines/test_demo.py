@@ -29,3 +29,18 @@ def test_demo_config_validates():
     assert load_config(DemoConfig, None, ["root=/tmp/x"]).min_pass_fraction == 0.8
     with pytest.raises(ConfigError, match="min_pass_fraction must be in"):
         load_config(DemoConfig, None, ["min_pass_fraction=2"])
+
+
+def test_chain_is_rebuilt_when_its_assets_change(tmp_path):
+    from jaxcore import artifacts
+    from pipelines.demo.run import CHAIN_ASSETS_MARKER, chain_is_stale
+
+    root = str(tmp_path)
+    assert not chain_is_stale(root, "aaa")  # a fresh root: nothing to rebuild
+    # A chain that ran before the marker existed: its assets are unknown.
+    writer = artifacts.ArtifactWriter(str(tmp_path / "pipeline"), "pipeline", {"steps": 0})
+    writer.commit({"steps": []})
+    assert chain_is_stale(root, "aaa")
+    (tmp_path / CHAIN_ASSETS_MARKER).write_text("aaa")
+    assert not chain_is_stale(root, "aaa")
+    assert chain_is_stale(root, "bbb")

@@ -217,7 +217,9 @@ def test_build_demo_assets_is_loadable_and_idempotent(tmp_path):
     ).read_bytes() == shipped.read_bytes()
 
     stamps = {p: p.stat().st_mtime_ns for p in (assets.dataset, assets.pipeline, assets.prompts)}
+    digest = demo_assets.assets_digest(assets)
     assert demo_assets.build_demo_assets(tmp_path, num_items=24, seed=0) == assets
+    assert demo_assets.assets_digest(assets) == digest
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert not [p for p in (tmp_path / "assets").iterdir() if p.name.startswith(".") and p.is_dir()]
 
@@ -236,6 +238,8 @@ def test_build_demo_assets_is_loadable_and_idempotent(tmp_path):
         list(c) for c in demo_assets.DEMO_HELD_OUT
     ]
     assert assets.pipeline.stat().st_mtime_ns == stamps[assets.pipeline]
+    held_out_digest = demo_assets.assets_digest(assets)
+    assert held_out_digest != digest  # the demo rebuilds its chain on it (test_demo)
 
     # Other parameters rebuild only what they change.
     rebuilt = demo_assets.build_demo_assets(tmp_path, num_items=30, seed=0)
