@@ -143,6 +143,25 @@ def chain_is_stale(root: str, digest: str) -> bool:
     return artifacts.read_manifest(storage.join(root, "pipeline")) is not None
 
 
+def clear_chain(pipeline) -> None:
+    """Delete every step's output folder under the demo's root, and the chain's own manifest:
+    the next run makes each step afresh. A step writing outside the root (a custom pipeline
+    YAML) is left alone and named in the log."""
+    from pathlib import Path
+
+    from pipelines.config import load_pipeline_spec
+    from pipelines.runner import PIPELINE_STAGE
+
+    root = Path(pipeline.root).resolve()
+    for resolved in load_pipeline_spec(pipeline):
+        folder = Path(resolved.output_dir).resolve()
+        if root in folder.parents:
+            storage.delete_tree(str(folder))
+        else:
+            log.warning("step %s writes outside %s; not cleared", resolved.step.name, root)
+    storage.delete_tree(storage.join(pipeline.root, PIPELINE_STAGE))
+
+
 def run(config: DemoConfig, *, force: bool = False):
     """Assets, the chain, the check. Returns the generate artifact's manifest."""
     from pipelines import runner
@@ -158,12 +177,14 @@ def run(config: DemoConfig, *, force: bool = False):
     )
     log.info("demo assets: %s", assets)
     digest = assets_digest(assets)
-    if not force and chain_is_stale(config.root, digest):
+    pipeline = load_config(PipelineConfig, config.pipeline, [f"root={config.root}"])
+    if chain_is_stale(config.root, digest):
         # The steps' keys hold the asset paths, not their contents: without this a rebuilt VAE
         # or prompt file would reuse data, checkpoints and renders made from the old ones.
-        log.info("the demo's assets changed since its chain last ran: rebuilding every step")
-        force = True
-    pipeline = load_config(PipelineConfig, config.pipeline, [f"root={config.root}"])
+        # --force is not enough: train resumes from its checkpoints and generate keeps the
+        # renders it finished, by design.
+        log.info("the demo's assets changed since its chain last ran: clearing every step")
+        clear_chain(pipeline)
     runner.run(pipeline, force=force)
     storage.write_text(storage.join(config.root, CHAIN_ASSETS_MARKER), digest)
     render = artifacts.open_artifact(storage.join(config.root, "render"), "generate")

@@ -44,3 +44,22 @@ def test_chain_is_rebuilt_when_its_assets_change(tmp_path):
     (tmp_path / CHAIN_ASSETS_MARKER).write_text("aaa")
     assert not chain_is_stale(root, "aaa")
     assert chain_is_stale(root, "bbb")
+
+
+def test_clear_chain_deletes_only_the_steps_under_the_root(tmp_path):
+    from jaxcore.config import load_config
+    from pipelines.config import PipelineConfig
+    from pipelines.demo.run import clear_chain
+
+    root = tmp_path / "demo"
+    made = [root / name / "work.txt" for name in ("data", "train", "evaluate", "render")]
+    kept = [root / "assets" / "shapes" / "metadata.jsonl", tmp_path / "elsewhere.txt"]
+    for path in [*made, *kept, root / "pipeline" / "manifest.json"]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    demo_yml = Path(__file__).resolve().parents[2] / "configs/pipelines/demo.yml"
+    pipeline = load_config(PipelineConfig, demo_yml, [f"root={root}"])
+    clear_chain(pipeline)
+    assert not [p for p in made if p.parent.exists()]
+    assert not (root / "pipeline").exists()
+    assert all(p.exists() for p in kept)
