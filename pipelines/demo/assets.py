@@ -451,8 +451,13 @@ class DemoAssets(NamedTuple):
     prompts: Path  # prompts.jsonl
 
 
+def _stamp_file(path: Path) -> Path:
+    """Where an asset's stamp lives: inside a folder asset, beside a file asset."""
+    return path / ASSETS_STAMP if path.is_dir() else path.with_name(path.name + ASSETS_STAMP)
+
+
 def _is_complete(path: Path, stamp: dict) -> bool:
-    marker = path / ASSETS_STAMP if path.is_dir() else path.with_name(path.name + ASSETS_STAMP)
+    marker = _stamp_file(path)
     return path.exists() and marker.exists() and json.loads(marker.read_text()) == stamp
 
 
@@ -466,7 +471,7 @@ def _build_dir(final: Path, stamp: dict, build) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         build(tmp)
-        (tmp / ASSETS_STAMP).write_text(json.dumps(stamp, sort_keys=True))
+        _stamp_file(tmp).write_text(json.dumps(stamp, sort_keys=True))
         if final.exists():
             log.info("demo asset %s is stale or incomplete; replacing it", final)
             shutil.rmtree(final)
@@ -484,17 +489,14 @@ def _write_prompts(path: Path, seed: int, renders: int) -> Path:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-    path.with_name(path.name + ASSETS_STAMP).write_text(json.dumps(stamp, sort_keys=True))
+    _stamp_file(path).write_text(json.dumps(stamp, sort_keys=True))
     return path
 
 
 def assets_digest(assets: DemoAssets) -> str:
     """One digest of what the demo's assets were built from (their stamps): it changes whenever
     an asset is rebuilt differently (another VAE, encoder scale, data seed, prompt count)."""
-    stamps = []
-    for path in assets:
-        marker = path / ASSETS_STAMP if path.is_dir() else path.with_name(path.name + ASSETS_STAMP)
-        stamps.append(json.loads(marker.read_text()))
+    stamps = [json.loads(_stamp_file(path).read_text()) for path in assets]
     return hashlib.sha256(json.dumps(stamps, sort_keys=True).encode()).hexdigest()[:20]
 
 

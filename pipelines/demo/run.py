@@ -140,7 +140,9 @@ def chain_is_stale(root: str, digest: str) -> bool:
     marker = storage.join(root, CHAIN_ASSETS_MARKER)
     if storage.exists(marker):
         return storage.read_text(marker).strip() != digest
-    return artifacts.read_manifest(storage.join(root, "pipeline")) is not None
+    from pipelines.runner import PIPELINE_STAGE
+
+    return artifacts.read_manifest(storage.join(root, PIPELINE_STAGE)) is not None
 
 
 def clear_chain(pipeline) -> None:
