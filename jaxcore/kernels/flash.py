@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from jaxcore.kernels.blockwise import blockwise_attention
+from jaxcore.kernels.blockwise import balanced_block, blockwise_attention
 from jaxcore.kernels.sharded import (
     CONTEXT_AXIS,
     axis_size,
@@ -78,10 +78,27 @@ class BlockSizes:
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()
-# CPU: one head's 1024 x 1024 tiles at a time (blockwise.py's head_by_head). Against all heads'
-# 512 x 512 tiles at once, Wan S self-attention (L=1024, 8 x 64) fwd+bwd 134 -> 83 ms and at
-# L=4096 1485 -> 1222 ms (microbenchmarks on a 2-core VM, both in one process).
+# CPU: tiles of up to 1024 x 1024, one head's at a time for long sequences (see below).
+# Against all heads' 512 x 512 tiles at once, Wan S self-attention (L=1024, 8 x 64) fwd+bwd
+# 134 -> 83 ms and at L=4096 1485 -> 1222 ms (microbenchmarks on a 2-core VM, one process).
 CPU_BLOCK_SIZES = BlockSizes(block_q=1024, block_kv=1024)
+# CPU: all heads' tiles at once while one tile of every head (float32 scores) fits in this;
+# head by head above it. The loop over heads pays only once a tile no longer stays in cache:
+# all heads at once against head by head (fwd+bwd, one process, alternated; 2-core VM), the
+# demo DiT's 64 tokens x 4 heads x batch 32 (2 MiB) 8.4 -> 4.7 ms and its train step 186 ->
+# 154 ms; 1536 tokens x 8 heads in blocks of 768 (18 MiB) forward 41 -> 36 ms; 1024 tokens x 8
+# heads (32 MiB) either way within 5%; 4096 tokens x 12 heads (48 MiB) head by head 1.16x faster.
+CPU_ALL_HEADS_MAX_TILE_BYTES = 24 * 2**20
+
+
+def cpu_head_by_head(q, k, block_sizes: BlockSizes) -> bool:
+    """Whether the CPU kernel loops over heads for q ``[B, Lq, H, D]`` against k ``[B, Lk, H,
+    D]``: when the score tile of all heads (the balanced blocks blockwise.py will use) is over
+    :data:`CPU_ALL_HEADS_MAX_TILE_BYTES`."""
+    batch, lq, heads, _ = q.shape
+    tile_q = balanced_block(lq, block_sizes.block_q)
+    tile_kv = balanced_block(k.shape[1], block_sizes.block_kv)
+    return batch * heads * tile_q * tile_kv * 4 > CPU_ALL_HEADS_MAX_TILE_BYTES
 
 
 def default_block_sizes(platform: str) -> BlockSizes:
@@ -274,8 +291,9 @@ def local_flash_attention(
             # cuDNN refuses some shapes at trace time (e.g. odd lengths with a mask in
             # training); the chunked path is exact for all of them.
             pass
+    head_by_head = platform == "cpu" and cpu_head_by_head(q, k, block_sizes)
     return chunked_attention(
-        q, k, v, kv_mask, scale=scale, block_sizes=block_sizes, head_by_head=platform == "cpu"
+        q, k, v, kv_mask, scale=scale, block_sizes=block_sizes, head_by_head=head_by_head
     )
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from jaxcore import kernels
 from jaxcore.attention import BACKEND_NAMES, attention, dot_product_attention, get_backend
+from jaxcore.kernels import flash as flash_kernels
 from jaxcore.kernels.flash import BlockSizes, chunked_attention, splash_attention
 from jaxcore.sharding import MeshConfig, ShardingError, make_mesh
 
@@ -161,19 +162,45 @@ def _grads(fn, q, k, v, cotangent):
         (40, 24, False, BlockSizes(16, 8)),  # both, no user mask (padding mask only)
     ],
 )
-def test_blockwise_backward_matches_autodiff_of_dot_product(lq, lk, masked, blocks):
-    """The FlashAttention-2 backward against autodiff of the plain softmax, every tiling."""
+@pytest.mark.parametrize("head_by_head", [False, True], ids=["all_heads", "head_by_head"])
+def test_blockwise_backward_matches_autodiff_of_dot_product(lq, lk, masked, blocks, head_by_head):
+    """The FlashAttention-2 forward and backward against the plain softmax and its autodiff,
+    every tiling, with all heads' tiles at once and one head at a time (both run on CPU)."""
     q, k, v, mask = make_inputs(2, lq, lk, 3, 8, masked=masked, seed=lq + lk)
     cotangent = jnp.asarray(np.random.default_rng(2).normal(size=q.shape), jnp.float32)
     expected = _grads(
         lambda q, k, v: dot_product_attention(q, k, v, kv_mask=mask), q, k, v, cotangent
     )
     blockwise = functools.partial(
-        chunked_attention, kv_mask=mask, scale=8**-0.5, block_sizes=blocks
+        chunked_attention,
+        kv_mask=mask,
+        scale=8**-0.5,
+        block_sizes=blocks,
+        head_by_head=head_by_head,
     )
+    forward = dot_product_attention(q, k, v, kv_mask=mask)
+    assert max_diff(jax.jit(blockwise)(q, k, v), forward) < FP32_ATOL
     got = _grads(blockwise, q, k, v, cotangent)
     for name, g, e in zip("qkv", got, expected, strict=True):
         assert max_diff(g, e) < GRAD_ATOL, f"d{name}"
+
+
+def test_cpu_loops_over_heads_only_for_large_tiles():
+    """All heads' tiles at once while one tile of every head fits in
+    CPU_ALL_HEADS_MAX_TILE_BYTES (the demo DiT's 64 tokens, Flux S's 1,536 tokens), head by
+    head above it (Wan S's 1,024 tokens x 8 heads, 4,096 tokens); measured in flash.py."""
+    blocks = flash_kernels.CPU_BLOCK_SIZES
+
+    def loops(batch, lq, lk, heads):
+        q = jax.ShapeDtypeStruct((batch, lq, heads, 64), jnp.float32)
+        k = jax.ShapeDtypeStruct((batch, lk, heads, 64), jnp.float32)
+        return flash_kernels.cpu_head_by_head(q, k, blocks)
+
+    assert not loops(32, 64, 64, 4)  # 2 MiB
+    assert not loops(1, 1536, 1536, 8)  # blocks of 768: 18 MiB
+    assert loops(1, 1024, 1024, 8)  # 32 MiB
+    assert loops(1, 4096, 4096, 12)
+    assert loops(2, 1536, 1536, 8)  # the batch counts: 36 MiB
 
 
 def test_blockwise_fully_masked_rows_give_zero_output_and_zero_gradients():
