@@ -941,8 +941,8 @@ class WanVAE(nn.Module):
     it once on the whole video.
     Whole-video methods in the diffusers layout (Python loop over chunks inside one apply,
     also need ``mutable=["cache"]`` and a fresh cache): ``encode(video) -> DiagonalGaussian``,
-    ``decode(z) -> video`` and ``__call__(video)`` = decode(encode(video).mode()), which is
-    also what ``init`` runs. For inference prefer the jitted module-level :func:`encode` /
+    ``decode(z) -> video`` and ``__call__(video)`` = decode(encode(video).mode());
+    :func:`abstract_params` initialises through one later chunk each way instead. For inference prefer the jitted module-level :func:`encode` /
     :func:`decode`.
     """
 
@@ -1088,22 +1088,33 @@ def denormalize_latents(z: jax.Array, config: WanVAEConfig) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 
 
-def _dummy_video(config: WanVAEConfig) -> jax.ShapeDtypeStruct:
-    """Smallest video that runs every layer once: 1 + 4 frames (so the temporal resamplers run
-    their time convs) at one latent pixel."""
+def _later_chunks(config: WanVAEConfig) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """(a later encoder chunk: 4 frames at one latent pixel, channel-last; a later latent
+    frame): the smallest inputs on which the chunk methods create every parameter. A later
+    chunk runs every layer the first one does, plus the temporal resamplers' time convs."""
     s = config.spatial_compression
-    shape = (1, config.video_channels, 1 + ENCODE_CHUNK_FRAMES, s, s)
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
+    video = (1, ENCODE_CHUNK_FRAMES, s, s, config.video_channels)
+    return (
+        jax.ShapeDtypeStruct(video, jnp.float32),
+        jax.ShapeDtypeStruct((1, 1, 1, 1, config.z_dim), jnp.float32),
+    )
+
+
+def _create_parameters(module: WanVAE, video_chunk: jax.Array, latent_frame: jax.Array):
+    """``init``'s method: one later chunk through the encoder and one through the decoder.
+    Tracing the whole-video ``__call__`` (two chunks each way) doubled the tracing time, the
+    largest part of loading the Wan 2.1 VAE before its weights are read."""
+    module.encode_chunk(video_chunk, False)
+    return module.decode_chunk(latent_frame, False)
 
 
 def abstract_params(module: WanVAE) -> dict:
     """The ``params`` collection as boxed ShapeDtypeStructs (nn.Partitioned kept), no allocation."""
-    spec = _dummy_video(module.config)
 
-    def init(rng):
-        return module.init(rng, jnp.zeros(spec.shape, spec.dtype))
+    def init(rng, video_chunk, latent_frame):
+        return module.init(rng, video_chunk, latent_frame, method=_create_parameters)
 
-    return weights.shapes_of_init(init)["params"]
+    return weights.shapes_of_init(init, *_later_chunks(module.config))["params"]
 
 
 def _conv1x1_to_dense(w: np.ndarray) -> np.ndarray:

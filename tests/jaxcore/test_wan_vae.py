@@ -176,6 +176,28 @@ def test_init_matches_checkpoint_layout(tiny):
     assert init_module.config == module.config
 
 
+@pytest.mark.parametrize(
+    "config",
+    [TINY_3LEVEL, dict(TINY_3LEVEL, temperal_downsample=[False, True])],
+    ids=["three_levels", "one_time_level"],
+)
+def test_abstract_params_equal_those_of_a_whole_video_init(config):
+    """abstract_params traces one later chunk each way; the parameters (names, shapes,
+    partitioning) are those a whole first-plus-later-chunk video creates (test_wan_vae22
+    runs this on a Wan 2.2 config)."""
+    assert_abstract_params_equal_whole_video_init(wan_vae.WanVAEConfig.from_dict(config))
+
+
+def assert_abstract_params_equal_whole_video_init(config: wan_vae.WanVAEConfig):
+    module = wan_vae.WanVAE(config)
+    s = config.spatial_compression
+    video = jax.ShapeDtypeStruct((1, config.video_channels, 5, s, s), jnp.float32)  # 1 + 4
+    whole = jax.eval_shape(lambda v: module.init(jax.random.key(0), v), video)["params"]
+    got = wan_vae.abstract_params(module)
+    assert jax.tree.structure(got) == jax.tree.structure(whole)
+    assert jax.tree.map(lambda x: x.shape, got) == jax.tree.map(lambda x: x.shape, whole)
+
+
 def test_config_from_diffusers_json(tiny):
     model, module, _, _ = tiny
     config = wan_vae.WanVAEConfig.from_dict(dict(model.config))  # includes _use_default_values

@@ -24,6 +24,7 @@ from diffusers.models.autoencoders import autoencoder_kl_wan as reference
 from flax import linen as nn
 
 from jaxcore.models import wan_vae, wan_vae_residual
+from tests.jaxcore.test_wan_vae import assert_abstract_params_equal_whole_video_init
 from tests.support import wan_vae_reference as ref
 
 ATOL = 1e-5
@@ -197,6 +198,10 @@ def test_config_geometry_and_checkpoint_layout(tiny22):
     assert set(down["downsampler"]) == {"resample_1", "time_conv"}
     assert set(up) == {"resnets_0", "resnets_1", "upsampler"}
     assert up["upsampler"]["resample_1"]["kernel"].shape == (3, 3, 24, 24)  # keeps channels
+
+
+def test_abstract_params_equal_those_of_a_whole_video_init():
+    assert_abstract_params_equal_whole_video_init(wan_vae.WanVAEConfig.from_dict(TINY22))
 
 
 def test_odd_residual_config_batch_two_matches_diffusers(tmp_path):
