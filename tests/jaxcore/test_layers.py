@@ -80,14 +80,34 @@ def test_forward_and_gradients_equal_flax_dense_float32(shape):
     np.testing.assert_allclose(np.reshape(grad_x, (-1, 16)), up64 @ k64.T, rtol=1e-5, atol=1e-5)
 
 
-def test_bfloat16_compute_with_float32_parameters_matches_flax_dense():
+def test_bfloat16_compute_with_float32_parameters_rounds_once_like_torch():
+    """bf16 operands are multiplied and summed in float32, the bias added, and the result
+    rounded to bf16 once, as torch's bf16 ``F.linear`` does (flax's Dense rounds the product,
+    then the sum with the bias: two roundings). Against the float64 value of the rounded
+    operands every output is within half a bf16 ulp plus the float32 sum's error, and torch's
+    bf16 output is matched to one ulp."""
+    import torch
+
     ours, flax_dense = _modules(32, dtype=jnp.bfloat16)
-    x = _inputs((4, 8, 16))
+    x = _inputs((4, 8, 64))
     params = _random_params(ours, x, seed=5)
     upstream = _inputs((4, 8, 32), seed=11)
     out = ours.apply({"params": params}, x)
     assert out.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(out, flax_dense.apply({"params": params}, x))
+    exact = _as_float64(x) @ _as_float64(params["kernel"]) + _as_float64(params["bias"])
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(exact), 1e-30))) - 7)
+    assert np.all(np.abs(got - exact) <= 0.5 * ulp + 1e-5 * np.abs(exact) + 1e-6)
+    twice = np.asarray(flax_dense.apply({"params": params}, x).astype(jnp.float32), np.float64)
+    assert np.abs(got - exact).mean() < np.abs(twice - exact).mean()  # fewer roundings
+    reference = torch.nn.functional.linear(
+        torch.from_numpy(np.array(x)).bfloat16(),
+        torch.from_numpy(np.asarray(params["kernel"]).T.copy()).bfloat16(),
+        torch.from_numpy(np.asarray(params["bias"])).bfloat16(),
+    ).float()
+    assert np.all(np.abs(got - reference.numpy()) <= ulp + 1e-6)
+    x = _inputs((4, 8, 16))  # the gradients below: a contraction over 16
+    params = _random_params(ours, x, seed=5)
     (_, (grad_params, grad_x)) = _loss_and_grads(ours, params, x, upstream)
     assert grad_params["kernel"].dtype == jnp.float32 and grad_x.dtype == jnp.float32
     # against float64 sums of the bf16-rounded operands: each gradient is a sum of products
