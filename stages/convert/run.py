@@ -27,6 +27,7 @@ from stages.convert.pipeline import (
     build_graph,
     dropped_counter,
     index_ranges,
+    needs_spreading,
     pipeline_options,
     plan_shards,
     read_counters,
@@ -260,6 +261,7 @@ def _run_pipeline(
         media_config=config.media,
         split_config=config.split,
         handler=handler,
+        spread_rows=needs_spreading(config.beam),
     )
     write_outputs(outputs, output_dir, plan, config.split.split_seed)
     # SIGTERM stops the job at once: its work folders are never a finished artifact

@@ -414,11 +414,21 @@ def test_a_plain_imagefolder_converts_with_media_path_ids(tmp_path, encoder_dir)
     assert sorted(r[records.SOURCE_ID].decode() for r in rows) == [f"img{i}.png" for i in range(6)]
 
 
+def test_rows_are_reshuffled_only_where_there_are_workers_to_spread_them_over():
+    from stages.convert.config import BeamConfig
+    from stages.convert.pipeline import needs_spreading
+
+    assert not needs_spreading(BeamConfig())  # DirectRunner, one worker, in memory
+    assert needs_spreading(BeamConfig(direct_num_workers=2, direct_running_mode="multi_processing"))
+    assert needs_spreading(BeamConfig(runner="FlinkRunner"))
+
+
 def test_two_runs_write_byte_identical_shards(tmp_path, shapes_dir, encoder_dir):
     """Shards are contiguous runs of a hash order of the ids, records serialised
     deterministically: the same source and config give the same bytes, whatever order the
     runner processed them in (so two trainings on two conversions are the same training):
-    here one worker thread vs the DirectRunner's multi-process mode (2 worker processes)."""
+    here one worker thread (rows not reshuffled) vs the DirectRunner's multi-process mode
+    (2 worker processes, rows reshuffled)."""
     outs = [tmp_path / "a", tmp_path / "b"]
     modes = [{}, {"direct_num_workers": 2, "direct_running_mode": "multi_processing"}]
     for out, mode in zip(outs, modes, strict=True):
