@@ -16,10 +16,10 @@ bench size S self-attention (L = 1024, 8 x 64) fwd+bwd 135 -> 100 ms, the S trai
 3.37 -> 3.05 s (2-core CPU, alternately in one process).
 
 Layout: heads-major ``[B, H, L, D]`` inside (one transpose per call, not per tile), or one
-head at a time (``head_by_head``, what CPUs use for long sequences); the public :func:`blockwise_attention` takes
-and returns ``[B, L, H, D]``. Sequences are padded to block multiples (blocks balanced by
-:func:`balanced_block`); padded keys are masked; a row whose keys are all masked returns zeros
-and gets zero gradients.
+head at a time (``head_by_head``, what CPUs use for long sequences); the public
+:func:`blockwise_attention` takes and returns ``[B, L, H, D]``. Sequences are padded to block
+multiples (blocks balanced by :func:`balanced_block`); padded keys are masked; a row whose keys
+are all masked returns zeros and gets zero gradients.
 """
 
 from __future__ import annotations

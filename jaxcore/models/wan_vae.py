@@ -942,8 +942,8 @@ class WanVAE(nn.Module):
     Whole-video methods in the diffusers layout (Python loop over chunks inside one apply,
     also need ``mutable=["cache"]`` and a fresh cache): ``encode(video) -> DiagonalGaussian``,
     ``decode(z) -> video`` and ``__call__(video)`` = decode(encode(video).mode());
-    :func:`abstract_params` initialises through one later chunk each way instead. For inference prefer the jitted module-level :func:`encode` /
-    :func:`decode`.
+    :func:`abstract_params` initialises through one later chunk each way instead. For inference
+    prefer the jitted module-level :func:`encode` / :func:`decode`.
     """
 
     config: WanVAEConfig
