@@ -7,10 +7,10 @@ For each depth of the case (bench size S at 8 and 40 layers; ``quick``: the demo
 (:func:`bench.train_step.build_step`: loss, backward, AdamW, clipping) is lowered and compiled
 ahead of time, unrolled and scanned; the seconds of ``lower`` + ``compile`` are the figures
 (``growth`` = deeper / shallower); so are those of the denoiser's own forward + backward
-(``jax.grad`` of a mean-square loss, from abstract parameters: the part the scan makes flat,
-where the step adds the optimizer's per-parameter updates, one set per layer's leaves). At the
-shallower depth both compiled steps then run
-alternately, call by call (the unrolled step is the ``difforge`` row, the default; the scanned
+(``jax.grad`` of a mean-square loss, from abstract parameters). Scanned, both hold the blocks'
+parameters stacked, as a scanned train run does (:mod:`jaxcore.layer_stack`), so the
+optimizer's updates are one per kind of leaf too. At the shallower depth both compiled steps
+then run alternately, call by call (the unrolled step is the ``difforge`` row, the default; the scanned
 row's ``vs_difforge`` = its median / the unrolled one's: > 1 means the scan is slower).
 Each compile runs in this process after the others; XLA caches nothing across them (every
 program differs).
@@ -30,6 +30,7 @@ from bench.train_step import DEMO, build_step, step_inputs
 from bench.transformer import BENCH_S, TINY, ForwardCase
 from jaxcore import sharding
 from jaxcore.compute import ComputeConfig
+from jaxcore.layer_stack import LayerStack
 from jaxcore.models import wan_transformer as wan
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,10 @@ def _grad_compile_seconds(case: ForwardCase, scan_layers: bool) -> float:
         config, attention=ComputeConfig().attention, scan_layers=scan_layers
     )
     batch = case.latent_shape[0]
+    params = wan.abstract_params(module)
+    layers = LayerStack.of(module, params)  # scanned: the stacked layout a train run holds
     args = (
-        wan.abstract_params(module),
+        params if layers is None else layers.stack(params),
         jax.ShapeDtypeStruct(case.latent_shape, jnp.float32),
         jax.ShapeDtypeStruct((batch,), jnp.float32),
         jax.ShapeDtypeStruct((batch, case.text_tokens, config.text_dim), jnp.float32),

@@ -28,6 +28,7 @@ from bench.transformer import BENCH_M, BENCH_S, TINY, WAN_1_3B_480P, ForwardCase
 from jaxcore import families, sharding
 from jaxcore.compute import ComputeConfig
 from jaxcore.families import TensorSpec
+from jaxcore.layer_stack import LayerStack
 from jaxcore.models import wan_transformer as wan
 from stages.common import records
 from stages.common.data import replicated
@@ -56,6 +57,9 @@ def build_step(config: wan.WanTransformerConfig, features, compute: ComputeConfi
     compute = compute or ComputeConfig()
     with sharding.mesh_context(mesh):
         module, params = family.init_denoiser(config, jax.random.key(0), compute, mesh)
+    layers = LayerStack.of(module, params)  # with scan_layers: the train stage's stacked layout
+    if layers is not None:
+        params = layers.stack(params)
     param_shardings = jax.tree.map(lambda _: replicated(mesh), params)
     tx, schedule = trainer.make_optimizer(OptimizerSection(), total_steps=1000)
     opt_shardings = trainer.opt_state_shardings(tx, params, param_shardings, mesh)

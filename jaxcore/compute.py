@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from jaxcore import layer_stack
 from jaxcore.attention import check_backend
 
 DtypeName = Literal["float32", "bfloat16", "float16"]
@@ -79,16 +80,25 @@ def run_blocks(parent: nn.Module, blocks: Sequence[nn.Module], carry, call, scan
     checkpoint, LoRA and the sharding rules name them); each call stacks them along a new
     leading axis and the scan body applies ``scan_template`` to one slice. The stack is a copy of
     the blocks' weights for the length of the call (sharded as the weights are), the price of
-    per-layer names. ``carry`` is any pytree of arrays whose shapes the blocks keep.
+    per-layer names. Parameters already in the stacked layout (``blocks_stacked``,
+    :mod:`jaxcore.layer_stack`: how a scanned train run holds them) are sliced instead, with no
+    copy, and their gradient is one stack too. ``carry`` is any pytree of arrays whose shapes
+    the blocks keep.
     """
     if scan_template is None or parent.is_initializing() or not blocks:
         for block in blocks:
             carry = call(block, carry)
         return carry
     params = parent.variables["params"]
-    stacked = jax.tree.map(
-        lambda *leaves: jnp.stack(leaves), *[params[block.name] for block in blocks]
-    )
+    prefix, start = layer_stack.split_block_name(blocks[0].name)
+    held = params.get(layer_stack.stacked_key(prefix))
+    if held is not None:
+        stop = start + len(blocks)
+        stacked = jax.tree.map(lambda leaf: leaf[start:stop], held)
+    else:
+        stacked = jax.tree.map(
+            lambda *leaves: jnp.stack(leaves), *[params[block.name] for block in blocks]
+        )
 
     def body(streams, block_params):
         return scan_template.apply({"params": block_params}, streams, method=call), None

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -602,6 +602,8 @@ class FluxTransformer(nn.Module):
     mesh: Any = None
     remat_policy: str = "none"
     scan_layers: bool = False  # each block kind as one lax.scan (jaxcore.compute.run_blocks)
+    # the block groups scan_layers scans (their stacked layout: jaxcore.layer_stack)
+    scanned_blocks: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
 
     def _check_inputs(self, hidden, text, pooled, timestep, img_ids, txt_ids, guidance):
         cfg = self.config

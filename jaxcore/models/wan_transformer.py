@@ -47,7 +47,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -608,6 +608,8 @@ class WanTransformer(nn.Module):
     mesh: Any = None
     remat_policy: str = "none"
     scan_layers: bool = False  # the blocks as one lax.scan (jaxcore.compute.run_blocks)
+    # the block groups scan_layers scans (their stacked layout: jaxcore.layer_stack)
+    scanned_blocks: ClassVar[tuple[str, ...]] = ("blocks",)
 
     def _check_inputs(self, video_shape, timestep_shape, text_shape, image_shape) -> None:
         """Raise ValueError naming the argument whose shape does not fit the config."""

@@ -96,7 +96,7 @@ class Run:
     def denoiser_params(self):
         """The denoiser's parameters now (with a LoRA: the base plus the adapters)."""
         if not self.trainable.is_lora:
-            return self.trainable.params
+            return self.trainable.denoiser_params(self.trainable.params)
         merge = jax.jit(self.trainable.effective, out_shardings=self.param_shardings)
         with sharding.mesh_context(self.mesh):
             return merge(self.trainable.params, self.trainable.frozen)
@@ -342,9 +342,12 @@ def resume(run: Run) -> None:
         run.log_book.resume_from(0)  # rows of a run killed before its first checkpoint go
         return
     log.info("resuming from the checkpoint at step %d", latest)
-    run.trainable.params, run.opt_state, saved = checkpoints.restore_state(
-        run.mngr, latest, run.trainable.params, run.opt_state
+    trainable = run.trainable
+    opt_shardings = jax.tree.map(lambda x: x.sharding, run.opt_state)
+    params, opt_state, saved = checkpoints.restore_state(
+        run.mngr, latest, *trainable.checkpoint_template(trainable.params, run.opt_state)
     )
+    trainable.params, run.opt_state = trainable.from_checkpoint(params, opt_state, opt_shardings)
     run.eval_history = [e for e in saved.get("eval_history", []) if e["step"] <= latest]
     run.start = latest
     run.log_book.resume_from(latest)
@@ -409,6 +412,7 @@ def save(run: Run, step: int, force: bool = False) -> None:
     if step in run.mngr.all_steps():
         return
     opt = run.opt_state if run.config.checkpointing.save_optimizer else None
+    params, opt = run.trainable.checkpoint_state(run.params, opt)
     meta = {
         "family": run.model.family.name,
         "model_config": run.model.module.config.to_dict(),
@@ -417,7 +421,7 @@ def save(run: Run, step: int, force: bool = False) -> None:
         "step": step,
         "eval_history": run.eval_history,
     }
-    checkpoints.save(run.mngr, step, run.params, opt, meta, force=force)
+    checkpoints.save(run.mngr, step, params, opt, meta, force=force)
     run.log_book.flush()
 
 

@@ -5,6 +5,7 @@ follows from the source; everything model-specific is a call into the family."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import tempfile
@@ -15,6 +16,7 @@ import jax
 from jaxcore import families, storage, weights
 from jaxcore.compute import ComputeConfig
 from jaxcore.config import ConfigError
+from jaxcore.layer_stack import LayerStack
 from jaxcore.model_configs import read_model_yaml
 from jaxcore.pipeline import resolve_pipeline_dir
 from stages.common import checkpoints
@@ -126,9 +128,12 @@ def export_diffusers(model: Model, params, uri: str) -> None:
 class Trainable:
     """What the optimiser updates, and how the denoiser's parameters follow from it.
 
-    Full fine-tuning: ``params`` are the denoiser's, nothing is frozen. LoRA: ``params`` are
-    the adapters (:mod:`jaxcore.lora.training`), ``frozen`` the base denoiser, and the
-    parameters the loss sees are ``base + scale * up @ down`` at every target.
+    Full fine-tuning: ``params`` are the denoiser's, nothing is frozen; with
+    ``compute.scan_layers`` its repeated blocks are held stacked (``layers``,
+    :mod:`jaxcore.layer_stack`), so the optimizer updates one leaf per kind of parameter at any
+    depth, and :meth:`checkpoint_state` / :meth:`from_checkpoint` convert at the run's edges.
+    LoRA: ``params`` are the adapters (:mod:`jaxcore.lora.training`), ``frozen`` the base
+    denoiser, and the parameters the loss sees are ``base + scale * up @ down`` at every target.
     """
 
     params: object
@@ -137,10 +142,64 @@ class Trainable:
     frozen_shardings: object = dataclasses.field(default_factory=dict)
     targets: dict | None = None
     scale: float = 1.0
+    layers: LayerStack | None = None  # the stacked block groups of a scanned full fine-tune
+    checkpoint_shardings: object = None  # per-layer shardings of ``params`` (with ``layers``)
 
     @property
     def is_lora(self) -> bool:
         return self.targets is not None
+
+    def checkpoint_state(self, params, opt_state):
+        """(params, opt_state) in the per-layer layout checkpoints hold (new arrays where the
+        run holds stacks; ``opt_state`` may be None)."""
+        if self.layers is None:
+            return params, opt_state
+        return self._per_layer(params, opt_state)
+
+    @functools.cached_property
+    def _per_layer(self):
+        """The jitted conversion to the per-layer layout (built once: every save calls it)."""
+        layers = self.layers
+
+        def per_layer(params, opt_state):
+            state = None if opt_state is None else layers.unstack_state(opt_state, params)
+            return layers.unstack(params), state
+
+        return jax.jit(per_layer)
+
+    def checkpoint_template(self, params, opt_state):
+        """ShapeDtypeStructs (with shardings) of :meth:`checkpoint_state`'s result: what a
+        checkpoint restores onto."""
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            (params, opt_state),
+        )
+        if self.layers is None:
+            return abstract
+        params, opt_state = abstract
+        return self.layers.unstack(params), self.layers.unstack_state(opt_state, params)
+
+    def from_checkpoint(self, params, opt_state, opt_shardings):
+        """(params, opt_state) of a checkpoint (per-layer layout) in the run's layout, placed
+        on ``self.shardings`` and ``opt_shardings``."""
+        if self.layers is None:
+            return params, opt_state
+        layers = self.layers
+
+        def stacked(params, opt_state):
+            return layers.stack(params), layers.stack_state(opt_state, params)
+
+        return jax.jit(stacked, out_shardings=(self.shardings, opt_shardings))(params, opt_state)
+
+    def denoiser_params(self, params):
+        """The denoiser's parameters (per-layer layout) for ``params``; full fine-tuning."""
+        if self.layers is None:
+            return params
+        return self._unstack(params)
+
+    @functools.cached_property
+    def _unstack(self):
+        return jax.jit(self.layers.unstack, out_shardings=self.checkpoint_shardings)
 
     def effective(self, params, frozen):
         """The denoiser parameters for ``params`` (traceable)."""
@@ -160,7 +219,13 @@ def make_trainable(built: Model, lora, mesh, rng) -> Trainable:
 
     base_shardings = checkpoints.param_shardings(built.family, built.module, mesh)
     if not lora.enabled:
-        return Trainable(built.params, base_shardings)
+        layers = LayerStack.of(built.module, built.params)
+        if layers is None:
+            return Trainable(built.params, base_shardings)
+        shardings = layers.stack(base_shardings)
+        params = jax.jit(layers.stack, out_shardings=shardings)(built.params)
+        built.params = None  # the run holds one copy of the weights: the stacks
+        return Trainable(params, shardings, layers=layers, checkpoint_shardings=base_shardings)
     family, config = built.family, built.module.config
     patterns = lora.target_modules or family.lora_default_targets
     abstract = nn.meta.unbox(family.abstract_params(built.module))

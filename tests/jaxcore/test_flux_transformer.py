@@ -29,6 +29,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec
 
 from jaxcore import sharding, weights
+from jaxcore.layer_stack import LayerStack
 from jaxcore.models import flux_transformer as ft
 from jaxcore.models.layers import timestep_frequencies
 
@@ -391,6 +392,32 @@ def test_scan_layers_equals_the_unrolled_blocks(tmp_path, remat_policy):
         return jax.jit(fn)({"params": params}, **inputs)[0]
 
     assert _max_diff(partial(scanned), partial(plain)) <= 1e-6
+
+    # the stacked layout of a scanned train run (jaxcore.layer_stack), two groups; a block
+    # range slices the stacks (the single blocks' from their own index 0)
+    layers = LayerStack.of(scanned, params)
+    assert layers == LayerStack((("transformer_blocks", 2), ("single_transformer_blocks", 3)))
+    stacked = layers.stack(params)
+
+    def stacked_loss(p):
+        return jnp.mean(scanned.apply({"params": p}, **inputs) ** 2)
+
+    loss_stacked, grad_stacked = jax.jit(jax.value_and_grad(stacked_loss))(stacked)
+    np.testing.assert_allclose(loss_stacked, loss_plain, rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
+        layers.unstack(grad_stacked),
+        grad_plain,
+    )
+
+    def partial_stacked():
+        def run_stack(streams, run_blocks, num_blocks):
+            return run_blocks(streams, start, stop), None
+
+        fn = functools.partial(scanned.apply, run_stack=run_stack)
+        return jax.jit(fn)({"params": stacked}, **inputs)[0]
+
+    assert _max_diff(partial_stacked(), partial(plain)) <= 1e-6
 
     def jaxpr(module):
         return str(jax.make_jaxpr(lambda p: module.apply({"params": p}, **inputs))(params))

@@ -18,6 +18,7 @@ import yaml
 from flax import linen as nn
 
 from jaxcore import sharding, weights
+from jaxcore.layer_stack import LayerStack
 from jaxcore.models import wan_transformer as wt
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -276,6 +277,20 @@ def test_scan_layers_equals_the_unrolled_blocks(tmp_path, remat_policy):
         return hlo.count("dot_general")
 
     assert dots(scanned) < dots(unrolled)
+
+    # the stacked layout a scanned train run holds (jaxcore.layer_stack): same loss, and its
+    # gradient is one stack per leaf kind, equal to the per-layer gradients
+    layers = LayerStack.of(scanned, params)
+    assert layers == LayerStack((("blocks", 3),))
+    stacked = layers.stack(params)
+    got, got_grads = jax.jit(jax.value_and_grad(lambda p: loss(scanned, p)))(stacked)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    assert got_grads["blocks_stacked"]["attn1"]["to_q"]["kernel"].shape[0] == 3
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+        layers.unstack(got_grads),
+        want_grads,
+    )
 
 
 # --- config -------------------------------------------------------------------------------
