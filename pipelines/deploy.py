@@ -525,6 +525,7 @@ def train_program(config, model: FitModel, mesh, features=None):
     import jax.numpy as jnp
 
     from jaxcore import aot, sharding
+    from jaxcore.layer_stack import LayerStack
     from stages.common import checkpoints, objective
     from stages.common.data import batch_sharding, replicated
     from stages.train import loop, trainer
@@ -547,6 +548,9 @@ def train_program(config, model: FitModel, mesh, features=None):
     tx, schedule = trainer.make_optimizer(config.optimizer, config.max_train_steps)
     params = checkpoints.abstract_params_with_shardings(family, module, mesh)
     param_sh = checkpoints.param_shardings(family, module, mesh)
+    layers = LayerStack.of(module, params)  # compute.scan_layers: the run holds stacks
+    if layers is not None:
+        params, param_sh = layers.stack(params), layers.stack(param_sh)
     opt_sh = trainer.opt_state_shardings(tx, params, param_sh, mesh)
     opt_state = jax.tree.map(
         lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),

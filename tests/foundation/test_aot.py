@@ -140,6 +140,24 @@ def test_train_step_on_cpu_mesh_matches_what_jax_reports():
     )
 
 
+def test_scanned_train_step_is_checked_as_the_run_holds_it():
+    """With compute.scan_layers the fit check compiles the step a scanned run executes: the
+    blocks' weights and moments as stacks (sharded as each block is), the same bytes per
+    device as the per-layer step."""
+    fsdp = ("ici_data_parallelism=1", "ici_fsdp_parallelism=-1")
+    mesh = aot.topology_mesh(CPU8, _train_config(*fsdp).mesh)
+    plain = deploy.train_program(_train_config(*fsdp), deploy.fit_model(TINY), mesh)
+    config = _train_config(*fsdp, "compute.scan_layers=true")
+    program = deploy.train_program(config, deploy.fit_model(TINY), mesh)
+    params = program.args[0]
+    assert "blocks_stacked" in params and "blocks_0" not in params
+    kernel = params["blocks_stacked"]["attn1"]["to_q"]["kernel"]
+    assert kernel.shape[0] == 2 and kernel.sharding.spec[0] is None
+    assert "fsdp" in tuple(kernel.sharding.spec)
+    assert _shard_bytes(program.args) == _shard_bytes(plain.args)
+    assert aot.compile_program(program, CPU8).compiled
+
+
 def test_train_step_with_prior_preservation_takes_a_class_batch():
     data = ("data=gs://bucket/instances", "dataset_type=tfrecord")
     config = _train_config(*data, "prior_preservation.data=gs://bucket/class-data")
