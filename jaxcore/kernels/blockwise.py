@@ -213,9 +213,10 @@ def blockwise_attention(
     """Exact attention of q ``[B, Lq, H, D]`` over k/v ``[B, Lk, H, D]`` (``kv_mask`` ``[B, Lk]``,
     True = attend) in tiles of ``block_q`` x ``block_kv``; see the module docstring.
 
-    ``head_by_head``: one head's tiles at a time (a loop over heads) instead of all heads' at
-    once; on CPU a tile then stays in the core's cache between its matrix product, softmax
-    and second product."""
+    ``head_by_head``: one head of one batch row at a time (a loop over the B x H pairs) instead
+    of all heads' tiles at once; on CPU a tile then stays in the core's cache between its
+    matrix product, softmax and second product, and the tiles' products are plain matrix
+    products (XLA CPU runs a batched bf16 product in float32, an unbatched one on AMX)."""
     lq, lk = q.shape[1], k.shape[1]
     block_q, block_kv = balanced_block(lq, block_q), balanced_block(lk, block_kv)
     k, v, kv_mask = pad_keys(k, v, kv_mask, block_kv)
@@ -231,11 +232,17 @@ def blockwise_attention(
         out = _attention(heads_major(q), heads_major(k), heads_major(v), kv_mask, blocks)
         return heads_major(out)[:, :lq]
 
-    def heads_first(x):  # [B, L, H, D] -> [H, B, 1, L, D]
-        return x.transpose(2, 0, 1, 3)[:, :, None]
+    batch, heads = q.shape[0], q.shape[2]
 
-    def one_head(qkv):
-        return _attention(*qkv, kv_mask, blocks)
+    def pairs_first(x):  # [B, L, H, D] -> [H * B, 1, 1, L, D]
+        return x.transpose(2, 0, 1, 3).reshape(heads * batch, 1, 1, *x.shape[1:2], x.shape[3])
 
-    out = lax.map(one_head, (heads_first(q), heads_first(k), heads_first(v)))
-    return out[:, :, 0].transpose(1, 2, 0, 3)[:, :lq]
+    masks = None if kv_mask is None else jnp.tile(kv_mask[:, None], (heads, 1, 1))
+
+    def one_pair(qkv_mask):
+        *qkv, mask = qkv_mask
+        return _attention(*qkv, mask, blocks)
+
+    out = lax.map(one_pair, (pairs_first(q), pairs_first(k), pairs_first(v), masks))
+    out = out.reshape(heads, batch, *out.shape[-2:])  # [H, B, Lq, D]
+    return out.transpose(1, 2, 0, 3)[:, :lq]

@@ -93,8 +93,12 @@ CPU_ALL_HEADS_MAX_TILE_BYTES = 24 * 2**20
 
 def cpu_head_by_head(q, k, block_sizes: BlockSizes) -> bool:
     """Whether the CPU kernel loops over heads for q ``[B, Lq, H, D]`` against k ``[B, Lk, H,
-    D]``: when the score tile of all heads (the balanced blocks blockwise.py will use) is over
+    D]``: for bf16/fp16 inputs always (XLA CPU computes a batched low-precision matrix product
+    in float32; one head of one row is a plain product it runs on AMX / AVX512-BF16), else when
+    the score tile of all heads (the balanced blocks blockwise.py will use) is over
     :data:`CPU_ALL_HEADS_MAX_TILE_BYTES`."""
+    if q.dtype in (jnp.bfloat16, jnp.float16):
+        return True
     batch, lq, heads, _ = q.shape
     tile_q = balanced_block(lq, block_sizes.block_q)
     tile_kv = balanced_block(k.shape[1], block_sizes.block_kv)

@@ -64,6 +64,7 @@ from flax import linen as nn
 from jaxcore import sharding, weights
 from jaxcore.attention import attention as attention_fn
 from jaxcore.config import config_json_kwargs
+from jaxcore.models.layers import gelu_erf, silu
 from jaxcore.models.wan_vae import LOGVAR_RANGE, DiagonalGaussian
 
 Dtype = Any
@@ -73,12 +74,13 @@ NORM_EPS = 1e-6
 DOWN_BLOCK_TYPE = "DownEncoderBlock2D"
 UP_BLOCK_TYPE = "UpDecoderBlock2D"
 
-# diffusers.models.activations.ACT2CLS (torch's GELU is the exact erf form).
+# diffusers.models.activations.ACT2CLS (torch's GELU is the exact erf form); torch's kernels
+# compute in float32 and round once (jaxcore.models.layers.in_float32).
 ACTIVATIONS = {
-    "silu": nn.silu,
-    "swish": nn.silu,
+    "silu": silu,
+    "swish": silu,
     "mish": jax.nn.mish,
-    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "gelu": gelu_erf,
     "relu": jax.nn.relu,
 }
 
@@ -499,7 +501,7 @@ class Encoder(nn.Module):
             name="mid_block",
             **res,
         )(x)
-        x = nn.silu(GroupNorm(cfg.norm_num_groups, name="conv_norm_out", **kw)(x))
+        x = silu(GroupNorm(cfg.norm_num_groups, name="conv_norm_out", **kw)(x))
         return Conv2d(2 * cfg.latent_channels, name="conv_out", **kw)(x)
 
 
@@ -532,7 +534,7 @@ class Decoder(nn.Module):
                 channels, cfg.layers_per_block + 1, i != last, name=f"up_blocks_{i}", **res
             )
             x = _constrain_image(block(x))
-        x = nn.silu(GroupNorm(cfg.norm_num_groups, name="conv_norm_out", **kw)(x))
+        x = silu(GroupNorm(cfg.norm_num_groups, name="conv_norm_out", **kw)(x))
         return Conv2d(cfg.out_channels, name="conv_out", **kw)(x)
 
 

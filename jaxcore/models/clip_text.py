@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from jaxcore import sharding, weights
+from jaxcore.models.layers import gelu_erf, gelu_tanh, silu
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +74,12 @@ LEGACY_EOS_TOKEN_ID = 2
 # hidden_act (transformers ACT2FN name) -> jax function.
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu": gelu_erf,
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": gelu_tanh,
     "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
+    "silu": silu,
+    "swish": silu,
 }
 
 

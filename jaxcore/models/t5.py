@@ -38,6 +38,7 @@ import numpy as np
 from flax import linen as nn
 
 from jaxcore import sharding, weights
+from jaxcore.models.layers import gelu_erf, silu
 
 # --- config ------------------------------------------------------------------------------------
 
@@ -102,9 +103,9 @@ DEFAULTS = {"t5": T5_DEFAULTS, "umt5": UMT5_DEFAULTS}
 # feed_forward_proj activation name -> (transformers ACT2FN name, jax function).
 _ACTIVATIONS = {
     "relu": jax.nn.relu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu": gelu_erf,
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "silu": jax.nn.silu,
+    "silu": silu,
 }
 
 

@@ -102,7 +102,7 @@ from jaxcore.attention import attention as attention_fn
 from jaxcore.compute import remat_block
 from jaxcore.config import config_json_kwargs
 from jaxcore.models.autoencoder_kl import ACTIVATIONS, Conv2d, GroupNorm
-from jaxcore.models.layers import MLP2, dense, layer_norm
+from jaxcore.models.layers import MLP2, dense, gelu_erf, layer_norm
 
 Dtype = Any
 
@@ -787,7 +787,7 @@ class GEGLU(nn.Module):
     @nn.compact
     def __call__(self, x_bld: jax.Array) -> jax.Array:
         h = GatedProjection(self.features, self.dtype, self.param_dtype, name="proj")(x_bld)
-        out = h[:, :, 0] * jax.nn.gelu(h[:, :, 1], approximate=False)
+        out = h[:, :, 0] * gelu_erf(h[:, :, 1])
         return sharding.constrain(out, _FF_HIDDEN)
 
 

@@ -64,6 +64,7 @@ from jaxcore.models.layers import (
     apply_rope,
     dense,
     gated_add,
+    gelu_erf,
     gelu_tanh,
     layer_norm,
     linear,
@@ -322,10 +323,6 @@ def _affine_layer_norm(name: str, eps: float, param_dtype: Dtype) -> nn.LayerNor
     )
 
 
-def _gelu_erf(x: jax.Array) -> jax.Array:
-    return jax.nn.gelu(x, approximate=False)
-
-
 class ImageEmbedder(nn.Module):
     """CLIP image states -> image tokens [B, S', D] (diffusers ``WanImageEmbedding``).
 
@@ -356,7 +353,7 @@ class ImageEmbedder(nn.Module):
         x = MLP2(
             cfg.image_dim,
             cfg.hidden_dim,
-            _gelu_erf,
+            gelu_erf,
             (None, "mlp"),
             ("mlp", "embed"),
             dtype=self.dtype,

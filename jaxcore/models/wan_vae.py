@@ -60,6 +60,7 @@ from jaxcore.attention import attention as attention_fn
 from jaxcore.compute import cpu_compiler_options
 from jaxcore.config import config_json_kwargs
 from jaxcore.models import wan_vae_residual as residual
+from jaxcore.models.layers import silu
 
 Dtype = Any
 
@@ -540,9 +541,9 @@ class ResidualBlock(nn.Module):
             shortcut = CausalConv3d(
                 self.out_dim, (1, 1, 1), padding=(0, 0, 0), name="conv_shortcut", **kw
             )(x)
-        h = nn.silu(RMSNorm(name="norm1", **kw)(x))
+        h = silu(RMSNorm(name="norm1", **kw)(x))
         h = CausalConv3d(self.out_dim, name="conv1", **kw)(h)
-        h = nn.silu(RMSNorm(name="norm2", **kw)(h))
+        h = silu(RMSNorm(name="norm2", **kw)(h))
         h = CausalConv3d(self.out_dim, name="conv2", **kw)(h)
         return h + shortcut
 
@@ -713,7 +714,7 @@ class Encoder(nn.Module):
         else:
             x = self._levels(x, first_chunk, dims, kw)
         x = MidBlock(attention=self.attention, mesh=self.mesh, name="mid_block", **kw)(x)
-        x = nn.silu(RMSNorm(name="norm_out", **kw)(x))
+        x = silu(RMSNorm(name="norm_out", **kw)(x))
         return CausalConv3d(2 * cfg.z_dim, name="conv_out", **kw)(x)
 
     def _levels(self, x, first_chunk, dims, kw):
@@ -819,7 +820,7 @@ class Decoder(nn.Module):
             x = self._residual_levels(x, first_chunk, kw)
         else:
             x = self._levels(x, first_chunk, dims, kw)
-        x = nn.silu(RMSNorm(name="norm_out", **kw)(x))
+        x = silu(RMSNorm(name="norm_out", **kw)(x))
         return CausalConv3d(cfg.out_channels, name="conv_out", **kw)(x)
 
     def _levels(self, x, first_chunk, dims, kw):

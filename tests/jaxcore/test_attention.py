@@ -203,6 +203,31 @@ def test_cpu_loops_over_heads_only_for_large_tiles():
     assert loops(2, 1536, 1536, 8)  # the batch counts: 36 MiB
 
 
+def test_cpu_attention_in_bf16_runs_one_head_of_one_row_at_a_time():
+    """bf16/fp16 always loop over (row, head) pairs: XLA CPU computes a batched bf16 product
+    in float32 (no AMX), a plain one in bf16; the compiled tiles' products say which."""
+    blocks = flash_kernels.CPU_BLOCK_SIZES
+    small = jax.ShapeDtypeStruct((32, 64, 4, 64), jnp.bfloat16)  # 2 MiB: all heads in fp32
+    assert flash_kernels.cpu_head_by_head(small, small, blocks)
+    assert flash_kernels.cpu_head_by_head(small.update(dtype=jnp.float16), small, blocks)
+
+    q = jnp.zeros((2, 256, 4, 64), jnp.bfloat16)
+
+    def product_operand_types(head_by_head: bool) -> set[str]:
+        fn = functools.partial(
+            chunked_attention, scale=0.125, block_sizes=blocks, head_by_head=head_by_head
+        )
+        hlo = jax.jit(fn).lower(q, q, q).compile().as_text()
+        kinds = set()
+        for lhs, rhs in re.findall(r" dot\((%[\w.]+), (%[\w.]+)\)", hlo):
+            for name in (lhs, rhs):
+                kinds.add(re.search(re.escape(name) + r" = (\w+)\[", hlo).group(1))
+        return kinds
+
+    assert product_operand_types(head_by_head=True) == {"bf16"}
+    assert product_operand_types(head_by_head=False) == {"f32"}  # the reason for the rule
+
+
 def test_blockwise_fully_masked_rows_give_zero_output_and_zero_gradients():
     """Rows of an example whose keys are all masked: zeros out, zero (not NaN) gradients."""
     q, k, v, _ = make_inputs(2, 10, 12, 2, 8)
