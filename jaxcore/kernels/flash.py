@@ -82,27 +82,37 @@ DEFAULT_BLOCK_SIZES = BlockSizes()
 # Against all heads' 512 x 512 tiles at once, Wan S self-attention (L=1024, 8 x 64) fwd+bwd
 # 134 -> 83 ms and at L=4096 1485 -> 1222 ms (microbenchmarks on a 2-core VM, one process).
 CPU_BLOCK_SIZES = BlockSizes(block_q=1024, block_kv=1024)
-# CPU: all heads' tiles at once while one tile of every head (float32 scores) fits in this;
-# head by head above it. The loop over heads pays only once a tile no longer stays in cache:
-# all heads at once against head by head (fwd+bwd, one process, alternated; 2-core VM), the
-# demo DiT's 64 tokens x 4 heads x batch 32 (2 MiB) 8.4 -> 4.7 ms and its train step 186 ->
-# 154 ms; 1536 tokens x 8 heads in blocks of 768 (18 MiB) forward 41 -> 36 ms; 1024 tokens x 8
-# heads (32 MiB) either way within 5%; 4096 tokens x 12 heads (48 MiB) head by head 1.16x faster.
-CPU_ALL_HEADS_MAX_TILE_BYTES = 24 * 2**20
+# CPU: one (batch row, head) pair's tiles at a time when such a tile is large enough for the loop
+# to pay (CPU_PAIR_MIN_TILE_BYTES) and all heads' tiles together no longer stay in cache
+# (over CPU_ALL_HEADS_MAX_TILE_BYTES); all heads at once otherwise. Forward + backward, float32,
+# alternated in one process on the 2-core AMX VM (2026-12-04), all heads against pairs:
+#   demo DiT, 32 x 64 tokens x 4 heads (pair tile 16 KiB, all 2 MiB): 5.0 vs 6.6 ms
+#   16 x 256 tokens x 8 heads (256 KiB, 32 MiB): 105 vs 121 ms;  1 x 512 (1 MiB, 8 MiB): 15 vs 18
+#   Wan S cross-attention, 1024 x 512 keys x 8 heads (2 MiB, 16 MiB): 40 vs 31 ms
+#   Flux S, 1536 tokens in blocks of 768 (2.25 MiB, 18 MiB): 162 vs 134 ms
+#   Wan S self-attention, 1024 tokens (4 MiB, 32 MiB): 91 vs 55 ms; 4 x 512 (1 MiB, 32 MiB): 103 vs 79
+# (the Wan S train step 2.01 -> 1.90 s once its cross-attention loops too). The loop over heads
+# cost the demo DiT's train step 17% (186 -> 154 ms) when it ran for every sequence.
+CPU_PAIR_MIN_TILE_BYTES = 2**20
+CPU_ALL_HEADS_MAX_TILE_BYTES = 12 * 2**20
 
 
 def cpu_head_by_head(q, k, block_sizes: BlockSizes) -> bool:
-    """Whether the CPU kernel loops over heads for q ``[B, Lq, H, D]`` against k ``[B, Lk, H,
-    D]``: for bf16/fp16 inputs always (XLA CPU computes a batched low-precision matrix product
-    in float32; one head of one row is a plain product it runs on AMX / AVX512-BF16), else when
-    the score tile of all heads (the balanced blocks blockwise.py will use) is over
+    """Whether the CPU kernel loops over (batch row, head) pairs for q ``[B, Lq, H, D]`` against
+    k ``[B, Lk, H, D]``: for bf16/fp16 inputs always (XLA CPU computes a batched low-precision
+    matrix product in float32; one pair's is a plain product it runs on AMX / AVX512-BF16), else
+    when one pair's float32 score tile (the balanced blocks blockwise.py will use) is at least
+    :data:`CPU_PAIR_MIN_TILE_BYTES` and all pairs' together over
     :data:`CPU_ALL_HEADS_MAX_TILE_BYTES`."""
     if q.dtype in (jnp.bfloat16, jnp.float16):
         return True
     batch, lq, heads, _ = q.shape
     tile_q = balanced_block(lq, block_sizes.block_q)
     tile_kv = balanced_block(k.shape[1], block_sizes.block_kv)
-    return batch * heads * tile_q * tile_kv * 4 > CPU_ALL_HEADS_MAX_TILE_BYTES
+    pair_tile = tile_q * tile_kv * 4
+    return pair_tile >= CPU_PAIR_MIN_TILE_BYTES and batch * heads * pair_tile > (
+        CPU_ALL_HEADS_MAX_TILE_BYTES
+    )
 
 
 def default_block_sizes(platform: str) -> BlockSizes:

@@ -185,10 +185,11 @@ def test_blockwise_backward_matches_autodiff_of_dot_product(lq, lk, masked, bloc
         assert max_diff(g, e) < GRAD_ATOL, f"d{name}"
 
 
-def test_cpu_loops_over_heads_only_for_large_tiles():
-    """All heads' tiles at once while one tile of every head fits in
-    CPU_ALL_HEADS_MAX_TILE_BYTES (the demo DiT's 64 tokens, Flux S's 1,536 tokens), head by
-    head above it (Wan S's 1,024 tokens x 8 heads, 4,096 tokens); measured in flash.py."""
+def test_cpu_loops_over_pairs_only_for_large_tiles():
+    """All heads' tiles at once while a (row, head) pair's tile is small (the demo DiT's 64
+    tokens, 16 x 256 tokens) or all of them fit CPU_ALL_HEADS_MAX_TILE_BYTES (512 tokens x 8
+    heads); pair by pair above both (Wan S's 1,024 tokens and its cross-attention to 512, Flux
+    S's 1,536 tokens, 4,096 tokens); measured in flash.py."""
     blocks = flash_kernels.CPU_BLOCK_SIZES
 
     def loops(batch, lq, lk, heads):
@@ -196,11 +197,14 @@ def test_cpu_loops_over_heads_only_for_large_tiles():
         k = jax.ShapeDtypeStruct((batch, lk, heads, 64), jnp.float32)
         return flash_kernels.cpu_head_by_head(q, k, blocks)
 
-    assert not loops(32, 64, 64, 4)  # 2 MiB
-    assert not loops(1, 1536, 1536, 8)  # blocks of 768: 18 MiB
-    assert loops(1, 1024, 1024, 8)  # 32 MiB
+    assert not loops(32, 64, 64, 4)  # pair tile 16 KiB, all 2 MiB
+    assert not loops(16, 256, 256, 8)  # 256 KiB, 32 MiB
+    assert not loops(1, 512, 512, 8)  # 1 MiB, 8 MiB
+    assert loops(4, 512, 512, 8)  # the batch counts: 1 MiB, 32 MiB
+    assert loops(1, 1024, 512, 8)  # 2 MiB, 16 MiB
+    assert loops(1, 1536, 1536, 8)  # blocks of 768: 2.25 MiB, 18 MiB
+    assert loops(1, 1024, 1024, 8)
     assert loops(1, 4096, 4096, 12)
-    assert loops(2, 1536, 1536, 8)  # the batch counts: 36 MiB
 
 
 def test_cpu_attention_in_bf16_runs_one_head_of_one_row_at_a_time():
