@@ -342,23 +342,9 @@ def test_end_to_end_train_and_evaluate_local(tiny_data, one_layer_model, tmp_pat
 
 
 def _train_cmd(data_uri, model_yaml, out, steps, *extra):
-    return [
-        sys.executable,
-        "-m",
-        "pipelines.cli",
-        "train",
-        str(TRAIN_YML),
-        f"data={data_uri}",
-        f"output_dir={out}",
-        "dataset_type=tfrecord",
-        f"model.model_config={model_yaml}",
-        f"max_train_steps={steps}",
-        "checkpoint_every=4",
-        "max_to_keep=2",
-        "enable_async_checkpointing=false",
-        *extra,
-        "-q",
-    ]
+    return [sys.executable, "-m", "pipelines.cli", *train_steps.train_args(
+        data_uri, model_yaml, out, steps, *extra
+    )]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,10 @@ from stages.common import checkpoints, data, records
 from stages.common.objective import ObjectiveSection
 from stages.train import model, trainer
 from stages.train.config import LoraSection, ModelSection, OptimizerSection
+from tests.support import train_steps
 from tests.support.convert_artifacts import write_convert_artifact
 
 REPO = Path(__file__).resolve().parents[2]
-TRAIN_YML = REPO / "configs" / "stages" / "train.yml"
 
 
 def _wan_yaml(directory: Path, layers: int) -> str:
@@ -45,21 +45,10 @@ def tiny_data(tmp_path_factory) -> str:
 def _train(data_uri, model_yaml, out, steps: int, scan: bool) -> None:
     # a second run in ``out`` goes on from its last checkpoint: --force drops the finished
     # manifest (the config differs), train resumes from the checkpoints it keeps
-    args = [
-        "train",
-        str(TRAIN_YML),
-        f"data={data_uri}",
-        f"output_dir={out}",
-        "dataset_type=tfrecord",
-        f"model.model_config={model_yaml}",
-        f"max_train_steps={steps}",
-        "checkpoint_every=4",
-        "enable_async_checkpointing=false",
-        "learning_rate=3e-3",
-        f"compute.scan_layers={str(scan).lower()}",
-        "-q",
-        *(["--force"] if (out / "manifest.json").exists() else []),
-    ]
+    extra = ["learning_rate=3e-3", f"compute.scan_layers={str(scan).lower()}"]
+    args = train_steps.train_args(data_uri, model_yaml, out, steps, *extra)
+    if (out / "manifest.json").exists():
+        args.append("--force")
     assert main(args) == 0
 
 

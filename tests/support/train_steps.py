@@ -1,7 +1,10 @@
 """One training step of a model built as the train stage builds it, for the tests that compare
-steps (sharded vs one device, caption dropout vs captions written by hand)."""
+steps (sharded vs one device, caption dropout vs captions written by hand), and the arguments
+of a short ``difforge train`` run (:func:`train_args`)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -37,3 +40,26 @@ def one_step(section: ModelSection, mesh, features, host_batch, step: int = 0, *
     batch = data.to_global(host_batch, mesh, rows, keys=tuple(host_batch))
     params, _, metrics = train_step(built.params, opt, batch, step)
     return jax.device_get(params), float(metrics["loss"])
+
+
+TRAIN_YML = Path(__file__).resolve().parents[2] / "configs" / "stages" / "train.yml"
+
+
+def train_args(data_uri, model_yaml, out, steps: int, *extra: str) -> list[str]:
+    """``difforge train`` arguments (after the program name) for a short tfrecord run on
+    ``data_uri`` with the model YAML ``model_yaml``: a synchronous checkpoint every 4 steps, the
+    last 2 kept."""
+    return [
+        "train",
+        str(TRAIN_YML),
+        f"data={data_uri}",
+        f"output_dir={out}",
+        "dataset_type=tfrecord",
+        f"model.model_config={model_yaml}",
+        f"max_train_steps={steps}",
+        "checkpoint_every=4",
+        "max_to_keep=2",
+        "enable_async_checkpointing=false",
+        *extra,
+        "-q",
+    ]
