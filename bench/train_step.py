@@ -10,6 +10,7 @@ matmul limit (added by ``bench.run``); throughput in video tokens per second.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -42,7 +43,14 @@ BENCH = "train_step"
 # The CPU demo's DiT (`make demo`): batch 32 of 64 tokens; its step time decides how many
 # images the demo's training sees in its budget.
 DEMO = ForwardCase("demo b32", "configs/models/wan_demo.yml", (32, 4, 1, 16, 16), 16)
-CASES = {"smoke": (TINY,), "quick": (DEMO, BENCH_S), "full": (DEMO, BENCH_S, BENCH_M)}
+# mixed precision: float32 weights and AdamW state, bf16 activations (MaxDiffusion's and the
+# diffusers training scripts' --mixed_precision=bf16, i.e. torch.autocast on the PyTorch side)
+BENCH_S_MIXED = dataclasses.replace(BENCH_S, name="S-bf16-mixed", dtype="bfloat16")
+CASES = {
+    "smoke": (TINY,),
+    "quick": (DEMO, BENCH_S),
+    "full": (DEMO, BENCH_S, BENCH_M, BENCH_S_MIXED),
+}
 ACCELERATOR_CASES = {"smoke": (TINY,), "quick": (BENCH_S,), "full": (BENCH_S, WAN_1_3B_480P)}
 
 
@@ -94,9 +102,12 @@ def step_inputs(case: ForwardCase, config: wan.WanTransformerConfig):
 
 
 def _difforge_step(case: ForwardCase, compute: ComputeConfig | None = None):
-    """(one_step(), state) of the train stage's step on this case's shapes."""
+    """(one_step(), state) of the train stage's step on this case's shapes (a bf16 case:
+    bf16 activations, float32 weights)."""
     config = case.config()
     features, batch = step_inputs(case, config)
+    if compute is None and case.dtype == "bfloat16":
+        compute = ComputeConfig(activations_dtype="bfloat16")
     step, params, opt_state = build_step(config, features, compute)
     state = {"params": params, "opt_state": opt_state, "step": 0, "loss": None}
 
@@ -149,7 +160,8 @@ def run_case(ctx: BenchContext, case: ForwardCase) -> dict:
 
 def _torch_step(case: ForwardCase):
     """diffusers' WanTransformer3DModel of the same config, one flow-matching step with
-    torch's AdamW and gradient clipping (as the train stage's defaults), eager."""
+    torch's AdamW and gradient clipping (as the train stage's defaults), eager; a bf16 case
+    runs the forward and loss under ``torch.autocast(bfloat16)`` (float32 weights)."""
     import torch
     from diffusers import WanTransformer3DModel
 
@@ -169,8 +181,9 @@ def _torch_step(case: ForwardCase):
         noisy = (1 - sigma[:, None, None, None, None]) * latents + sigma[
             :, None, None, None, None
         ] * noise
-        out = model(noisy, sigma * 1000, text, return_dict=False)[0]
-        loss = torch.mean((out - (noise - latents)) ** 2)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.dtype == "bfloat16"):
+            out = model(noisy, sigma * 1000, text, return_dict=False)[0]
+        loss = torch.mean((out.float() - (noise - latents)) ** 2)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
