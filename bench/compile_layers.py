@@ -10,8 +10,8 @@ ahead of time, unrolled and scanned; the seconds of ``lower`` + ``compile`` are 
 (``jax.grad`` of a mean-square loss, from abstract parameters). Scanned, both hold the blocks'
 parameters stacked, as a scanned train run does (:mod:`jaxcore.layer_stack`), so the
 optimizer's updates are one per kind of leaf too. At the shallower depth both compiled steps
-then run alternately, call by call (the unrolled step is the ``difforge`` row, the default; the scanned
-row's ``vs_difforge`` = its median / the unrolled one's: > 1 means the scan is slower).
+then run alternately, call by call (the unrolled step is the ``difforge`` row, the default; the
+scanned row's ``vs_difforge`` = its median / the unrolled one's: > 1 means the scan is slower).
 Each compile runs in this process after the others; XLA caches nothing across them (every
 program differs).
 """

@@ -248,11 +248,9 @@ def blockwise_attention(
     if scale_scores is None:
         power_of_two = math.frexp(scale)[0] == 0.5
         scale_scores = q.dtype in (jnp.bfloat16, jnp.float16) and not power_of_two
-    tiles = (block_q, block_kv, q.shape[1] // block_q, k.shape[1] // block_kv)
-    if scale_scores:
-        blocks = _Blocks(*tiles, score_scale=float(scale))
-    else:
-        blocks = _Blocks(*tiles)
+    score_scale = float(scale) if scale_scores else 1.0
+    blocks = _Blocks(block_q, block_kv, q.shape[1] // block_q, k.shape[1] // block_kv, score_scale)
+    if not scale_scores:
         q = q * jnp.asarray(scale, q.dtype)  # once: no multiply on the [Lq, Lk] tiles
     if not head_by_head:
 
@@ -265,7 +263,7 @@ def blockwise_attention(
     batch, heads = q.shape[0], q.shape[2]
 
     def pairs_first(x):  # [B, L, H, D] -> [H * B, 1, 1, L, D]
-        return x.transpose(2, 0, 1, 3).reshape(heads * batch, 1, 1, *x.shape[1:2], x.shape[3])
+        return x.transpose(2, 0, 1, 3).reshape(heads * batch, 1, 1, x.shape[1], x.shape[3])
 
     masks = None if kv_mask is None else jnp.tile(kv_mask[:, None], (heads, 1, 1))
 

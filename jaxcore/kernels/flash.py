@@ -90,7 +90,8 @@ CPU_BLOCK_SIZES = BlockSizes(block_q=1024, block_kv=1024)
 #   16 x 256 tokens x 8 heads (256 KiB, 32 MiB): 105 vs 121 ms;  1 x 512 (1 MiB, 8 MiB): 15 vs 18
 #   Wan S cross-attention, 1024 x 512 keys x 8 heads (2 MiB, 16 MiB): 40 vs 31 ms
 #   Flux S, 1536 tokens in blocks of 768 (2.25 MiB, 18 MiB): 162 vs 134 ms
-#   Wan S self-attention, 1024 tokens (4 MiB, 32 MiB): 91 vs 55 ms; 4 x 512 (1 MiB, 32 MiB): 103 vs 79
+#   Wan S self-attention, 1024 tokens (4 MiB, 32 MiB): 91 vs 55 ms
+#   4 x 512 tokens x 8 heads (1 MiB, 32 MiB): 103 vs 79 ms
 # (the Wan S train step 2.01 -> 1.90 s once its cross-attention loops too). The loop over heads
 # cost the demo DiT's train step 17% (186 -> 154 ms) when it ran for every sequence.
 CPU_PAIR_MIN_TILE_BYTES = 2**20

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 ITEMS = ("params", "opt_state", "meta")
 
 
-def _abstract(tree):
+def abstract_placed(tree):
     """ShapeDtypeStructs carrying each leaf's current sharding (the restore target)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
@@ -73,8 +73,8 @@ def restore_state(mngr: ocp.CheckpointManager, step: int, params, opt_state):
     restored = mngr.restore(
         step,
         args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(params)),
-            opt_state=ocp.args.StandardRestore(_abstract(opt_state)),
+            params=ocp.args.StandardRestore(abstract_placed(params)),
+            opt_state=ocp.args.StandardRestore(abstract_placed(opt_state)),
             meta=ocp.args.JsonRestore(),
         ),
     )

@@ -143,7 +143,6 @@ class Trainable:
     targets: dict | None = None
     scale: float = 1.0
     layers: LayerStack | None = None  # the stacked block groups of a scanned full fine-tune
-    checkpoint_shardings: object = None  # per-layer shardings of ``params`` (with ``layers``)
 
     @property
     def is_lora(self) -> bool:
@@ -168,15 +167,11 @@ class Trainable:
         return jax.jit(per_layer)
 
     def checkpoint_template(self, params, opt_state):
-        """ShapeDtypeStructs (with shardings) of :meth:`checkpoint_state`'s result: what a
-        checkpoint restores onto."""
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-            (params, opt_state),
-        )
+        """Trees shaped and placed as :meth:`checkpoint_state`'s result (ShapeDtypeStructs where
+        the run holds stacks): what a checkpoint restores onto."""
         if self.layers is None:
-            return abstract
-        params, opt_state = abstract
+            return params, opt_state
+        params, opt_state = checkpoints.abstract_placed((params, opt_state))
         return self.layers.unstack(params), self.layers.unstack_state(opt_state, params)
 
     def from_checkpoint(self, params, opt_state, opt_shardings):
@@ -196,6 +191,11 @@ class Trainable:
         if self.layers is None:
             return params
         return self._unstack(params)
+
+    @functools.cached_property
+    def checkpoint_shardings(self):
+        """The per-layer shardings of ``params`` (those of the stacks, unstacked)."""
+        return self.shardings if self.layers is None else self.layers.unstack(self.shardings)
 
     @functools.cached_property
     def _unstack(self):
@@ -225,7 +225,7 @@ def make_trainable(built: Model, lora, mesh, rng) -> Trainable:
         shardings = layers.stack(base_shardings)
         params = jax.jit(layers.stack, out_shardings=shardings)(built.params)
         built.params = None  # the run holds one copy of the weights: the stacks
-        return Trainable(params, shardings, layers=layers, checkpoint_shardings=base_shardings)
+        return Trainable(params, shardings, layers=layers)
     family, config = built.family, built.module.config
     patterns = lora.target_modules or family.lora_default_targets
     abstract = nn.meta.unbox(family.abstract_params(built.module))
