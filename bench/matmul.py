@@ -9,6 +9,15 @@
 
 :mod:`bench.run` divides every FLOP-counted figure by both limits (``frac_of_limit``,
 ``frac_of_bf16_limit``); ``role`` says which record set each limit.
+
+The limit is a large square GEMM; the models multiply smaller, thinner matrices. The
+``model-shapes`` rows time the products of the Wan bench size S's train step (1,024 video
+tokens, width 512, FFN 2,048, head dim 64) as its dense layers and attention tiles issue them
+(``NN`` x @ W, ``NT`` x @ W^T: a backward's input gradient or q k^T, ``TN`` x^T @ dy: a weight
+gradient), difforge's side as the jitted ``lax.dot_general`` the model lowers to, against
+torch on the same matrices, alternately call by call. ``vs difforge`` is then how much of a
+train step's or forward's gap to PyTorch is the GEMM library's own, shape by shape. They carry
+``operands`` (not ``dtype``), so they never set a limit.
 """
 
 from __future__ import annotations
@@ -22,7 +31,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import BenchContext, set_torch_threads, time_calls, timed_record
+from bench.common import (
+    BenchContext,
+    interleaved_times,
+    set_torch_threads,
+    time_calls,
+    timed_record,
+)
 
 BENCH = "matmul"
 SIZES = {"smoke": 256, "quick": 4096, "full": 4096}
@@ -113,6 +128,94 @@ def _bf16_records(ctx: BenchContext, n: int, a_np, b_np) -> list[dict]:
     return records
 
 
+# (name, m, k, n, layout) of the Wan S train step's products; layout of (lhs, rhs) as stored
+MODEL_SHAPES = (
+    ("proj", 1024, 512, 512, "NN"),
+    ("proj-dgrad", 1024, 512, 512, "NT"),
+    ("proj-wgrad", 512, 1024, 512, "TN"),
+    ("ffn-up", 1024, 512, 2048, "NN"),
+    ("ffn-down-dgrad", 1024, 512, 2048, "NT"),
+    ("attn-scores", 1024, 64, 1024, "NT"),
+    ("attn-values", 1024, 1024, 64, "NN"),
+    ("attn-dkv", 1024, 1024, 64, "TN"),
+)
+# the bf16 forward's (inputs bf16, accumulated in float32 as the model's attention does)
+MODEL_SHAPES_BF16 = ("proj", "attn-scores", "attn-values")
+# Each sample times this many calls of one library in a row, the two alternating sample by
+# sample. Call by call, torch's OpenMP threads, still spinning after its product, took the cores
+# from XLA's next one: XLA's 1024x512x512 product read 87 GFLOP/s alternated call by call, 227
+# in runs of 10, 259 in runs of 50, 275 alone (2-core VM). The smoke profile runs 2.
+CALLS_PER_SAMPLE = 50
+
+
+def _operands(m: int, k: int, n: int, layout: str, rng) -> tuple[np.ndarray, np.ndarray]:
+    lhs = (m, k) if layout[0] == "N" else (k, m)
+    rhs = (k, n) if layout[1] == "N" else (n, k)
+    return rng.standard_normal(lhs, dtype=np.float32), rng.standard_normal(rhs, dtype=np.float32)
+
+
+def _contracting(layout: str) -> tuple[int, int]:
+    return (1 if layout[0] == "N" else 0), (0 if layout[1] == "N" else 1)
+
+
+def _model_shape_records(ctx: BenchContext) -> list[dict]:
+    """XLA (difforge) vs torch on each of :data:`MODEL_SHAPES`, fp32 and (some) bf16."""
+    rng = np.random.default_rng(1)
+    cases = [(shape, FP32) for shape in MODEL_SHAPES] + [
+        (shape, BF16) for shape in MODEL_SHAPES if shape[0] in MODEL_SHAPES_BF16
+    ]
+    records = []
+    for shape, operands in cases:
+        records += _model_shape_case(ctx, *shape, operands=operands, rng=rng)
+    return records
+
+
+def _model_shape_case(ctx, name, m, k, n, layout, *, operands: str, rng) -> list[dict]:
+    import torch
+
+    threads = set_torch_threads()
+    a_np, b_np = _operands(m, k, n, layout, rng)
+    lhs_c, rhs_c = _contracting(layout)
+    jax_dtype, torch_dtype = (
+        (jnp.float32, torch.float32) if operands == FP32 else (jnp.bfloat16, torch.bfloat16)
+    )
+    product = jax.jit(
+        lambda x, y: jax.lax.dot_general(
+            x, y, (((lhs_c,), (rhs_c,)), ((), ())), preferred_element_type=jnp.float32
+        )
+    )
+    a, b = jnp.asarray(a_np, jax_dtype), jnp.asarray(b_np, jax_dtype)
+    a_t = torch.from_numpy(a_np).to(torch_dtype)
+    b_t = torch.from_numpy(b_np).to(torch_dtype)
+    a_t = a_t if layout[0] == "N" else a_t.T  # views: torch reads the stored layout too
+    b_t = b_t if layout[1] == "N" else b_t.T
+
+    per_sample = 2 if ctx.profile == "smoke" else CALLS_PER_SAMPLE
+
+    def repeated(call):
+        def calls():
+            for _ in range(per_sample):
+                call()
+
+        return calls
+
+    samples = interleaved_times(
+        {
+            "difforge": repeated(lambda: product(a, b).block_until_ready()),
+            "torch": repeated(lambda: torch.mm(a_t, b_t)),
+        },
+        reps=max(ctx.reps, 5),
+        warmup=max(ctx.warmup, 1),
+    )
+    times = {impl: [t / per_sample for t in ts] for impl, ts in samples.items()}
+    case = f"model-shapes {name} {m}x{k}x{n} {layout} {operands}"
+    extra = {"difforge": {}, "torch": {"threads": threads}}
+    return [
+        timed_record(BENCH, case, impl, t, flops=2.0 * m * k * n, operands=operands, **extra[impl])
+        for impl, t in times.items()
+    ]
+
+
 def mark_limits(records: list[dict]) -> None:
     """Set ``role`` on the fastest fp32 record ("limit") and bf16 record ("limit_bf16")."""
     for dtype, role in ((FP32, "limit"), (BF16, "limit_bf16")):
@@ -122,11 +225,14 @@ def mark_limits(records: list[dict]) -> None:
 
 
 def run(ctx: BenchContext) -> list[dict]:
-    """fp32: XLA, torch, numpy; bf16 x bf16 -> fp32: XLA, torch; the best of each marked."""
+    """fp32: XLA, torch, numpy; bf16 x bf16 -> fp32: XLA, torch; the best of each marked; on CPU
+    the model-shape products (XLA as difforge, torch)."""
     n = matmul_size(ctx)
     rng = np.random.default_rng(0)
     a_np = rng.standard_normal((n, n), dtype=np.float32)
     b_np = rng.standard_normal((n, n), dtype=np.float32)
     records = _fp32_records(ctx, n, a_np, b_np) + _bf16_records(ctx, n, a_np, b_np)
     mark_limits(records)
+    if not ctx.on_accelerator:  # the CPU's shapes; an accelerator's model sizes differ
+        records += _model_shape_records(ctx)
     return records
