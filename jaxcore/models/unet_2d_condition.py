@@ -102,7 +102,7 @@ from jaxcore.attention import attention as attention_fn
 from jaxcore.compute import remat_block
 from jaxcore.config import config_json_kwargs
 from jaxcore.models.autoencoder_kl import ACTIVATIONS, Conv2d, GroupNorm
-from jaxcore.models.layers import MLP2, dense, gelu_erf, layer_norm
+from jaxcore.models.layers import MLP2, AffineLayerNorm, dense, gelu_erf
 
 Dtype = Any
 
@@ -602,22 +602,9 @@ def _conv1x1(features: int, name: str, kw: dict) -> Conv2d:
     return Conv2d(features, (1, 1), padding=((0, 0), (0, 0)), name=name, **kw)
 
 
-class LayerNorm(nn.Module):
+def LayerNorm(**kw) -> AffineLayerNorm:  # noqa: N802 - torch's name for the module
     """torch ``nn.LayerNorm(D, eps)`` with affine, over the last axis, computed in float32."""
-
-    eps: float = LAYER_NORM_EPS
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x_bld: jax.Array) -> jax.Array:
-        d = x_bld.shape[-1]
-        init_one = nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",))
-        init_zero = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("norm",))
-        scale = self.param("scale", init_one, (d,), self.param_dtype)
-        bias = self.param("bias", init_zero, (d,), self.param_dtype)
-        y = layer_norm(x_bld, self.eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
-        return y.astype(self.dtype)
+    return AffineLayerNorm(eps=LAYER_NORM_EPS, **kw)
 
 
 class ResnetBlock2D(nn.Module):

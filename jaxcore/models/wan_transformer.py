@@ -60,6 +60,7 @@ from jaxcore.compute import remat_block
 from jaxcore.config import config_json_kwargs
 from jaxcore.models.layers import (
     MLP2,
+    AffineLayerNorm,
     RMSNorm,
     apply_rope,
     dense,
@@ -310,17 +311,9 @@ def _modulation_table(module: nn.Module, rows: int, dim: int, param_dtype: Dtype
     )
 
 
-def _affine_layer_norm(name: str, eps: float, param_dtype: Dtype) -> nn.LayerNorm:
+def _affine_layer_norm(name: str, eps: float, param_dtype: Dtype) -> AffineLayerNorm:
     """LayerNorm with weight and bias, computed in float32 (diffusers' FP32LayerNorm)."""
-    return nn.LayerNorm(
-        epsilon=eps,
-        dtype=jnp.float32,
-        param_dtype=param_dtype,
-        use_fast_variance=False,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("norm",)),
-        name=name,
-    )
+    return AffineLayerNorm(eps=eps, dtype=jnp.float32, param_dtype=param_dtype, name=name)
 
 
 class ImageEmbedder(nn.Module):

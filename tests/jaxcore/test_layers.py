@@ -224,6 +224,70 @@ def test_rms_norm_equals_flax_rms_norm_and_its_autodiff(dtype):
             np.testing.assert_allclose(g, w, rtol=2**-7, atol=2**-7 * float(np.abs(w).max()))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_affine_layer_norm_equals_torch_layer_norm_and_its_gradients(dtype):
+    """AffineLayerNorm (Wan's norm2 and image-embedder norms, the UNet's transformer norms)
+    against torch nn.LayerNorm: output and the gradients of the input, weight and bias, with the
+    parameter tree flax nn.LayerNorm (the module it replaced) has, so checkpoints load as
+    before."""
+    import torch
+
+    from jaxcore.models.layers import AffineLayerNorm
+
+    x = (_inputs((2, 9, 48)) * 3.0 + _inputs((2, 9, 1), 1)).astype(dtype)
+    weight, bias = 1.0 + 0.1 * _inputs((48,), 2), 0.1 * _inputs((48,), 3)
+    upstream = _inputs((2, 9, 48), 4)
+    module = AffineLayerNorm(eps=1e-5)
+    shapes = jax.tree.map(jnp.shape, nn.unbox(module.init(jax.random.key(0), x)))
+    assert shapes == jax.tree.map(jnp.shape, nn.LayerNorm().init(jax.random.key(0), x))
+
+    def loss(x, scale, bias):
+        out = module.apply({"params": {"scale": scale, "bias": bias}}, x)
+        return jnp.sum(out * upstream), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        x, weight, bias
+    )
+    torch_norm = torch.nn.LayerNorm(48, eps=1e-5)
+    with torch.no_grad():
+        torch_norm.weight.copy_(torch.from_numpy(np.array(weight)))
+        torch_norm.bias.copy_(torch.from_numpy(np.array(bias)))
+    x_t = torch.from_numpy(np.float32(np.asarray(x.astype(jnp.float32)))).requires_grad_()
+    out_t = torch_norm(x_t)  # float32 inside, as diffusers' FP32LayerNorm
+    (out_t * torch.from_numpy(np.asarray(upstream))).sum().backward()
+    want = (x_t.grad, torch_norm.weight.grad, torch_norm.bias.grad)
+    assert out.dtype == jnp.float32 and grads[0].dtype == dtype
+    np.testing.assert_allclose(out, out_t.detach().numpy(), rtol=1e-5, atol=1e-5)
+    tolerance = 1e-5 if dtype == jnp.float32 else 2**-7  # bf16: dx rounded once to bf16
+    for got, w in zip(grads, want, strict=True):
+        w = w.numpy()
+        np.testing.assert_allclose(
+            np.float32(got), w, rtol=tolerance, atol=tolerance * abs(w).max()
+        )
+
+
+def test_norm_backwards_reduce_as_matrix_products():
+    """The reason the norms' backward passes are written out with products: compiled for the
+    CPU, their gradients contain no reduction over the [tokens, D] data (XLA CPU's reductions
+    ran 4-16x slower than the products; the comment above ``mean_over_last``)."""
+    from jaxcore.models.layers import AffineLayerNorm
+
+    x = _inputs((1, 256, 64))
+    # module, the reductions its forward's statistics need (mean and variance; mean square)
+    norms = {"affine": (AffineLayerNorm(), 2), "rms": (RMSNorm(1e-6), 1)}
+    for name, (module, forward_reductions) in norms.items():
+        params = nn.unbox(module.init(jax.random.key(0), x))
+
+        def loss(params, x, module=module):
+            return jnp.sum(module.apply(params, x) ** 2)
+
+        backward = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile().as_text()
+        reductions = [line for line in backward.splitlines() if " reduce(" in line]
+        # autodiff's (or jnp.mean / jnp.sum's) backward adds 2-4 more: per token and per feature
+        assert len(reductions) == forward_reductions, (name, reductions)
+        assert " dot(" in backward
+
+
 @pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_scale_shift_and_gated_add_gradients_equal_autodiff(batch, per_token):
