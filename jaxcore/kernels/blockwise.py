@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcore.dtypes import is_half_precision
 from jaxcore.kernels.sharded import pad_axis, pad_keys, round_up
 
 
@@ -278,7 +279,7 @@ def blockwise_attention(
     q = pad_axis(q, block_q)
     if scale_scores is None:
         power_of_two = math.frexp(scale)[0] == 0.5
-        scale_scores = q.dtype in (jnp.bfloat16, jnp.float16) and not power_of_two
+        scale_scores = is_half_precision(q.dtype) and not power_of_two
     score_scale = float(scale) if scale_scores else 1.0
     blocks = _Blocks(
         block_q,

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
+from jaxcore.dtypes import is_half_precision
 from jaxcore.kernels.blockwise import balanced_block, blockwise_attention
 from jaxcore.kernels.sharded import (
     CONTEXT_AXIS,
@@ -105,7 +106,7 @@ def cpu_head_by_head(q, k, block_sizes: BlockSizes) -> bool:
     when one pair's float32 score tile (the balanced blocks blockwise.py will use) is at least
     :data:`CPU_PAIR_MIN_TILE_BYTES` and all pairs' together over
     :data:`CPU_ALL_HEADS_MAX_TILE_BYTES`."""
-    if q.dtype in (jnp.bfloat16, jnp.float16):
+    if is_half_precision(q.dtype):
         return True
     batch, lq, heads, _ = q.shape
     tile_q = balanced_block(lq, block_sizes.block_q)
@@ -236,7 +237,7 @@ def _cudnn_attention(q, k, v, kv_mask, *, scale: float):
 
 def _cudnn_accepts(q) -> bool:
     """cuDNN flash attention takes bf16/fp16 with a head dim <= 256 that is a multiple of 8."""
-    return q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+    return is_half_precision(q.dtype) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
 
 
 def splash_attention(

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from jaxcore.dtypes import is_half_precision
+
 Dtype = Any
 
 
@@ -51,7 +53,7 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
 def _accumulation_dtype(dtype):
     """float32 for bfloat16/float16 operands (as torch's bf16 GEMMs and the TPU's MXU
     accumulate), else the operands' own dtype."""
-    return jnp.float32 if dtype in (jnp.bfloat16, jnp.float16) else None
+    return jnp.float32 if is_half_precision(dtype) else None
 
 
 def _dot(a, b, dimensions):
