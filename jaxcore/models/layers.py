@@ -178,10 +178,13 @@ def mean_over_last(t: jax.Array) -> jax.Array:
 
 
 def sum_over_leading(t: jax.Array) -> jax.Array:
-    """``t`` summed over every axis but the last (float32 ``[D]``) as a product with ones."""
-    flat = t.reshape(-1, t.shape[-1])
-    ones = jnp.ones((flat.shape[0],), t.dtype)
-    return jnp.einsum("n,nd->d", ones, flat, precision=_EXACT, preferred_element_type=jnp.float32)
+    """``t`` summed over every axis but the last (float32 ``[D]``) as a product with ones (no
+    reshape: the leading axes may be sharded over different mesh axes)."""
+    leading = "abcdefghijklmnopqrstuvwxy"[: t.ndim - 1]
+    ones = jnp.ones(t.shape[:-1], t.dtype)
+    return jnp.einsum(
+        f"{leading},{leading}z->z", ones, t, precision=_EXACT, preferred_element_type=jnp.float32
+    )
 
 
 def _sum_over_tokens(t_bld: jax.Array, like: jax.Array) -> jax.Array:
