@@ -45,7 +45,7 @@ class _Blocks(NamedTuple):
     num_q: int
     num_kv: int
     score_scale: float = 1.0
-    keys_major_grads: bool = False  # _tile_grads_keys_major: the head-pair loop's backward
+    keys_major_grads: bool = False  # _tile_grads(keys_major=True): the head-pair loop's
 
 
 def _slice(x, index: jax.Array, size: int, axis: int = 2):
@@ -53,15 +53,24 @@ def _slice(x, index: jax.Array, size: int, axis: int = 2):
     return lax.dynamic_slice_in_dim(x, index * size, size, axis)
 
 
-def _masked_scores(q_i, k_j, mask_j, scale: float):
-    """``scale * q k^T`` in float32 ``[B, H, bq, bk]``, -inf where the key is masked (``scale``
-    1.0: q is pre-scaled; the multiply fuses into the passes that read the scores)."""
-    scores = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, preferred_element_type=jnp.float32)
+def _tile_product(q_side, k_side, keys_major: bool = False):
+    """The float32 tile of a query-side and a key-side array (``[B, H, bq, D]``, ``[B, H, bk,
+    D]``) contracted over D: ``[B, H, bq, bk]``, or ``[B, H, bk, bq]`` when ``keys_major``."""
+    if keys_major:
+        return jnp.einsum("bhkd,bhqd->bhkq", k_side, q_side, preferred_element_type=jnp.float32)
+    return jnp.einsum("bhqd,bhkd->bhqk", q_side, k_side, preferred_element_type=jnp.float32)
+
+
+def _masked_scores(q_i, k_j, mask_j, scale: float, keys_major: bool = False):
+    """``scale * q k^T`` in float32 (a :func:`_tile_product`), -inf where the key is masked
+    (``scale`` 1.0: q is pre-scaled; the multiply fuses into the passes that read the scores)."""
+    scores = _tile_product(q_i, k_j, keys_major)
     if scale != 1.0:
         scores = scores * scale
     if mask_j is None:
         return scores
-    return jnp.where(mask_j[:, None, None, :], scores, -jnp.inf)
+    key_mask = mask_j[:, None, :, None] if keys_major else mask_j[:, None, None, :]
+    return jnp.where(key_mask, scores, -jnp.inf)
 
 
 # --- forward ---------------------------------------------------------------------------------
@@ -127,62 +136,47 @@ def _forward(q, k, v, mask, blocks: _Blocks):
 # --- backward --------------------------------------------------------------------------------
 
 
-def _tile_grads(q_i, k_j, v_j, mask_j, do_i, lse_i, delta_i, scale: float):
-    """(dq_i, dk_j, dv_j) of one query block against one key block, all float32."""
-    probs = jnp.exp(_masked_scores(q_i, k_j, mask_j, scale) - lse_i[..., None])
-    dv = jnp.einsum(
-        "bhqk,bhqd->bhkd", probs.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32
-    )
-    dprobs = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, preferred_element_type=jnp.float32)
-    # the gradient of the scaled scores, times the scale: that of the unscaled products
-    dscores = probs * (dprobs - delta_i[..., None])
-    dscores = (dscores * scale if scale != 1.0 else dscores).astype(q_i.dtype)
-    dq = jnp.einsum("bhqk,bhkd->bhqd", dscores, k_j, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("bhqk,bhqd->bhkd", dscores, q_i, preferred_element_type=jnp.float32)
-    return dq, dk, dv
-
-
-def _tile_grads_keys_major(q_i, k_j, v_j, mask_j, do_i, lse_i, delta_i, scale: float):
+def _tile_grads(q_i, k_j, v_j, mask_j, do_i, lse_i, delta_i, scale: float, keys_major: bool):
     """(dq_i, dk_j, dv_j) of one query block against one key block, all float32.
 
-    :func:`_tile_grads` with the tile transposed, ``[keys, queries]``: dv = p^T do and
-    dk = ds^T q are then products of row-major operands as stored (NN), and only dq = ds k
-    contracts both operands' leading axis (TN) where the query-major tile has two such (dv,
-    dk). On XLA CPU a TN product runs at half the rate (Eigen, not XNNPACK: ~95 against ~185
-    GFLOP/s at 1024 x 1024 x 64, ``bench.matmul``'s model-shapes rows): the Wan S train step
-    1.92 -> 1.89 s and 1.91 -> 1.85 s (two runs, alternated), with the head-pair loop (plain
-    products). All heads at once (batched products), the demo DiT's step read 156 -> 161 ms,
-    so that path keeps the query-major tile."""
-    scores_t = jnp.einsum("bhkd,bhqd->bhkq", k_j, q_i, preferred_element_type=jnp.float32)
-    if scale != 1.0:
-        scores_t = scores_t * scale
-    if mask_j is not None:
-        scores_t = jnp.where(mask_j[:, None, :, None], scores_t, -jnp.inf)
-    probs_t = jnp.exp(scores_t - lse_i[..., None, :])
+    ``keys_major``: the tile transposed, ``[keys, queries]``. dv = p^T do and dk = ds^T q are
+    then products of row-major operands as stored (NN), and only dq = ds k contracts both
+    operands' leading axis (TN), where the query-major tile has two such (dv, dk). On XLA CPU a
+    TN product runs at half the rate (Eigen, not XNNPACK: ~95 against ~185 GFLOP/s at 1024 x
+    1024 x 64, ``bench.matmul``'s model-shapes rows): the Wan S train step 1.92 -> 1.89 s and
+    1.91 -> 1.85 s (two runs, alternated), with the head-pair loop (plain products). All heads
+    at once (batched products), the demo DiT's step read 156 -> 161 ms, so that path keeps the
+    query-major tile."""
+    tile = "bhkq" if keys_major else "bhqk"
+
+    def per_query(x):  # [B, H, bq] along the tile's query axis
+        return x[..., None, :] if keys_major else x[..., None]
+
+    probs = jnp.exp(_masked_scores(q_i, k_j, mask_j, scale, keys_major) - per_query(lse_i))
     dv = jnp.einsum(
-        "bhkq,bhqd->bhkd", probs_t.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32
+        f"{tile},bhqd->bhkd", probs.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32
     )
-    dprobs_t = jnp.einsum("bhkd,bhqd->bhkq", v_j, do_i, preferred_element_type=jnp.float32)
+    dprobs = _tile_product(do_i, v_j, keys_major)
     # the gradient of the scaled scores, times the scale: that of the unscaled products
-    dscores_t = probs_t * (dprobs_t - delta_i[..., None, :])
-    dscores_t = (dscores_t * scale if scale != 1.0 else dscores_t).astype(q_i.dtype)
-    dk = jnp.einsum("bhkq,bhqd->bhkd", dscores_t, q_i, preferred_element_type=jnp.float32)
-    dq = jnp.einsum("bhkq,bhkd->bhqd", dscores_t, k_j, preferred_element_type=jnp.float32)
+    dscores = probs * (dprobs - per_query(delta_i))
+    dscores = (dscores * scale if scale != 1.0 else dscores).astype(q_i.dtype)
+    dq = jnp.einsum(f"{tile},bhkd->bhqd", dscores, k_j, preferred_element_type=jnp.float32)
+    dk = jnp.einsum(f"{tile},bhqd->bhkd", dscores, q_i, preferred_element_type=jnp.float32)
     return dq, dk, dv
 
 
 def _key_block_grads(q, k_j, v_j, mask_j, do, lse, delta, blocks: _Blocks):
     """(dq [B, H, Lq, D], dk_j, dv_j) of every query against one key block."""
-    tile_grads = _tile_grads_keys_major if blocks.keys_major_grads else _tile_grads
+    tile_grads = functools.partial(
+        _tile_grads, scale=blocks.score_scale, keys_major=blocks.keys_major_grads
+    )
     if blocks.num_q == 1:
-        return tile_grads(q, k_j, v_j, mask_j, do, lse, delta, blocks.score_scale)
+        return tile_grads(q, k_j, v_j, mask_j, do, lse, delta)
 
     def step(i, carry):
         dq, dk_j, dv_j = carry
         rows = functools.partial(_slice, index=i, size=blocks.block_q)
-        dq_i, dk_ij, dv_ij = tile_grads(
-            rows(q), k_j, v_j, mask_j, rows(do), rows(lse), rows(delta), blocks.score_scale
-        )
+        dq_i, dk_ij, dv_ij = tile_grads(rows(q), k_j, v_j, mask_j, rows(do), rows(lse), rows(delta))
         dq = lax.dynamic_update_slice_in_dim(dq, dq_i, i * blocks.block_q, 2)
         return dq, dk_j + dk_ij, dv_j + dv_ij
 
