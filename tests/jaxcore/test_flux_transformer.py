@@ -361,7 +361,9 @@ def test_remat_same_output_and_gradients(tiny_checkpoint, policy):
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grad_plain))
 
 
-@pytest.mark.parametrize("remat_policy", ["none", "full"])
+# remat under scan: the Wan twin (tests/jaxcore/test_wan_transformer.py) runs both in the
+# default tier, in 8 s each against Flux's 19
+@pytest.mark.parametrize("remat_policy", ["none", pytest.param("full", marks=pytest.mark.slow)])
 def test_scan_layers_equals_the_unrolled_blocks(tmp_path, remat_policy):
     """scan_layers (the double blocks as one lax.scan, the single blocks as another, over
     stacks of their per-layer parameters): same output and per-layer gradients; a block range

@@ -157,6 +157,13 @@ def test_train_step_trains_on_instance_and_class_rows(one_layer_model):
     assert float(metrics["loss"]) == pytest.approx(
         float(metrics["instance_loss"]) + 0.5 * float(metrics["prior_loss"]), rel=1e-6
     )
+
+
+@pytest.mark.slow  # ~15 s; the train step's sharded layouts are checked in the default tier by
+# tests/stages/test_train.py::test_sharded_step_equals_single_device_step
+def test_prior_step_on_a_sharded_mesh_equals_one_device(one_layer_model):
+    single = sharding.make_mesh(sharding.MeshConfig(), devices=jax.devices()[:1])
+    metrics, params, _ = _prior_step(one_layer_model, single)
     sharded = sharding.make_mesh(
         sharding.MeshConfig(
             ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2
