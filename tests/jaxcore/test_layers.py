@@ -131,11 +131,15 @@ def _as_float64(a):
     return np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
 
 
-def test_gradients_sharded_over_data_and_tensor_equal_unsharded():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gradients_sharded_over_data_and_tensor_equal_unsharded(dtype):
+    """bf16: the weight gradient's transposed copy (a while loop, on CPU) is partitioned as
+    the product it feeds, tokens sharded over ``data``."""
     devices = np.array(jax.devices()[:4]).reshape(2, 2)
     mesh = jax.sharding.Mesh(devices, ("data", "tensor"))
-    x = _inputs((4, 6, 16))
-    kernel, bias, upstream = _inputs((16, 8), 1), _inputs((8,), 2), _inputs((4, 6, 8), 3)
+    x = _inputs((4, 6, 16)).astype(dtype)
+    kernel, bias = _inputs((16, 8), 1).astype(dtype), _inputs((8,), 2).astype(dtype)
+    upstream = _inputs((4, 6, 8), 3).astype(dtype)
 
     def loss(x, kernel, bias):
         return jnp.sum(linear(x, kernel, bias) * upstream)
@@ -147,8 +151,44 @@ def test_gradients_sharded_over_data_and_tensor_equal_unsharded():
         jax.device_put(kernel, NamedSharding(mesh, P(None, "tensor"))),
         jax.device_put(bias, NamedSharding(mesh, P("tensor"))),
     )
+    # bf16: the same float32 sums, split over devices in another order, then rounded to bf16
+    tolerance = 1e-6 if dtype == jnp.float32 else 2**-7
     for got, want in zip(sharded, unsharded, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        assert got.dtype == dtype
+        np.testing.assert_allclose(
+            np.float32(got), np.float32(want), rtol=tolerance, atol=tolerance
+        )
+
+
+def _fused_parameter_types(program: str, result: str) -> list[str]:
+    """The element types of the parameters of the YNNPACK fusion computing ``result`` (e.g.
+    ``f32[16,24]``) in a compiled CPU program's text."""
+    (line,) = [
+        line for line in program.splitlines() if f"= {result}" in line and "kind=kCustom" in line
+    ]
+    computation = line.split("calls=")[1].split(",")[0]
+    header = next(line for line in program.splitlines() if line.startswith(f"{computation} ("))
+    return [part.split("[")[0].split(": ")[1] for part in header.split(") ->")[0].split(", ")]
+
+
+def test_bf16_weight_gradient_is_a_bf16_product_on_cpu():
+    """The reason for ``materialised_transpose``: compiled for the CPU, the bf16 weight
+    gradient x^T dy is a YNNPACK (AMX) product of bf16 operands, not the float32 Eigen product
+    XLA upcasts a dot contracting its left operand's first axis to (fails with the plain
+    ``_dot(x, dy, TN)``). Lowered for a TPU, the same gradient has no loop: the transpose folds
+    into the product there."""
+    x = _inputs((2, 32, 16)).astype(jnp.bfloat16)
+    kernel, bias = _inputs((16, 24), 1).astype(jnp.bfloat16), jnp.zeros((24,), jnp.bfloat16)
+
+    def loss(x, kernel, bias):
+        return jnp.sum(linear(x, kernel, bias).astype(jnp.float32) ** 2)
+
+    weight_gradient = jax.jit(jax.grad(loss, argnums=1))
+    program = weight_gradient.lower(x, kernel, bias).compile().as_text()
+    assert _fused_parameter_types(program, "f32[16,24]") == ["bf16", "bf16"]
+    for_tpu = weight_gradient.trace(x, kernel, bias).lower(lowering_platforms=("tpu",))
+    assert "while" not in for_tpu.as_text()
+
 
 
 def _autodiff_layer_norm(x, eps):
