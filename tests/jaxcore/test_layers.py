@@ -190,7 +190,6 @@ def test_bf16_weight_gradient_is_a_bf16_product_on_cpu():
     assert "while" not in for_tpu.as_text()
 
 
-
 def _autodiff_layer_norm(x, eps):
     x = x.astype(jnp.float32)
     centered = x - x.mean(-1, keepdims=True)
