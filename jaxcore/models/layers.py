@@ -2,7 +2,7 @@
 
 - :func:`dense`: a Dense (= torch Linear with bias) whose kernel/bias carry logical axis names,
   with its backward written out (:func:`linear`; in bf16 on CPU its weight gradient reads a
-  :func:`materialised_transpose` of the input);
+  :func:`~jaxcore.kernels.products.transposed_copy` of the input);
 - :func:`layer_norm`: LayerNorm without affine, in float32 (diffusers' FP32LayerNorm /
   ``LayerNorm(elementwise_affine=False)``);
 - :class:`MLP2`: Linear -> activation -> Linear (diffusers' TimestepEmbedding,
@@ -31,6 +31,7 @@ import numpy as np
 from flax import linen as nn
 
 from jaxcore.dtypes import is_half_precision
+from jaxcore.kernels.products import transposed_copy
 
 Dtype = Any
 
@@ -92,35 +93,16 @@ linear.defvjp(_linear_forward, _linear_backward)
 
 
 def _weight_gradient(x_2d: jax.Array, dy_2d: jax.Array) -> jax.Array:
-    """``x^T dy`` over the tokens: [in, out]. In bf16/fp16 on CPU the left operand is a
-    transposed copy written out first (:func:`materialised_transpose`), so the product is the
-    plain row-major one XLA CPU hands to YNNPACK in bf16 (AMX) instead of upcasting both
+    """``x^T dy`` over the tokens: [in, out]. In bf16/fp16 the left operand is a
+    :func:`~jaxcore.kernels.products.transposed_copy` (on CPU written out first), so the
+    product is the row-major one XLA CPU runs on YNNPACK in bf16 (AMX) instead of upcasting both
     operands to float32 for Eigen: 2.86 -> 0.57 ms at [1024, 512] x [1024, 512], the Wan S
     mixed-precision train step 1184 -> 960 ms. In float32 the copy does not pay (the step
-    1676 vs 1701 ms) and on other platforms the transpose folds into the product as before."""
+    1676 vs 1701 ms). The product's result is only converted, never transposed (see
+    :mod:`jaxcore.kernels.products` for why that matters)."""
     if not is_half_precision(x_2d.dtype):
         return _dot(x_2d, dy_2d, (((0,), (0,)), ((), ())))
-    x_t = jax.lax.platform_dependent(x_2d, cpu=materialised_transpose, default=jnp.transpose)
-    return _dot(x_t, dy_2d, (((1,), (0,)), ((), ())))
-
-
-def materialised_transpose(matrix: jax.Array) -> jax.Array:
-    """``matrix.T`` as an array in memory, for a product that must see it row-major.
-
-    XLA folds a plain transpose into the consuming dot's dimension numbers, and sinks it
-    through elementwise operations first (``x.T * s``, ``x.T + y.T`` and a reduce_precision
-    were all folded back, as was an optimization_barrier, which XLA CPU expands before it
-    simplifies). A while loop whose trip count XLA cannot evaluate (a flag the body clears)
-    keeps the transposed copy: one trip, the copy, no other work. If a later XLA sees through
-    it, the product is the folded one again: slower, never different
-    (tests/jaxcore/test_layers.py checks that the compiled weight gradient stays bf16)."""
-
-    def copy_once(carry):
-        _, source, _ = carry
-        return jnp.bool_(False), source, source.T
-
-    start = (jnp.bool_(True), matrix, jnp.zeros(matrix.shape[::-1], matrix.dtype))
-    return jax.lax.while_loop(lambda carry: carry[0], copy_once, start)[2]
+    return _dot(transposed_copy(x_2d), dy_2d, (((1,), (0,)), ((), ())))
 
 
 class Dense(nn.Module):
