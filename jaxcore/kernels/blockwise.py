@@ -48,8 +48,8 @@ class _Blocks(NamedTuple):
     num_q: int
     num_kv: int
     score_scale: float = 1.0
-    # the head-pair loop's tiles: the backward's keys-major (_tile_grads), and in bf16/fp16
-    # q, k and do read through transposed copies (_transposed_operands)
+    # the head-pair loop's tiles: the backward's keys-major (_tile_grads), and in bf16 q, k
+    # and do read through transposed copies (_transposed_operands)
     head_by_head: bool = False
 
 
@@ -94,10 +94,11 @@ def _masked_scores(
 
 def _transposed_operands(blocks: _Blocks, q) -> bool:
     """Whether the tiles read transposed copies of q, k and do so that every product is a
-    row-major one: in the head-pair loop, for bf16/fp16 inputs, whose other products XLA CPU
+    row-major one: in the head-pair loop, for bf16 inputs, whose other products XLA CPU
     upcasts to float32 (the Wan S mixed-precision train step 1032 -> 906 ms). In float32 the
-    copies did not pay (1695 vs 1732 ms; only k's, for dq: 1657 vs 1650 ms)."""
-    return blocks.head_by_head and is_half_precision(q.dtype)
+    copies did not pay (1695 vs 1732 ms; only k's, for dq: 1657 vs 1650 ms); fp16 products are
+    upcast whatever their form (YNNPACK has no fp16 kernel)."""
+    return blocks.head_by_head and q.dtype == jnp.bfloat16
 
 
 def _fold_keys(state, q_i, k_j, v_j, mask_j, scale: float, k_transposed: bool):

@@ -93,14 +93,15 @@ linear.defvjp(_linear_forward, _linear_backward)
 
 
 def _weight_gradient(x_2d: jax.Array, dy_2d: jax.Array) -> jax.Array:
-    """``x^T dy`` over the tokens: [in, out]. In bf16/fp16 the left operand is a
+    """``x^T dy`` over the tokens: [in, out]. In bf16 the left operand is a
     :func:`~jaxcore.kernels.products.transposed_copy` (on CPU written out first), so the
     product is the row-major one XLA CPU runs on YNNPACK in bf16 (AMX) instead of upcasting both
     operands to float32 for Eigen: 2.86 -> 0.57 ms at [1024, 512] x [1024, 512], the Wan S
     mixed-precision train step 1184 -> 960 ms. In float32 the copy does not pay (the step
-    1676 vs 1701 ms). The product's result is only converted, never transposed (see
+    1676 vs 1701 ms), and XLA CPU upcasts fp16 products whatever their form (YNNPACK has no
+    fp16 kernel). The product's result is only converted, never transposed (see
     :mod:`jaxcore.kernels.products` for why that matters)."""
-    if not is_half_precision(x_2d.dtype):
+    if x_2d.dtype != jnp.bfloat16:
         return _dot(x_2d, dy_2d, (((0,), (0,)), ((), ())))
     return _dot(transposed_copy(x_2d), dy_2d, (((1,), (0,)), ((), ())))
 
