@@ -17,8 +17,8 @@ bench size S self-attention (L = 1024, 8 x 64) fwd+bwd 135 -> 100 ms, the S trai
 
 Layout: heads-major ``[B, H, L, D]`` inside (one transpose per call, not per tile), or one
 head at a time (``head_by_head``, what CPUs use for long sequences and for bf16, where the
-tiles read transposed copies of q, k and do so that XLA CPU runs every product in bf16:
-:mod:`jaxcore.kernels.products`); the public
+backward computes dq transposed from a transposed copy of k so that XLA CPU runs that product
+in bf16: :mod:`jaxcore.kernels.products`); the public
 :func:`blockwise_attention` takes and returns ``[B, L, H, D]``. Sequences are padded to block
 multiples (blocks balanced by :func:`balanced_block`); padded keys are masked; a row whose keys
 are all masked returns zeros and gets zero gradients.
@@ -48,8 +48,8 @@ class _Blocks(NamedTuple):
     num_q: int
     num_kv: int
     score_scale: float = 1.0
-    # the head-pair loop's tiles: the backward's keys-major (_tile_grads), and in bf16 q, k
-    # and do read through transposed copies (_transposed_operands)
+    # the head-pair loop's tiles: the backward's keys-major (_tile_grads), and in bf16 dq
+    # computed transposed (_dq_transposed)
     head_by_head: bool = False
 
 
@@ -63,24 +63,18 @@ def _slice(x, index: jax.Array, size: int, axis: int = 2):
     return lax.dynamic_slice_in_dim(x, index * size, size, axis)
 
 
-def _tile_product(q_side, k_side, keys_major: bool = False, right_transposed: bool = False):
+def _tile_product(q_side, k_side, keys_major: bool = False):
     """The float32 tile of a query-side and a key-side array (``[B, H, bq, D]``, ``[B, H, bk,
-    D]``) contracted over D: ``[B, H, bq, bk]``, or ``[B, H, bk, bq]`` when ``keys_major``.
-    ``right_transposed``: the right operand (k_side, or q_side when keys-major) arrives as its
-    transposed copy ``[B, H, D, L]``, which makes the product a row-major one."""
+    D]``) contracted over D: ``[B, H, bq, bk]``, or ``[B, H, bk, bq]`` when ``keys_major``."""
     if keys_major:
-        spec = "bhkd,bhdq->bhkq" if right_transposed else "bhkd,bhqd->bhkq"
-        return jnp.einsum(spec, k_side, q_side, preferred_element_type=jnp.float32)
-    spec = "bhqd,bhdk->bhqk" if right_transposed else "bhqd,bhkd->bhqk"
-    return jnp.einsum(spec, q_side, k_side, preferred_element_type=jnp.float32)
+        return jnp.einsum("bhkd,bhqd->bhkq", k_side, q_side, preferred_element_type=jnp.float32)
+    return jnp.einsum("bhqd,bhkd->bhqk", q_side, k_side, preferred_element_type=jnp.float32)
 
 
-def _masked_scores(
-    q_i, k_j, mask_j, scale: float, keys_major: bool = False, right_transposed: bool = False
-):
+def _masked_scores(q_i, k_j, mask_j, scale: float, keys_major: bool = False):
     """``scale * q k^T`` in float32 (a :func:`_tile_product`), -inf where the key is masked
     (``scale`` 1.0: q is pre-scaled; the multiply fuses into the passes that read the scores)."""
-    scores = _tile_product(q_i, k_j, keys_major, right_transposed)
+    scores = _tile_product(q_i, k_j, keys_major)
     if scale != 1.0:
         scores = scores * scale
     if mask_j is None:
@@ -92,20 +86,10 @@ def _masked_scores(
 # --- forward ---------------------------------------------------------------------------------
 
 
-def _transposed_operands(blocks: _Blocks, q) -> bool:
-    """Whether the tiles read transposed copies of q, k and do so that every product is a
-    row-major one: in the head-pair loop, for bf16 inputs, whose other products XLA CPU
-    upcasts to float32 (the Wan S mixed-precision train step 1032 -> 906 ms). In float32 the
-    copies did not pay (1695 vs 1732 ms; only k's, for dq: 1657 vs 1650 ms); fp16 products are
-    upcast whatever their form (YNNPACK has no fp16 kernel)."""
-    return blocks.head_by_head and q.dtype == jnp.bfloat16
-
-
-def _fold_keys(state, q_i, k_j, v_j, mask_j, scale: float, k_transposed: bool):
-    """One online-softmax step: fold keys ``k_j``/``v_j`` into ``(m, l, acc)`` (float32);
-    ``k_transposed``: ``k_j`` is ``[B, H, D, bk]``."""
+def _fold_keys(state, q_i, k_j, v_j, mask_j, scale: float):
+    """One online-softmax step: fold keys ``k_j``/``v_j`` into ``(m, l, acc)`` (float32)."""
     m, l, acc = state  # noqa: E741 - the softmax denominator's usual name
-    scores = _masked_scores(q_i, k_j, mask_j, scale, right_transposed=k_transposed)
+    scores = _masked_scores(q_i, k_j, mask_j, scale)
     m_new = jnp.maximum(m, scores.max(axis=-1))
     # rows that have seen only masked keys keep m = -inf: shift by 0 there (no inf - inf)
     m_shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -118,11 +102,7 @@ def _fold_keys(state, q_i, k_j, v_j, mask_j, scale: float, k_transposed: bool):
 
 
 def _forward_query_block(q_i, k, v, mask, blocks: _Blocks):
-    """Output ``[B, H, bq, D]`` (float32) and ``lse`` ``[B, H, bq]`` of one query block (``k``
-    transposed, ``[B, H, D, Lk]``, where :func:`_transposed_operands`)."""
-    k_transposed = _transposed_operands(blocks, q_i)
-    fold = functools.partial(_fold_keys, scale=blocks.score_scale, k_transposed=k_transposed)
-    key_axis = 3 if k_transposed else 2
+    """Output ``[B, H, bq, D]`` (float32) and ``lse`` ``[B, H, bq]`` of one query block."""
     b, h, bq, d = q_i.shape
     state = (
         jnp.full((b, h, bq), -jnp.inf, jnp.float32),
@@ -130,14 +110,13 @@ def _forward_query_block(q_i, k, v, mask, blocks: _Blocks):
         jnp.zeros((b, h, bq, d), jnp.float32),
     )
     if blocks.num_kv == 1:
-        m, l, acc = fold(state, q_i, k, v, mask)  # noqa: E741
+        m, l, acc = _fold_keys(state, q_i, k, v, mask, blocks.score_scale)  # noqa: E741
     else:
 
         def step(j, state):
-            k_j = _slice(k, j, blocks.block_kv, axis=key_axis)
-            v_j = _slice(v, j, blocks.block_kv)
+            k_j, v_j = _slice(k, j, blocks.block_kv), _slice(v, j, blocks.block_kv)
             mask_j = None if mask is None else _slice(mask, j, blocks.block_kv, axis=1)
-            return fold(state, q_i, k_j, v_j, mask_j)
+            return _fold_keys(state, q_i, k_j, v_j, mask_j, blocks.score_scale)
 
         m, l, acc = lax.fori_loop(0, blocks.num_kv, step, state)  # noqa: E741
     seen = l > 0
@@ -149,8 +128,6 @@ def _forward_query_block(q_i, k, v, mask, blocks: _Blocks):
 
 def _forward(q, k, v, mask, blocks: _Blocks):
     """(out ``[B, H, Lq, D]`` in q's dtype, lse ``[B, H, Lq]`` float32), heads-major."""
-    if _transposed_operands(blocks, q):
-        k = transposed_copy(k)  # scores = q k^T as q @ (k^T)
     if blocks.num_q == 1:
         out, lse = _forward_query_block(q, k, v, mask, blocks)
         return out.astype(q.dtype), lse
@@ -170,14 +147,14 @@ def _forward(q, k, v, mask, blocks: _Blocks):
 
 
 def _tile_grads(
-    q_i, k_j, v_j, mask_j, do_i, lse_i, delta_i, scale: float, keys_major: bool, transposed=None
+    q_i, k_j, v_j, mask_j, do_i, lse_i, delta_i, scale: float, keys_major: bool, k_t_j=None
 ):
     """(dq_i, dk_j, dv_j) of one query block against one key block, all float32.
 
-    ``transposed`` (keys-major only): ``(q_i, k_j, do_i)`` also as transposed copies ``[B, H,
-    D, L]``. Then every product is a row-major one (scores = k q^T, dp = v do^T, and dq^T = k^T
-    ds, returned as such: ``[B, H, D, bq]``): one Wan S tile (1024 x 1024, D 64) in bf16 3.86
-    -> 2.30 ms, where XLA CPU upcasts the other three products to float32.
+    ``k_t_j`` (keys-major only): ``k_j`` also as a transposed copy ``[B, H, D, bk]``; dq is then
+    the row-major product dq^T = k^T ds and comes back as such, ``[B, H, D, bq]``. In bf16 XLA
+    CPU runs ``ds^T k`` (its left operand contracted over its first axis) in Eigen after
+    upcasting both operands to float32; the Wan S mixed-precision train step 1032 -> 906 ms.
 
     ``keys_major``: the tile transposed, ``[keys, queries]``. dv = p^T do and dk = ds^T q are
     then products of row-major operands as stored (NN), and only dq = ds k contracts both
@@ -192,18 +169,15 @@ def _tile_grads(
     def per_query(x):  # [B, H, bq] along the tile's query axis
         return x[..., None, :] if keys_major else x[..., None]
 
-    row_major = transposed is not None
-    q_side, k_t_j, do_side = transposed if row_major else (q_i, None, do_i)
-    scores = _masked_scores(q_side, k_j, mask_j, scale, keys_major, right_transposed=row_major)
-    probs = jnp.exp(scores - per_query(lse_i))
+    probs = jnp.exp(_masked_scores(q_i, k_j, mask_j, scale, keys_major) - per_query(lse_i))
     dv = jnp.einsum(
         f"{tile},bhqd->bhkd", probs.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32
     )
-    dprobs = _tile_product(do_side, v_j, keys_major, right_transposed=row_major)
+    dprobs = _tile_product(do_i, v_j, keys_major)
     # the gradient of the scaled scores, times the scale: that of the unscaled products
     dscores = probs * (dprobs - per_query(delta_i))
     dscores = (dscores * scale if scale != 1.0 else dscores).astype(q_i.dtype)
-    if row_major:
+    if k_t_j is not None:
         dq = jnp.einsum("bhdk,bhkq->bhdq", k_t_j, dscores, preferred_element_type=jnp.float32)
     else:
         dq = jnp.einsum(f"{tile},bhkd->bhqd", dscores, k_j, preferred_element_type=jnp.float32)
@@ -211,48 +185,46 @@ def _tile_grads(
     return dq, dk, dv
 
 
-def _key_block_grads(q, k_j, v_j, mask_j, do, lse, delta, blocks: _Blocks, transposed=None):
-    """(dq [B, H, Lq, D], dk_j, dv_j) of every query against one key block; with
-    ``transposed`` (``(q, k_j, do)`` as ``[B, H, D, L]`` copies) dq comes back transposed."""
+def _key_block_grads(q, k_j, v_j, mask_j, do, lse, delta, blocks: _Blocks, k_t_j=None):
+    """(dq [B, H, Lq, D], dk_j, dv_j) of every query against one key block; with ``k_t_j``
+    (:func:`_tile_grads`) dq comes back transposed, ``[B, H, D, Lq]``."""
     tile_grads = functools.partial(
-        _tile_grads, scale=blocks.score_scale, keys_major=blocks.head_by_head
+        _tile_grads, scale=blocks.score_scale, keys_major=blocks.head_by_head, k_t_j=k_t_j
     )
     if blocks.num_q == 1:
-        return tile_grads(q, k_j, v_j, mask_j, do, lse, delta, transposed=transposed)
-    query_axis = 2 if transposed is None else 3  # of dq, and of the transposed q and do
+        return tile_grads(q, k_j, v_j, mask_j, do, lse, delta)
+    query_axis = 2 if k_t_j is None else 3
 
     def step(i, carry):
         dq, dk_j, dv_j = carry
         rows = functools.partial(_slice, index=i, size=blocks.block_q)
-        transposed_i = None
-        if transposed is not None:
-            q_t, k_t_j, do_t = transposed
-            transposed_i = (rows(q_t, axis=3), k_t_j, rows(do_t, axis=3))
-        dq_i, dk_ij, dv_ij = tile_grads(
-            rows(q), k_j, v_j, mask_j, rows(do), rows(lse), rows(delta), transposed=transposed_i
-        )
+        dq_i, dk_ij, dv_ij = tile_grads(rows(q), k_j, v_j, mask_j, rows(do), rows(lse), rows(delta))
         dq = lax.dynamic_update_slice_in_dim(dq, dq_i, i * blocks.block_q, query_axis)
         return dq, dk_j + dk_ij, dv_j + dv_ij
 
-    dq_shape = q.shape if transposed is None else _swapped(q.shape)
     init = (
-        jnp.zeros(dq_shape, jnp.float32),
+        jnp.zeros(q.shape if k_t_j is None else _swapped(q.shape), jnp.float32),
         jnp.zeros(k_j.shape, jnp.float32),
         jnp.zeros(v_j.shape, jnp.float32),
     )
     return lax.fori_loop(0, blocks.num_q, step, init)
 
 
+def _dq_transposed(blocks: _Blocks, q) -> bool:
+    """Whether the backward computes dq transposed (:func:`_tile_grads`' ``k_t_j``): in the
+    head-pair loop, for bf16 inputs. In float32 XLA CPU runs ``ds^T k`` in Eigen without
+    upcasting, and the copies did not pay (the Wan S step 1657 vs 1650 ms); fp16 products are
+    upcast whatever their form (YNNPACK has no fp16 kernel)."""
+    return blocks.head_by_head and q.dtype == jnp.bfloat16
+
+
 def _backward(q, k, v, mask, out, lse, d_out, blocks: _Blocks):
     """(dq, dk, dv) in float32, heads-major."""
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    q_t = k_t = do_t = None
-    if _transposed_operands(blocks, q):
-        q_t, k_t, do_t = (transposed_copy(x) for x in (q, k, d_out))
+    k_t = transposed_copy(k) if _dq_transposed(blocks, q) else None
 
     def key_block(k_j, v_j, mask_j, k_t_j):
-        transposed = None if k_t_j is None else (q_t, k_t_j, do_t)
-        return _key_block_grads(q, k_j, v_j, mask_j, d_out, lse, delta, blocks, transposed)
+        return _key_block_grads(q, k_j, v_j, mask_j, d_out, lse, delta, blocks, k_t_j)
 
     if blocks.num_kv == 1:
         dq, dk, dv = key_block(k, v, mask, k_t)
@@ -274,7 +246,7 @@ def _backward(q, k, v, mask, out, lse, d_out, blocks: _Blocks):
             *(jnp.zeros(x.shape, jnp.float32) for x in (k, v)),
         )
         dq, dk, dv = lax.fori_loop(0, blocks.num_kv, step, init)
-    if q_t is not None:
+    if k_t is not None:
         # back to [B, H, Lq, D] through a copy too: a plain transpose of the last product's
         # result would fold into it (products.py: in bf16 a run-time failure)
         dq = transposed_copy(dq)

@@ -1,10 +1,10 @@
-"""Matrix products in the form XLA CPU runs fast: both operands row-major as the product reads
-them.
+"""Matrix products in a form XLA CPU runs fast: the left operand contracted over its last axis.
 
-XLA CPU hands a dot to YNNPACK (AMX / AVX512-BF16 in bf16) only when its left operand is
-contracted over its last axis and its right over its first: ``[M, K] @ [K, N]``. Any other
-(``x^T dy``, ``q k^T``) runs in Eigen, at about half the rate in float32, and in bf16 only after
-XLA upcasts both operands to float32: 2.86 against 0.57 ms at 1024 x 512 x 512. Writing the
+XLA CPU hands a dot to YNNPACK (AMX / AVX512-BF16 in bf16) when its left operand is contracted
+over its last axis (``[M, K] @ [K, N]``, and ``[M, K] @ [N, K]^T``). One whose left operand is
+contracted over its first axis (``x^T dy``, ``ds^T k``) runs in Eigen, at about half the rate in
+float32, and in bf16 only after XLA upcasts both operands to float32: 2.86 against 0.57 ms at
+1024 x 512 x 512. Writing the
 transpose out does not help by itself: XLA folds a plain transpose into the consuming dot's
 dimension numbers, and first sinks it through elementwise operations (``x.T * s``, ``x.T + y.T``
 and a reduce_precision were all folded back, as was an optimization_barrier, which XLA CPU

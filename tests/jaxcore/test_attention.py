@@ -196,8 +196,8 @@ def test_blockwise_backward_matches_autodiff_of_dot_product(lq, lk, masked, bloc
     ],
 )
 def test_bf16_pair_loop_backward_matches_float32_autodiff(lq, lk, masked, blocks):
-    """bf16 inputs one head at a time: the tiles read transposed copies of q, k and do (every
-    product row-major, dq accumulated transposed), every tiling. Against the plain softmax's
+    """bf16 inputs one head at a time: the backward reads a transposed copy of k and computes dq
+    transposed (dq^T = k^T ds, returned through a copy), every tiling. Against the plain softmax's
     autodiff in float32 on the same bf16 values, within 1e-2 of each gradient's largest entry
     (reached 3.3e-3 to 4.5e-3, as before the copies: bf16 rounds the score gradient and each
     result once)."""
@@ -345,8 +345,8 @@ def test_cpu_attention_in_bf16_runs_one_head_of_one_row_at_a_time():
 
     assert product_operand_types(head_by_head=True) == {"bf16"}
     assert product_operand_types(head_by_head=False) == {"f32"}  # the reason for the rule
-    # the tiles' transposed copies of q, k and do: without them XLA CPU upcasts q k^T, v do^T
-    # and ds^T k (the products whose operands are not both row-major) to float32
+    # the backward's transposed copy of k: without it XLA CPU upcasts dq = ds^T k (a product
+    # contracting its left operand over its first axis) to float32
     assert product_operand_types(head_by_head=True, gradient=True) == {"bf16"}
 
 
@@ -474,7 +474,7 @@ def test_sharded_backend_bf16(backend):
 @pytest.mark.parametrize("backend", SHARDED)
 def test_gradients_match_dot_product(backend, dtype):
     """d(sum(out * cotangent))/d(q, k, v) through shard_map, ppermute and all_to_all; in bf16
-    the local kernels loop over (row, head) pairs with their transposed copies inside the
+    the local kernels loop over (row, head) pairs with k's transposed copy inside the
     shard_map, against float32 autodiff of the same bf16 values within 1e-2 of each
     gradient's largest entry."""
     mesh = make_mesh(MESHES[4])
