@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcore.dtypes import is_half_precision
-from jaxcore.kernels.products import transposed_copy
+from jaxcore.kernels.products import transposed_copy, transposed_shape
 from jaxcore.kernels.sharded import pad_axis, pad_keys, round_up
 
 
@@ -51,11 +51,6 @@ class _Blocks(NamedTuple):
     # the head-pair loop's tiles: the backward's keys-major (_tile_grads), and in bf16 dq
     # computed transposed (_dq_transposed)
     head_by_head: bool = False
-
-
-def _swapped(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """A shape with its last two axes swapped (that of a transposed copy)."""
-    return (*shape[:-2], shape[-1], shape[-2])
 
 
 def _slice(x, index: jax.Array, size: int, axis: int = 2):
@@ -203,7 +198,7 @@ def _key_block_grads(q, k_j, v_j, mask_j, do, lse, delta, blocks: _Blocks, k_t_j
         return dq, dk_j + dk_ij, dv_j + dv_ij
 
     init = (
-        jnp.zeros(q.shape if k_t_j is None else _swapped(q.shape), jnp.float32),
+        jnp.zeros(q.shape if k_t_j is None else transposed_shape(q.shape), jnp.float32),
         jnp.zeros(k_j.shape, jnp.float32),
         jnp.zeros(v_j.shape, jnp.float32),
     )
@@ -240,7 +235,7 @@ def _backward(q, k, v, mask, out, lse, d_out, blocks: _Blocks):
             dk = lax.dynamic_update_slice_in_dim(dk, dk_j, start, 2)
             return dq + dq_j, dk, lax.dynamic_update_slice_in_dim(dv, dv_j, start, 2)
 
-        dq_shape = q.shape if k_t is None else _swapped(q.shape)
+        dq_shape = q.shape if k_t is None else transposed_shape(q.shape)
         init = (
             jnp.zeros(dq_shape, jnp.float32),
             *(jnp.zeros(x.shape, jnp.float32) for x in (k, v)),

@@ -4,11 +4,10 @@ XLA CPU hands a dot to YNNPACK (AMX / AVX512-BF16 in bf16) when its left operand
 over its last axis (``[M, K] @ [K, N]``, and ``[M, K] @ [N, K]^T``). One whose left operand is
 contracted over its first axis (``x^T dy``, ``ds^T k``) runs in Eigen, at about half the rate in
 float32, and in bf16 only after XLA upcasts both operands to float32: 2.86 against 0.57 ms at
-1024 x 512 x 512. Writing the
-transpose out does not help by itself: XLA folds a plain transpose into the consuming dot's
-dimension numbers, and first sinks it through elementwise operations (``x.T * s``, ``x.T + y.T``
-and a reduce_precision were all folded back, as was an optimization_barrier, which XLA CPU
-expands before it simplifies). :func:`transposed_copy` writes a copy XLA keeps.
+1024 x 512 x 512. Writing the transpose out does not help by itself: XLA folds a plain
+transpose into the consuming dot's dimension numbers, and first sinks it through elementwise
+operations (``x.T * s``, ``x.T + y.T`` and a reduce_precision were all folded back, as was an
+optimization_barrier, which XLA CPU expands before it simplifies). :func:`transposed_copy` writes a copy XLA keeps.
 
 A caution these copies must respect: XLA CPU decides whether to upcast a bf16 product before it
 simplifies, and fails at run time (``Unsupported element type for DotThunk``) on a bf16
@@ -42,9 +41,13 @@ def materialised_transpose(x: jax.Array) -> jax.Array:
         _, source, _ = carry
         return jnp.bool_(False), source, _swap_last_axes(source)
 
-    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2])
-    start = (jnp.bool_(True), x, jnp.zeros(shape, x.dtype))
+    start = (jnp.bool_(True), x, jnp.zeros(transposed_shape(x.shape), x.dtype))
     return jax.lax.while_loop(lambda carry: carry[0], copy_once, start)[2]
+
+
+def transposed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` with its last two axes swapped: that of a :func:`transposed_copy`."""
+    return (*shape[:-2], shape[-1], shape[-2])
 
 
 def _swap_last_axes(x: jax.Array) -> jax.Array:

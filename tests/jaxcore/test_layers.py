@@ -175,8 +175,8 @@ def test_bf16_weight_gradient_is_a_bf16_product_on_cpu():
     """The reason the weight gradient reads a ``transposed_copy``: compiled for the CPU, the
     bf16 weight gradient x^T dy is a YNNPACK (AMX) product of bf16 operands, not the float32
     Eigen product XLA upcasts a dot contracting its left operand's first axis to (fails with
-    the plain ``_dot(x, dy, TN)``). Lowered for a TPU, the same gradient has no loop: the transpose folds
-    into the product there."""
+    the plain ``_dot(x, dy, TN)``). Lowered for a TPU, the same gradient has no loop: the
+    transpose folds into the product there."""
     x = _inputs((2, 32, 16)).astype(jnp.bfloat16)
     kernel, bias = _inputs((16, 24), 1).astype(jnp.bfloat16), jnp.zeros((24,), jnp.bfloat16)
 

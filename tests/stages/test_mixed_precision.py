@@ -1,8 +1,8 @@
 """Mixed-precision training (float32 weights, ``activations_dtype=bfloat16``) for every family's
 denoiser: the compiled gradient runs (XLA CPU has failed at run time on bf16 products whose
 operands were rearranged after it chose not to upcast them: ``Unsupported element type for
-DotThunk``; the weight gradient's transposed copy, ``layers.materialised_transpose``, is one
-such product) and tracks the float32 gradient of the same parameters on the same batch.
+DotThunk``; the products fed by ``jaxcore.kernels.products.transposed_copy``, the Dense
+weight gradient's and the bf16 attention dq's, are such products) and tracks the float32 gradient of the same parameters on the same batch.
 
 Tolerances: bf16 keeps 8 bits of mantissa (relative rounding 2^-9) and every product sums in
 float32, so the loss agrees to ~1e-2 and the whole gradient, as one vector, to a few percent
