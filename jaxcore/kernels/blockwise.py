@@ -18,7 +18,8 @@ bench size S self-attention (L = 1024, 8 x 64) fwd+bwd 135 -> 100 ms, the S trai
 Layout: heads-major ``[B, H, L, D]`` inside (one transpose per call, not per tile), or one
 head at a time (``head_by_head``, what CPUs use for long sequences and for bf16, where the
 backward computes dq transposed from a transposed copy of k so that XLA CPU runs that product
-in bf16: :mod:`jaxcore.kernels.products`); the public
+in bf16: :mod:`jaxcore.kernels.products`; the loop over pairs carries 16-bit arrays as their
+bits, see "the head-pair loop" below); the public
 :func:`blockwise_attention` takes and returns ``[B, L, H, D]``. Sequences are padded to block
 multiples (blocks balanced by :func:`balanced_block`); padded keys are masked; a row whose keys
 are all masked returns zeros and gets zero gradients.
@@ -340,11 +341,69 @@ def blockwise_attention(
         return x.transpose(2, 0, 1, 3).reshape(heads * batch, 1, 1, x.shape[1], x.shape[3])
 
     masks = None if kv_mask is None else jnp.tile(kv_mask[:, None], (heads, 1, 1))
-
-    def one_pair(qkv_mask):
-        *qkv, mask = qkv_mask
-        return _attention(*qkv, mask, blocks)
-
-    out = lax.map(one_pair, (pairs_first(q), pairs_first(k), pairs_first(v), masks))
+    out = _pairwise(pairs_first(q), pairs_first(k), pairs_first(v), masks, blocks)
     out = out.reshape(heads, batch, *out.shape[-2:])  # [H, B, Lq, D]
     return out.transpose(1, 2, 0, 3)[:, :lq]
+
+
+# --- the head-pair loop ----------------------------------------------------------------------
+#
+# One (head, batch row) pair per iteration of a loop over arrays stacked pairs-first, [P, 1, 1,
+# L, D]. Its own custom VJP, so that the loops carry 16-bit arrays as their bits: XLA CPU slices
+# a bf16 array in float32 (it converts the whole stacked array before the loop, fused with the
+# transpose that stacks it, then slices and converts back per pair), so every bf16 operand
+# crossed memory twice, at twice the width, and was copied once more for its layout; as uint16
+# the arrays stay 2 bytes wide and a pair's slice is its bits (the Wan S forward in bf16 266 ->
+# 256 ms, alternated; the train steps unchanged). The values are the same bit for bit.
+
+
+def _as_loop_operand(x):
+    """``x`` as the pair loop carries it: a 16-bit float as its bits (see above)."""
+    if x is not None and is_half_precision(x.dtype):
+        return lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def _from_loop_operand(x, dtype):
+    return lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _pairwise(q, k, v, masks, blocks: _Blocks):
+    return _pairwise_forward(q, k, v, masks, blocks)[0]
+
+
+def _pairwise_forward(q, k, v, masks, blocks: _Blocks):
+    def one_pair(operands):
+        q_p, k_p, v_p, mask_p = operands
+        q_p = _from_loop_operand(q_p, q.dtype)
+        k_p, v_p = _from_loop_operand(k_p, k.dtype), _from_loop_operand(v_p, v.dtype)
+        out_p, lse_p = _forward(q_p, k_p, v_p, mask_p, blocks)
+        return _as_loop_operand(out_p), lse_p
+
+    out, lse = lax.map(one_pair, tuple(map(_as_loop_operand, (q, k, v))) + (masks,))
+    out = _from_loop_operand(out, q.dtype)
+    return out, (q, k, v, masks, out, lse)
+
+
+def _pairwise_backward(blocks: _Blocks, residuals, d_out):
+    q, k, v, masks, out, lse = residuals
+
+    def one_pair(operands):
+        q_p, k_p, v_p, mask_p, out_p, lse_p, do_p = operands
+        q_p, out_p = _from_loop_operand(q_p, q.dtype), _from_loop_operand(out_p, out.dtype)
+        k_p, v_p = _from_loop_operand(k_p, k.dtype), _from_loop_operand(v_p, v.dtype)
+        do_p = _from_loop_operand(do_p, d_out.dtype)
+        dq, dk, dv = _backward(q_p, k_p, v_p, mask_p, out_p, lse_p, do_p, blocks)
+        grads = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        return tuple(map(_as_loop_operand, grads))
+
+    operands = (*map(_as_loop_operand, (q, k, v)), masks, _as_loop_operand(out), lse)
+    dq, dk, dv = lax.map(one_pair, (*operands, _as_loop_operand(d_out)))
+    dq, dk, dv = (
+        _from_loop_operand(g, x.dtype) for g, x in zip((dq, dk, dv), (q, k, v), strict=True)
+    )
+    return dq, dk, dv, None
+
+
+_pairwise.defvjp(_pairwise_forward, _pairwise_backward)

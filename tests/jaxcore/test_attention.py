@@ -350,6 +350,51 @@ def test_cpu_attention_in_bf16_runs_one_head_of_one_row_at_a_time():
     assert product_operand_types(head_by_head=True, gradient=True) == {"bf16"}
 
 
+def test_bf16_pair_loop_carries_its_operands_as_bits():
+    """The head-pair loop carries bf16 operands as their bits (uint16): XLA CPU slices a bf16
+    array inside a loop in float32, so q, k and v (here from projections, as in a model) were
+    converted whole before the loop, at twice the bytes, plus one more layout copy (4% of the
+    Wan S forward in bf16). No loop of the forward or of the gradient carries a float32 stack of
+    the pairs; the gradients are those of float32 autodiff at bf16's tolerance (and bit for bit
+    those of the code before, checked when it changed)."""
+    batch, length, heads, dim = 2, 64, 4, 16
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.normal(size=(batch, length, heads * dim)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(3, heads * dim, heads * dim)) / 8, jnp.bfloat16)
+
+    def projected(attention):
+        def fn(x, w):
+            q, k, v = ((x @ w[i]).reshape(batch, length, heads, dim) for i in range(3))
+            return attention(q, k, v)
+
+        return fn
+
+    pair_loop = projected(
+        functools.partial(
+            blockwise_attention, scale=0.25, block_q=32, block_kv=32, head_by_head=True
+        )
+    )
+
+    def gradients(fn):
+        return jax.grad(lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32)), (0, 1))
+
+    def loop_carries(fn) -> set[tuple[str, str]]:
+        hlo = jax.jit(fn).lower(x, w).compile().as_text()
+        carried = " ".join(re.findall(r"= \((.*)\) while\(", hlo))
+        return set(re.findall(r"(\w+)\[([\d,]*)\]", carried))
+
+    pairs = f"{batch * heads},1,1,{length},{dim}"
+    forward = loop_carries(pair_loop)
+    assert ("u16", pairs) in forward and ("f32", pairs) not in forward, forward
+    assert ("f32", pairs) not in loop_carries(gradients(pair_loop))
+    reference = projected(lambda q, k, v: dot_product_attention(q, k, v, scale=0.25))
+    got = jax.jit(gradients(pair_loop))(x, w)
+    expected = jax.jit(gradients(reference))(x.astype(jnp.float32), w.astype(jnp.float32))
+    for name, g, e in zip(("x", "w"), got, expected, strict=True):
+        assert g.dtype == jnp.bfloat16
+        assert max_diff(g, e) < 2e-2 * float(jnp.max(jnp.abs(e))), f"d{name}"
+
+
 def test_blockwise_fully_masked_rows_give_zero_output_and_zero_gradients():
     """Rows of an example whose keys are all masked: zeros out, zero (not NaN) gradients."""
     q, k, v, _ = make_inputs(2, 10, 12, 2, 8)
