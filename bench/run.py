@@ -234,10 +234,12 @@ def run_benchmarks(names: list[str], ctx) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from jaxcore.host_memory import keep_freed_host_memory
+    from jaxcore.host_memory import keep_freed_host_memory, reexec_with_tcmalloc, tcmalloc_active
 
     # as the difforge command does: the figures are what its stages get (every peer in this
     # process shares the allocator)
+    if argv is None:
+        reexec_with_tcmalloc()
     host_memory_kept = keep_freed_host_memory()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
@@ -250,6 +252,13 @@ def main(argv=None) -> int:
     )
     facts = machine_facts()
     facts["host_memory_kept"] = host_memory_kept
+    facts["host_allocator"] = (
+        "tcmalloc"
+        if tcmalloc_active()
+        else "glibc, freed memory kept"
+        if host_memory_kept
+        else "glibc"
+    )
     started = time.perf_counter()
     records = run_benchmarks(names, ctx)
     add_derived(records)

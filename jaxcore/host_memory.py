@@ -16,6 +16,15 @@ applies it whatever the host. A no-op where the C library is not glibc.
 
 The arena limit only reaches threads that have not allocated yet, so this must run before JAX
 starts its runtime: first thing in a process.
+
+Better still is tcmalloc, where the host has it (Debian: ``libtcmalloc-minimal4``; the CPU image
+installs it): it keeps freed blocks per size class without the single arena's lock, and the
+steps ran faster than under the glibc policy (Wan bench size S, alternating processes: the
+float32 train step 1.66-1.71 -> 1.51-1.53 s, the bf16-activations step 0.96-1.00 -> 0.81 s, the
+bf16 forward 264-265 -> 239-243 ms). An allocator must be loaded before the process starts, so
+:func:`reexec_with_tcmalloc` re-executes the program with tcmalloc in ``LD_PRELOAD``; the
+``difforge`` command and ``make bench`` call it first thing (``DIFFORGE_TCMALLOC=0`` turns it
+off, ``=1`` applies it whatever the host). Where it runs, the glibc policy above is moot.
 """
 
 from __future__ import annotations
@@ -24,8 +33,19 @@ import ctypes
 import glob
 import os
 import sys
+from pathlib import Path
 
 ENV = "DIFFORGE_KEEP_HOST_MEMORY"
+TCMALLOC_ENV = "DIFFORGE_TCMALLOC"
+# set in the re-executed process: it is not re-executed again, whatever LD_PRELOAD became
+_REEXECUTED_ENV = "DIFFORGE_TCMALLOC_PRELOADED"
+_TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+_LIBRARY_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+)
 
 # glibc <malloc.h>
 M_TRIM_THRESHOLD = -1
@@ -47,14 +67,57 @@ def accelerator_present() -> bool:
     return any(glob.glob(pattern) for pattern in _ACCELERATOR_DEVICES)
 
 
+def _choice(env: str) -> str:
+    choice = os.environ.get(env, "").strip()
+    if choice not in ("", "0", "1"):
+        raise ValueError(f"{env} must be 0 or 1, got {choice!r}")
+    return choice
+
+
+def _wanted_here(env: str) -> bool:
+    """Whether a host policy applies: on Linux, on a CPU-only host unless ``env`` is 1."""
+    choice = _choice(env)
+    if choice == "0" or not sys.platform.startswith("linux"):
+        return False
+    return choice == "1" or not accelerator_present()
+
+
+def tcmalloc_active() -> bool:
+    """Whether tcmalloc serves this process's allocations (preloaded)."""
+    return any("tcmalloc" in Path(p).name for p in os.environ.get("LD_PRELOAD", "").split(":"))
+
+
+def find_tcmalloc() -> str | None:
+    """The path of the host's tcmalloc shared library, or None."""
+    for directory in _LIBRARY_DIRS:
+        for name in _TCMALLOC_NAMES:
+            path = Path(directory) / name
+            if path.is_file():
+                return str(path)
+    return None
+
+
+def reexec_with_tcmalloc() -> None:
+    """Re-execute this program (``sys.orig_argv``) with tcmalloc preloaded, where wanted (see
+    the module docstring) and found; returns only when it does not. Call it first thing in a
+    program's entry point, never from a function other code calls in-process."""
+    if not _wanted_here(TCMALLOC_ENV) or tcmalloc_active() or os.environ.get(_REEXECUTED_ENV):
+        return
+    library = find_tcmalloc()
+    if library is None:
+        if _choice(TCMALLOC_ENV) == "1":
+            raise ValueError(f"{TCMALLOC_ENV}=1 but no tcmalloc in {', '.join(_LIBRARY_DIRS)}")
+        return
+    preload = ":".join(p for p in (library, os.environ.get("LD_PRELOAD", "")) if p)
+    env = {**os.environ, "LD_PRELOAD": preload, _REEXECUTED_ENV: "1"}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
 def keep_freed_host_memory() -> bool:
     """Apply the policy (see the module docstring) if wanted here; returns whether it is on."""
-    choice = os.environ.get(ENV, "").strip()
-    if choice == "0":
-        return False
-    if choice not in ("", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {choice!r}")
-    if not sys.platform.startswith("linux") or (choice != "1" and accelerator_present()):
+    if not _wanted_here(ENV) or tcmalloc_active():
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt

@@ -139,11 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from jaxcore.host_memory import keep_freed_host_memory
+    from jaxcore.host_memory import keep_freed_host_memory, reexec_with_tcmalloc
 
     try:
+        if argv is None:  # the command itself, not a caller in this process (tests)
+            reexec_with_tcmalloc()  # returns where tcmalloc is not wanted or not found
         keep_freed_host_memory()  # before JAX starts its CPU runtime's threads (see the module)
-    except ValueError as err:  # a bad DIFFORGE_KEEP_HOST_MEMORY
+    except ValueError as err:  # a bad DIFFORGE_KEEP_HOST_MEMORY / DIFFORGE_TCMALLOC
         print(f"difforge: error: {err}", file=sys.stderr)
         return 2
     parser = build_parser()

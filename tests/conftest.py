@@ -18,6 +18,9 @@ os.environ.setdefault("EPATH_USE_TF", "false")
 # it in-process, and a pytest worker runs hundreds of unlike programs: keep glibc's default
 # there (tests/foundation/test_host_memory.py checks the policy in its own processes).
 os.environ.setdefault("DIFFORGE_KEEP_HOST_MEMORY", "0")
+# Likewise the command's re-execution under tcmalloc, for the commands tests start (the test
+# of it sets its own environment)
+os.environ.setdefault("DIFFORGE_TCMALLOC", "0")
 
 import jax  # noqa: E402
 
