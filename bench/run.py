@@ -172,6 +172,9 @@ def markdown_table(records: list[dict], facts: dict) -> str:
         f"# difforge benchmarks ({facts['date']}, backend {facts['backend']}, "
         f"{facts['cpu_threads']} CPU threads, load average at start {facts['load_average_at_start']})",
         "",
+        f"Host allocator: {facts.get('host_allocator', 'not recorded')} (every peer runs in this "
+        "process, so all share it; see jaxcore/host_memory.py).",
+        "",
         "`vs difforge` = other's median / difforge's median (> 1: difforge is faster; < 1: "
         "difforge is SLOWER). `% limit` = GFLOP/s over the machine's fastest fp32 GEMM among "
         "XLA, torch and numpy (MFU for train_step); `% bf16 limit` = over the fastest bf16-in / "

@@ -84,6 +84,9 @@ def test_derived_fractions_ratios_and_table():
     table = bench_run.markdown_table(records, facts)
     assert "| fwd | S | diffusers_eager | 8.00 s |" in table and "4.00x" in table
     assert "50%" in table
+    assert "Host allocator: not recorded" in table
+    table = bench_run.markdown_table(records, {**facts, "host_allocator": "tcmalloc"})
+    assert "Host allocator: tcmalloc (every peer runs in this process" in table
 
 
 def test_bad_profile_is_an_error():
