@@ -359,13 +359,17 @@ def blockwise_attention(
 
 def _as_loop_operand(x):
     """``x`` as the pair loop carries it: a 16-bit float as its bits (see above)."""
-    if x is not None and is_half_precision(x.dtype):
+    if is_half_precision(x.dtype):
         return lax.bitcast_convert_type(x, jnp.uint16)
     return x
 
 
-def _from_loop_operand(x, dtype):
-    return lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+def _from_loop_operands(carried, like) -> tuple:
+    """Each carried array back as the dtype of its counterpart in ``like``."""
+    return tuple(
+        lax.bitcast_convert_type(x, y.dtype) if x.dtype != y.dtype else x
+        for x, y in zip(carried, like, strict=True)
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -375,14 +379,12 @@ def _pairwise(q, k, v, masks, blocks: _Blocks):
 
 def _pairwise_forward(q, k, v, masks, blocks: _Blocks):
     def one_pair(operands):
-        q_p, k_p, v_p, mask_p = operands
-        q_p = _from_loop_operand(q_p, q.dtype)
-        k_p, v_p = _from_loop_operand(k_p, k.dtype), _from_loop_operand(v_p, v.dtype)
-        out_p, lse_p = _forward(q_p, k_p, v_p, mask_p, blocks)
+        *qkv_p, mask_p = operands
+        out_p, lse_p = _forward(*_from_loop_operands(qkv_p, (q, k, v)), mask_p, blocks)
         return _as_loop_operand(out_p), lse_p
 
-    out, lse = lax.map(one_pair, tuple(map(_as_loop_operand, (q, k, v))) + (masks,))
-    out = _from_loop_operand(out, q.dtype)
+    out, lse = lax.map(one_pair, (*map(_as_loop_operand, (q, k, v)), masks))
+    (out,) = _from_loop_operands((out,), (q,))
     return out, (q, k, v, masks, out, lse)
 
 
@@ -391,19 +393,16 @@ def _pairwise_backward(blocks: _Blocks, residuals, d_out):
 
     def one_pair(operands):
         q_p, k_p, v_p, mask_p, out_p, lse_p, do_p = operands
-        q_p, out_p = _from_loop_operand(q_p, q.dtype), _from_loop_operand(out_p, out.dtype)
-        k_p, v_p = _from_loop_operand(k_p, k.dtype), _from_loop_operand(v_p, v.dtype)
-        do_p = _from_loop_operand(do_p, d_out.dtype)
+        q_p, k_p, v_p, out_p, do_p = _from_loop_operands(
+            (q_p, k_p, v_p, out_p, do_p), (q, k, v, out, d_out)
+        )
         dq, dk, dv = _backward(q_p, k_p, v_p, mask_p, out_p, lse_p, do_p, blocks)
         grads = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
         return tuple(map(_as_loop_operand, grads))
 
     operands = (*map(_as_loop_operand, (q, k, v)), masks, _as_loop_operand(out), lse)
-    dq, dk, dv = lax.map(one_pair, (*operands, _as_loop_operand(d_out)))
-    dq, dk, dv = (
-        _from_loop_operand(g, x.dtype) for g, x in zip((dq, dk, dv), (q, k, v), strict=True)
-    )
-    return dq, dk, dv, None
+    grads = lax.map(one_pair, (*operands, _as_loop_operand(d_out)))
+    return (*_from_loop_operands(grads, (q, k, v)), None)
 
 
 _pairwise.defvjp(_pairwise_forward, _pairwise_backward)

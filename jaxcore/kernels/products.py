@@ -7,7 +7,8 @@ float32, and in bf16 only after XLA upcasts both operands to float32: 2.86 again
 1024 x 512 x 512. Writing the transpose out does not help by itself: XLA folds a plain
 transpose into the consuming dot's dimension numbers, and first sinks it through elementwise
 operations (``x.T * s``, ``x.T + y.T`` and a reduce_precision were all folded back, as was an
-optimization_barrier, which XLA CPU expands before it simplifies). :func:`transposed_copy` writes a copy XLA keeps.
+optimization_barrier, which XLA CPU expands before it simplifies). :func:`transposed_copy`
+writes a copy XLA keeps.
 
 A caution these copies must respect: XLA CPU decides whether to upcast a bf16 product before it
 simplifies, and fails at run time (``Unsupported element type for DotThunk``) on a bf16
