@@ -22,6 +22,7 @@ import pytest
 from jaxcore import kernels
 from jaxcore.attention import BACKEND_NAMES, attention, dot_product_attention, get_backend
 from jaxcore.kernels import flash as flash_kernels
+from jaxcore.kernels import native
 from jaxcore.kernels.blockwise import blockwise_attention
 from jaxcore.kernels.flash import BlockSizes, chunked_attention, splash_attention
 from jaxcore.sharding import MeshConfig, ShardingError, make_mesh
@@ -313,10 +314,11 @@ def test_cpu_loops_over_pairs_only_for_large_tiles():
     assert loops(1, 4096, 4096, 12)
 
 
-def test_cpu_attention_in_bf16_runs_one_head_of_one_row_at_a_time():
+def test_cpu_attention_in_bf16_runs_one_head_of_one_row_at_a_time(monkeypatch):
     """bf16/fp16 always loop over (row, head) pairs: XLA CPU computes a batched bf16 product
     in float32 (no AMX), a plain row-major one in bf16; the compiled tiles' products say
-    which, forward and backward."""
+    which, forward and backward (XLA's forward: the native AMX kernel's has no dots)."""
+    monkeypatch.setattr(native, "amx_attention_supports", lambda q, k: False)
     blocks = flash_kernels.CPU_BLOCK_SIZES
     small = jax.ShapeDtypeStruct((32, 64, 4, 64), jnp.bfloat16)  # 2 MiB: all heads in fp32
     assert flash_kernels.cpu_head_by_head(small, small, blocks)
