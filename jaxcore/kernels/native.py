@@ -1,9 +1,9 @@
 """Native CPU kernels: C++ sources in ``jaxcore/kernels/native/``, XLA CPU custom calls (FFI).
 
-Today one: ``amx_attention.cc``, the bf16 attention forward fused per block of 16 queries on
-Intel AMX (see its header for why and for its exact semantics). It replaces the XLA forward of
-the head-pair loop in :mod:`jaxcore.kernels.blockwise` where it can run; the backward stays
-XLA's, fed the kernel's output and log-sum-exp.
+Today one: ``amx_attention.cc``, bf16 attention fused per block of 32 queries on Intel AMX,
+forward and backward (see its header for why and for their exact semantics). They replace
+XLA's forward and backward of the head-pair loop in :mod:`jaxcore.kernels.blockwise` where
+they can run.
 
 A kernel is built on first use with the system's C++ compiler (``c++``, or ``$CXX``) against
 the XLA FFI headers jaxlib ships, into ``$DIFFORGE_CACHE/native/`` under a name that hashes
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 SOURCES = Path(__file__).resolve().parent / "native"
 ENV_SWITCH = "DIFFORGE_NATIVE_KERNELS"  # "0": never use the native kernels
 AMX_ATTENTION_TARGET = "difforge_amx_attention"
+AMX_ATTENTION_BACKWARD_TARGET = "difforge_amx_attention_backward"
 AMX_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
 AMX_CPU_FLAGS = frozenset(
     {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}
@@ -123,9 +124,11 @@ def _amx_unavailable_reason() -> str | None:
         return str(error)
     if not library.difforge_amx_ready():
         return "the OS refused AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-    jax.ffi.register_ffi_target(
-        AMX_ATTENTION_TARGET, jax.ffi.pycapsule(library.DifforgeAmxAttention), platform="cpu"
-    )
+    for target, symbol in (
+        (AMX_ATTENTION_TARGET, library.DifforgeAmxAttention),
+        (AMX_ATTENTION_BACKWARD_TARGET, library.DifforgeAmxAttentionBackward),
+    ):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     return None
 
 
@@ -172,3 +175,16 @@ def amx_attention(q, k, v, mask, scale: float):
         vmap_method="sequential",
     )
     return call(q, k, v, mask, scale=np.float32(scale))
+
+
+def amx_attention_backward(q, k, v, mask, out, lse, d_out, scale: float):
+    """(dq, dk, dv) in bf16 of :func:`amx_attention` given its ``out``, ``lse`` and the output's
+    cotangent ``d_out``: the semantics of :func:`jaxcore.kernels.blockwise._backward` for one
+    pair (float32 accumulation, the probabilities and score gradients rounded to bf16 for the
+    products, as there). Call only where :func:`amx_attention_supports` holds."""
+    call = jax.ffi.ffi_call(
+        AMX_ATTENTION_BACKWARD_TARGET,
+        tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
+        vmap_method="sequential",
+    )
+    return call(q, k, v, mask, out, lse, d_out, scale=np.float32(scale))

@@ -1,10 +1,11 @@
-// Fused exact attention forward in bf16 on Intel AMX, as an XLA CPU FFI custom call.
+// Fused exact attention in bf16 on Intel AMX, forward and backward, as XLA CPU FFI custom calls.
 //
 // Why: XLA CPU runs attention as separate passes over [Lq, Lk] float32 tiles (q k^T, row max,
 // exp, convert to bf16, row sum, p v), each a round trip through memory: one Wan S head
 // (1024 x 1024, d 64) took ~1.4 ms, here ~0.45 ms (2 cores). One block of 32 queries goes
 // through both products and its softmax while its scores (32 x Lk float32) stay in the core's
-// cache; k and v are repacked once per work item into the tiles' layout.
+// cache; k and v are repacked once per work item into the tiles' layout. The backward (see
+// "backward" below) does the same for its five products: 8 heads 23 -> 6.8 ms.
 //
 // Semantics: those of jaxcore/kernels/blockwise.py's forward for one tile covering all keys:
 // scores = (q k^T) * scale in float32 (bf16 products, float32 accumulation; scale > 0), masked
@@ -28,9 +29,11 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -114,26 +117,41 @@ struct Scratch {
   std::vector<uint16_t> q_tail;  // [32, d]: the last block's queries, zero-padded
 };
 
-// AMX's right operand holds pairs of consecutive contraction rows side by side: repack one
-// pair's k (transposed) and v that way, keys padded to whole tiles with masked zeros.
-void Repack(const Shape& s, const uint16_t* k, const uint16_t* v, const bool* mask,
-            int64_t lk_tiles, Scratch& w) {
-  const int64_t d = s.d, lk = s.lk, half_d = d / 2;
-  w.keys_t.assign(half_d * lk_tiles, 0);
-  w.values.assign(lk_tiles / 2 * d, 0);
-  w.live.assign(lk_tiles / 16, 0);
-  const uint32_t* k_pairs = reinterpret_cast<const uint32_t*>(k);
-  const int64_t r_tiles = half_d / 16, c_tiles = d / 16;
+// AMX's right operand holds pairs of consecutive contraction rows side by side. For q k^T
+// (and do v^T) the contraction runs along d: x^T as pairs (x[n][2r], x[n][2r+1]), tile
+// (n / 16, r / 16). For p v (and ds k) it runs along the keys: x as pairs (x[2r][c],
+// x[2r+1][c]), tile (r / 16, c / 16). Keys padded to whole tiles with zeros.
+void RepackTransposed(const uint16_t* x, int64_t lk, int64_t d, int64_t lk_tiles,
+                      std::vector<uint32_t>& to) {
+  const int64_t half_d = d / 2, r_tiles = half_d / 16;
+  to.assign(half_d * lk_tiles, 0);
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(x);
   for (int64_t n = 0; n < lk; ++n) {
-    uint32_t* tiles = w.keys_t.data() + (n / 16) * r_tiles * 256 + n % 16;
-    for (int64_t r = 0; r < half_d; ++r) tiles[(r / 16) * 256 + (r % 16) * 16] = k_pairs[n * half_d + r];
+    uint32_t* tiles = to.data() + (n / 16) * r_tiles * 256 + n % 16;
+    for (int64_t r = 0; r < half_d; ++r) tiles[(r / 16) * 256 + (r % 16) * 16] = pairs[n * half_d + r];
   }
+}
+
+void RepackRows(const uint16_t* x, int64_t lk, int64_t d, int64_t lk_tiles,
+                std::vector<uint32_t>& to) {
+  const int64_t c_tiles = d / 16;
+  to.assign(lk_tiles / 2 * d, 0);
   for (int64_t n = 0; n < lk; ++n) {
-    uint32_t* tiles = w.values.data() + (n / 32) * c_tiles * 256 + ((n % 32) / 2) * 16;
+    uint32_t* tiles = to.data() + (n / 32) * c_tiles * 256 + ((n % 32) / 2) * 16;
     const int shift = (n % 2) * 16;
-    for (int64_t c = 0; c < d; ++c) tiles[(c / 16) * 256 + c % 16] |= uint32_t(v[n * d + c]) << shift;
-    if (mask[n]) w.live[n / 16] |= static_cast<__mmask16>(1u << (n % 16));
+    for (int64_t c = 0; c < d; ++c) tiles[(c / 16) * 256 + c % 16] |= uint32_t(x[n * d + c]) << shift;
   }
+}
+
+void LiveKeys(const bool* mask, int64_t lk, int64_t lk_tiles, std::vector<__mmask16>& live) {
+  live.assign(lk_tiles / 16, 0);
+  for (int64_t n = 0; n < lk; ++n)
+    if (mask[n]) live[n / 16] |= static_cast<__mmask16>(1u << (n % 16));
+}
+
+// Where row i, key n of a block's bf16 [32, lk_tiles] left operand lives in whole tiles.
+inline int64_t BlockTiles(int64_t i, int64_t n, int64_t lk_tiles) {
+  return (i / kRows) * kRows * lk_tiles + (n / 32) * 512 + (i % kRows) * 32 + n % 32;
 }
 
 // Softmax of one block's rows: bf16 probabilities into `probs`, each row's shift (its scaled
@@ -146,7 +164,7 @@ void Softmax(int64_t lk_tiles, float scale, Scratch& w, float* shifts, float* su
   const __m512 vneg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < kBlock; ++i) {
     const float* row = w.scores.data() + i * ScoresStride(lk_tiles);
-    uint16_t* probs = w.probs.data() + (i / kRows) * kRows * lk_tiles + (i % kRows) * 32;
+    uint16_t* probs = w.probs.data() + BlockTiles(i, 0, lk_tiles);
     __m512 vmax = vneg_inf;
     for (int64_t n = 0; n < lk_tiles; n += 16)
       vmax = _mm512_mask_max_ps(vmax, w.live[n / 16], vmax, _mm512_loadu_ps(row + n));
@@ -174,17 +192,19 @@ void Softmax(int64_t lk_tiles, float scale, Scratch& w, float* shifts, float* su
 // operand tile (tmm6, tmm7), which halves the traffic of k and v through the cache (what bound
 // the products at 16 queries per block), and four C tiles (tmm0-3) accumulate independently.
 
-// scores of the block for keys n0 .. n0 + 31
-void ScoreTiles(const uint16_t* q_block, int64_t d, int64_t lk_tiles, int64_t n0, Scratch& w) {
+// out[32, n0 .. n0 + 31] (float32, row stride `stride`) = a[32, d] (bf16, row stride d) . b,
+// b in RepackTransposed's tiles: the scores q k^T, and the backward's do v^T
+void ScoreTiles(const uint16_t* a, int64_t d, const uint32_t* b, int64_t n0, float* out,
+                int64_t stride) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const int64_t per_key_tile = (d / 32) * 256;  // uint32 per 16 keys of k^T
-  const uint32_t* keys = w.keys_t.data() + (n0 / 16) * per_key_tile;
+  const int64_t per_key_tile = (d / 32) * 256;  // uint32 per 16 keys of b
+  const uint32_t* keys = b + (n0 / 16) * per_key_tile;
   for (int64_t c = 0; c < d; c += kDepth) {
-    _tile_loadd(4, q_block + c, d * 2);
-    _tile_loadd(5, q_block + kRows * d + c, d * 2);
+    _tile_loadd(4, a + c, d * 2);
+    _tile_loadd(5, a + kRows * d + c, d * 2);
     _tile_loadd(6, keys + (c / 32) * 256, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(2, 5, 6);
@@ -192,8 +212,7 @@ void ScoreTiles(const uint16_t* q_block, int64_t d, int64_t lk_tiles, int64_t n0
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(3, 5, 7);
   }
-  const int64_t stride = ScoresStride(lk_tiles);
-  float* top = w.scores.data() + n0;
+  float* top = out + n0;
   float* bottom = top + kRows * stride;
   _tile_stored(0, top, stride * 4);
   _tile_stored(1, top + 16, stride * 4);
@@ -201,18 +220,21 @@ void ScoreTiles(const uint16_t* q_block, int64_t d, int64_t lk_tiles, int64_t n0
   _tile_stored(3, bottom + 16, stride * 4);
 }
 
-// unnormalised output columns c0 .. c0 + 31 of the block
-void OutputTiles(int64_t d, int64_t lk_tiles, int64_t c0, Scratch& w) {
+// out[32, c0 .. c0 + 31] (float32, row stride d) = a[32, lk_tiles] . b, a in whole tiles (row
+// tile i / 16, then tile n / 32: BlockTiles), b in RepackRows' tiles: p v, and the backward's
+// ds k
+void OutputTiles(const uint16_t* a, int64_t lk_tiles, const uint32_t* b, int64_t d, int64_t c0,
+                 float* out) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const uint16_t* top = w.probs.data();
-  const uint16_t* bottom = top + kRows * lk_tiles;
+  const uint16_t* top = a;
+  const uint16_t* bottom = a + kRows * lk_tiles;
   for (int64_t n = 0; n < lk_tiles; n += kDepth) {
     _tile_loadd(4, top + n * 16, 64);
     _tile_loadd(5, bottom + n * 16, 64);
-    const uint32_t* tile = w.values.data() + ((n / 32) * (d / 16) + c0 / 16) * 256;
+    const uint32_t* tile = b + ((n / 32) * (d / 16) + c0 / 16) * 256;
     _tile_loadd(6, tile, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(2, 5, 6);
@@ -220,7 +242,7 @@ void OutputTiles(int64_t d, int64_t lk_tiles, int64_t c0, Scratch& w) {
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(3, 5, 7);
   }
-  float* sums = w.sums.data() + c0;
+  float* sums = out + c0;
   _tile_stored(0, sums, d * 4);
   _tile_stored(1, sums + 16, d * 4);
   _tile_stored(2, sums + kRows * d, d * 4);
@@ -233,7 +255,9 @@ void AttendRows(const Shape& s, const uint16_t* q, const uint16_t* k, const uint
                 Scratch& w) {
   const int64_t d = s.d;
   const int64_t lk_tiles = (s.lk + kDepth - 1) / kDepth * kDepth;
-  Repack(s, k, v, mask, lk_tiles, w);
+  RepackTransposed(k, s.lk, d, lk_tiles, w.keys_t);
+  RepackRows(v, s.lk, d, lk_tiles, w.values);
+  LiveKeys(mask, s.lk, lk_tiles, w.live);
   w.scores.resize(kBlock * ScoresStride(lk_tiles));
   w.probs.resize(kBlock * lk_tiles);
   w.sums.resize(kBlock * d);
@@ -248,9 +272,11 @@ void AttendRows(const Shape& s, const uint16_t* q, const uint16_t* k, const uint
       std::memcpy(w.q_tail.data(), q_block, rows * d * sizeof(uint16_t));
       q_block = w.q_tail.data();
     }
-    for (int64_t n0 = 0; n0 < lk_tiles; n0 += 32) ScoreTiles(q_block, d, lk_tiles, n0, w);
+    for (int64_t n0 = 0; n0 < lk_tiles; n0 += 32)
+      ScoreTiles(q_block, d, w.keys_t.data(), n0, w.scores.data(), ScoresStride(lk_tiles));
     Softmax(lk_tiles, scale, w, shifts, row_sums);
-    for (int64_t c0 = 0; c0 < d; c0 += 32) OutputTiles(d, lk_tiles, c0, w);
+    for (int64_t c0 = 0; c0 < d; c0 += 32)
+      OutputTiles(w.probs.data(), lk_tiles, w.values.data(), d, c0, w.sums.data());
     for (int64_t i = 0; i < rows; ++i) {
       const bool seen = row_sums[i] > 0;
       const __m512 inverse = _mm512_set1_ps(seen ? 1.0f / row_sums[i] : 0.0f);
@@ -264,66 +290,289 @@ void AttendRows(const Shape& s, const uint16_t* q, const uint16_t* k, const uint
   _tile_release();
 }
 
-struct Job {
-  Shape s;
-  const uint16_t *q, *k, *v;
-  const bool* mask;
-  float scale;
-  uint16_t* out;
-  float* lse;
-  int64_t rows_per_item, items_per_pair, items;
-  std::atomic<int64_t> next{0}, done{0};
-  std::mutex mu;
-  std::condition_variable finished;
-
-  void Work() {
-    thread_local Scratch scratch;
-    for (int64_t i; (i = next.fetch_add(1)) < items;) {
-      const int64_t pair = i / items_per_pair, part = i % items_per_pair;
-      const int64_t r0 = part * rows_per_item, r1 = std::min(s.lq, r0 + rows_per_item);
-      const int64_t q_off = pair * s.lq * s.d, kv_off = pair * s.lk * s.d;
-      AttendRows(s, q + q_off, k + kv_off, v + kv_off, mask + pair * s.lk, scale, out + q_off,
-                 lse + pair * s.lq, r0, r1, scratch);
-      if (done.fetch_add(1) + 1 == items) {
-        std::lock_guard<std::mutex> lock(mu);
-        finished.notify_all();
+// Calls fn(i) for every i in [0, items) on the calling thread and on helpers from XLA's
+// intra-op pool, each index claimed once from a shared counter; returns when all are done. The
+// caller works too, so it returns even when no helper ever runs (a pool busy elsewhere).
+template <typename Fn>
+void ParallelFor(ffi::ThreadPool& pool, int64_t items, Fn fn) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mu;
+    std::condition_variable finished;
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, items, fn] {
+    for (int64_t i; (i = state->next.fetch_add(1)) < items;) {
+      fn(i);
+      if (state->done.fetch_add(1) + 1 == items) {
+        std::lock_guard<std::mutex> lock(state->mu);
+        state->finished.notify_all();
       }
     }
+  };
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  for (int64_t i = 1; i < std::min(threads, items); ++i) {
+    auto helper = work;
+    pool.Schedule(std::move(helper));
   }
-};
+  work();
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->finished.wait(lock, [&] { return state->done.load() == items; });
+}
+
+bool Bf16Operands(std::initializer_list<const ffi::AnyBuffer*> buffers) {
+  for (const ffi::AnyBuffer* b : buffers)
+    if (b->element_type() != ffi::DataType::BF16 || b->dimensions().size() != 3) return false;
+  return true;
+}
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::AnyBuffer> out,
                      ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale) {
   const auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 3 || kd.size() != 3 || q.element_type() != ffi::DataType::BF16 ||
-      k.element_type() != ffi::DataType::BF16 || v.element_type() != ffi::DataType::BF16 ||
-      qd[2] % kDepth != 0 || kd[2] != qd[2] || kd[0] != qd[0])
+  if (!Bf16Operands({&q, &k, &v}) || qd[2] % kDepth != 0 || kd[2] != qd[2] || kd[0] != qd[0])
     return ffi::Error::InvalidArgument("amx attention: q [P, Lq, D], k/v [P, Lk, D] in bf16, D % 32 == 0");
   if (!RequestAmx()) return ffi::Error::Internal("amx attention: the kernel refused AMX tile state");
-  auto job = std::make_shared<Job>();
-  job->s = {qd[0], qd[1], kd[1], qd[2]};
-  job->q = static_cast<const uint16_t*>(q.untyped_data());
-  job->k = static_cast<const uint16_t*>(k.untyped_data());
-  job->v = static_cast<const uint16_t*>(v.untyped_data());
-  job->mask = mask.typed_data();
-  job->scale = scale;
-  job->out = static_cast<uint16_t*>(out->untyped_data());
-  job->lse = lse->typed_data();
-  if (job->s.pairs == 0 || job->s.lq == 0) return ffi::Error::Success();
+  const Shape s{qd[0], qd[1], kd[1], qd[2]};
+  if (s.pairs == 0 || s.lq == 0) return ffi::Error::Success();
+  const auto* qp = static_cast<const uint16_t*>(q.untyped_data());
+  const auto* kp = static_cast<const uint16_t*>(k.untyped_data());
+  const auto* vp = static_cast<const uint16_t*>(v.untyped_data());
+  const bool* mp = mask.typed_data();
+  auto* op = static_cast<uint16_t*>(out->untyped_data());
+  float* lp = lse->typed_data();
   // about four items per thread, none under 4 blocks (128 queries): an item repacks its
   // pair's k and v, which must stay small next to its products
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t blocks = (job->s.lq + kBlock - 1) / kBlock;
-  int64_t parts = (4 * threads + job->s.pairs - 1) / job->s.pairs;
+  const int64_t blocks = (s.lq + kBlock - 1) / kBlock;
+  int64_t parts = (4 * threads + s.pairs - 1) / s.pairs;
   parts = std::max<int64_t>(1, std::min(parts, blocks / 4));
-  job->rows_per_item = (blocks + parts - 1) / parts * kBlock;
-  job->items_per_pair = (job->s.lq + job->rows_per_item - 1) / job->rows_per_item;
-  job->items = job->s.pairs * job->items_per_pair;
-  for (int64_t i = 1; i < std::min(threads, job->items); ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->finished.wait(lock, [&] { return job->done.load() == job->items; });
+  const int64_t rows_per_item = (blocks + parts - 1) / parts * kBlock;
+  const int64_t items_per_pair = (s.lq + rows_per_item - 1) / rows_per_item;
+  ParallelFor(pool, s.pairs * items_per_pair, [&](int64_t i) {
+    thread_local Scratch scratch;
+    const int64_t pair = i / items_per_pair, part = i % items_per_pair;
+    const int64_t r0 = part * rows_per_item, r1 = std::min(s.lq, r0 + rows_per_item);
+    const int64_t q_off = pair * s.lq * s.d, kv_off = pair * s.lk * s.d;
+    AttendRows(s, qp + q_off, kp + kv_off, vp + kv_off, mp + pair * s.lk, scale, op + q_off,
+               lp + pair * s.lq, r0, r1, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+// --- backward -------------------------------------------------------------------------------
+//
+// FlashAttention-2's backward (blockwise.py's _tile_grads, all keys in one tile) for one pair,
+// 32 queries at a time: s = q k^T, p = exp(scale s - lse) (float32, masked keys 0), dp = do v^T,
+// ds = bf16(scale p (dp - delta)) with delta = rowsum(do * out); then dq = ds k for the block,
+// and dv^T += do^T bf16(p), dk^T += q^T ds, accumulated in float32 over the blocks (their left
+// operands are the block's do^T and q^T, [d, 32 queries]; their right ones p and ds as pairs of
+// queries side by side).
+
+struct BackwardScratch {
+  std::vector<uint32_t> keys_t, values_t, keys_rows;  // for q k^T, do v^T, ds k
+  std::vector<__mmask16> live;
+  std::vector<float> scores, dprobs;   // [32, ScoresStride(lk_tiles)]
+  std::vector<uint16_t> ds_tiles;      // ds as a left operand (BlockTiles)
+  std::vector<uint32_t> p_pairs, ds_pairs;  // tile n / 16: [16 query pairs, 16 keys]
+  std::vector<uint16_t> do_t, q_t;     // [d, 32]
+  std::vector<float> dv_t, dk_t;       // tile (c / 16, n / 16): [16 columns, 16 keys]
+  std::vector<float> dq_sums;          // [32, d]
+  std::vector<uint16_t> q_tail, do_tail;
+};
+
+inline uint16_t ToBf16(float x) {  // round to nearest even, as the vector conversion
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float FromBf16(uint16_t x) {
+  const uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// 32 bf16 from two rows' 16 float32 each, interleaved (a0, b0, a1, b1, ...): one row of a
+// right operand over query pairs
+inline void StorePairs(uint32_t* to, __m512 a, __m512 b) {
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in the low half
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  _mm512_storeu_si512(to, _mm512_permutexvar_epi16(order, both));
+}
+
+// ds and p of the block's rows (see above) into their operand layouts.
+void ScoreGradients(int64_t lk_tiles, float scale, const float* lse, const float* delta,
+                    BackwardScratch& w) {
+  const float c = scale * 1.44269504088896341f;
+  const int64_t stride = ScoresStride(lk_tiles);
+  const __m512 vc = _mm512_set1_ps(c), vscale = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < kBlock / 2; ++r) {  // rows 2r and 2r + 1
+    const int64_t a = 2 * r, b = 2 * r + 1;
+    // a row that saw no key in the forward (lse +inf) has no probabilities and no gradient
+    const __mmask16 row_a = std::isfinite(lse[a]) ? 0xffff : 0, row_b = std::isfinite(lse[b]) ? 0xffff : 0;
+    const __m512 shift_a = _mm512_set1_ps(row_a ? lse[a] * 1.44269504088896341f : 0.0f);
+    const __m512 shift_b = _mm512_set1_ps(row_b ? lse[b] * 1.44269504088896341f : 0.0f);
+    const __m512 delta_a = _mm512_set1_ps(delta[a]), delta_b = _mm512_set1_ps(delta[b]);
+    const float *s_a = w.scores.data() + a * stride, *s_b = w.scores.data() + b * stride;
+    const float *dp_a = w.dprobs.data() + a * stride, *dp_b = w.dprobs.data() + b * stride;
+    for (int64_t n = 0; n < lk_tiles; n += 16) {
+      const __mmask16 live = w.live[n / 16];
+      const __m512 p_a = Exp2(_mm512_fmsub_ps(_mm512_loadu_ps(s_a + n), vc, shift_a), live & row_a);
+      const __m512 p_b = Exp2(_mm512_fmsub_ps(_mm512_loadu_ps(s_b + n), vc, shift_b), live & row_b);
+      const __m512 ds_a = _mm512_mul_ps(_mm512_mul_ps(p_a, _mm512_sub_ps(_mm512_loadu_ps(dp_a + n), delta_a)), vscale);
+      const __m512 ds_b = _mm512_mul_ps(_mm512_mul_ps(p_b, _mm512_sub_ps(_mm512_loadu_ps(dp_b + n), delta_b)), vscale);
+      StoreBf16(w.ds_tiles.data() + BlockTiles(a, n, lk_tiles), ds_a);
+      StoreBf16(w.ds_tiles.data() + BlockTiles(b, n, lk_tiles), ds_b);
+      StorePairs(w.p_pairs.data() + (n / 16) * 256 + r * 16, p_a, p_b);
+      StorePairs(w.ds_pairs.data() + (n / 16) * 256 + r * 16, ds_a, ds_b);
+    }
+  }
+}
+
+// acc^T tiles (c / 16, n / 16) += a_t [d, 32] (bf16, 64-byte rows) . pairs (tile n / 16);
+// up to four column tiles' left operands stay loaded (tmm4-7) while the keys go by.
+void AccumulateTransposed(const uint16_t* a_t, const uint32_t* pairs, int64_t d, int64_t lk_tiles,
+                          float* acc) {
+  const int64_t key_tiles = lk_tiles / 16;
+  for (int64_t g = 0; g < d; g += 64) {
+    const int64_t tiles = std::min<int64_t>(4, (d - g) / 16);
+    _tile_loadd(4, a_t + g * 32, 64);
+    if (tiles > 1) _tile_loadd(5, a_t + (g + 16) * 32, 64);
+    if (tiles > 2) _tile_loadd(6, a_t + (g + 32) * 32, 64);
+    if (tiles > 3) _tile_loadd(7, a_t + (g + 48) * 32, 64);
+    for (int64_t n = 0; n < key_tiles; ++n) {
+      _tile_loadd(3, pairs + n * 256, 64);
+      float* c0 = acc + ((g / 16) * key_tiles + n) * 256;
+      const int64_t next = key_tiles * 256;  // the next column tile's accumulator
+      _tile_loadd(0, c0, 64);
+      _tile_dpbf16ps(0, 4, 3);
+      if (tiles > 1) {
+        _tile_loadd(1, c0 + next, 64);
+        _tile_dpbf16ps(1, 5, 3);
+      }
+      if (tiles > 2) {
+        _tile_loadd(2, c0 + 2 * next, 64);
+        _tile_dpbf16ps(2, 6, 3);
+      }
+      _tile_stored(0, c0, 64);
+      if (tiles > 3) {
+        _tile_loadd(0, c0 + 3 * next, 64);
+        _tile_dpbf16ps(0, 7, 3);
+        _tile_stored(0, c0 + 3 * next, 64);
+      }
+      if (tiles > 1) _tile_stored(1, c0 + next, 64);
+      if (tiles > 2) _tile_stored(2, c0 + 2 * next, 64);
+    }
+  }
+}
+
+void Transpose(const uint16_t* block, int64_t d, uint16_t* to) {  // [32, d] -> [d, 32]
+  for (int64_t i = 0; i < kBlock; ++i)
+    for (int64_t c = 0; c < d; ++c) to[c * kBlock + i] = block[i * d + c];
+}
+
+void BackwardPair(const Shape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                  const bool* mask, const uint16_t* out, const uint16_t* d_out, const float* lse,
+                  float scale, uint16_t* dq, uint16_t* dk, uint16_t* dv, BackwardScratch& w) {
+  const int64_t d = s.d;
+  const int64_t lk_tiles = (s.lk + kDepth - 1) / kDepth * kDepth, key_tiles = lk_tiles / 16;
+  RepackTransposed(k, s.lk, d, lk_tiles, w.keys_t);
+  RepackTransposed(v, s.lk, d, lk_tiles, w.values_t);
+  RepackRows(k, s.lk, d, lk_tiles, w.keys_rows);
+  LiveKeys(mask, s.lk, lk_tiles, w.live);
+  w.scores.resize(kBlock * ScoresStride(lk_tiles));
+  w.dprobs.resize(kBlock * ScoresStride(lk_tiles));
+  w.ds_tiles.resize(kBlock * lk_tiles);
+  w.p_pairs.resize(kBlock / 2 * lk_tiles);
+  w.ds_pairs.resize(kBlock / 2 * lk_tiles);
+  w.do_t.resize(d * kBlock);
+  w.q_t.resize(d * kBlock);
+  w.dv_t.assign(d * lk_tiles, 0.0f);
+  w.dk_t.assign(d * lk_tiles, 0.0f);
+  w.dq_sums.resize(kBlock * d);
+  w.q_tail.resize(kBlock * d);
+  w.do_tail.resize(kBlock * d);
+  ConfigureTiles();
+  float lse_block[kBlock], delta[kBlock];
+  for (int64_t row0 = 0; row0 < s.lq; row0 += kBlock) {
+    const int64_t rows = std::min(kBlock, s.lq - row0);
+    const uint16_t* q_block = q + row0 * d;
+    const uint16_t* do_block = d_out + row0 * d;
+    if (rows < kBlock) {  // tile loads read 32 rows: zero rows, which get no probabilities
+      std::fill(w.q_tail.begin(), w.q_tail.end(), 0);
+      std::fill(w.do_tail.begin(), w.do_tail.end(), 0);
+      std::memcpy(w.q_tail.data(), q_block, rows * d * sizeof(uint16_t));
+      std::memcpy(w.do_tail.data(), do_block, rows * d * sizeof(uint16_t));
+      q_block = w.q_tail.data();
+      do_block = w.do_tail.data();
+    }
+    for (int64_t i = 0; i < kBlock; ++i) {
+      lse_block[i] = i < rows ? lse[row0 + i] : std::numeric_limits<float>::infinity();
+      float sum = 0.0f;
+      for (int64_t c = 0; i < rows && c < d; ++c)
+        sum += FromBf16(do_block[i * d + c]) * FromBf16(out[(row0 + i) * d + c]);
+      delta[i] = sum;
+    }
+    for (int64_t n0 = 0; n0 < lk_tiles; n0 += 32) {
+      ScoreTiles(q_block, d, w.keys_t.data(), n0, w.scores.data(), ScoresStride(lk_tiles));
+      ScoreTiles(do_block, d, w.values_t.data(), n0, w.dprobs.data(), ScoresStride(lk_tiles));
+    }
+    ScoreGradients(lk_tiles, scale, lse_block, delta, w);
+    for (int64_t c0 = 0; c0 < d; c0 += 32)
+      OutputTiles(w.ds_tiles.data(), lk_tiles, w.keys_rows.data(), d, c0, w.dq_sums.data());
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t c = 0; c < d; c += 16)
+        StoreBf16(dq + (row0 + i) * d + c, _mm512_loadu_ps(w.dq_sums.data() + i * d + c));
+    Transpose(do_block, d, w.do_t.data());
+    Transpose(q_block, d, w.q_t.data());
+    AccumulateTransposed(w.do_t.data(), w.p_pairs.data(), d, lk_tiles, w.dv_t.data());
+    AccumulateTransposed(w.q_t.data(), w.ds_pairs.data(), d, lk_tiles, w.dk_t.data());
+  }
+  _tile_release();
+  for (int64_t n = 0; n < s.lk; ++n)
+    for (int64_t c = 0; c < d; ++c) {
+      const int64_t at = ((c / 16) * key_tiles + n / 16) * 256 + (c % 16) * 16 + n % 16;
+      dv[n * d + c] = ToBf16(w.dv_t[at]);
+      dk[n * d + c] = ToBf16(w.dk_t[at]);
+    }
+}
+
+ffi::Error AttentionBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                             ffi::AnyBuffer v, ffi::Buffer<ffi::PRED> mask, ffi::AnyBuffer out,
+                             ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_out,
+                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                             ffi::Result<ffi::AnyBuffer> dv, float scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (!Bf16Operands({&q, &k, &v, &out, &d_out}) || qd[2] % kDepth != 0 || kd[2] != qd[2] ||
+      kd[0] != qd[0])
+    return ffi::Error::InvalidArgument("amx attention backward: bf16 [P, L, D], D % 32 == 0");
+  if (!RequestAmx()) return ffi::Error::Internal("amx attention: the kernel refused AMX tile state");
+  const Shape s{qd[0], qd[1], kd[1], qd[2]};
+  if (s.pairs == 0) return ffi::Error::Success();
+  const auto* qp = static_cast<const uint16_t*>(q.untyped_data());
+  const auto* kp = static_cast<const uint16_t*>(k.untyped_data());
+  const auto* vp = static_cast<const uint16_t*>(v.untyped_data());
+  const auto* op = static_cast<const uint16_t*>(out.untyped_data());
+  const auto* dop = static_cast<const uint16_t*>(d_out.untyped_data());
+  const bool* mp = mask.typed_data();
+  const float* lp = lse.typed_data();
+  auto* dqp = static_cast<uint16_t*>(dq->untyped_data());
+  auto* dkp = static_cast<uint16_t*>(dk->untyped_data());
+  auto* dvp = static_cast<uint16_t*>(dv->untyped_data());
+  // one item per pair: its dk and dv sum over all its queries
+  ParallelFor(pool, s.pairs, [&](int64_t pair) {
+    thread_local BackwardScratch scratch;
+    const int64_t q_off = pair * s.lq * s.d, kv_off = pair * s.lk * s.d;
+    BackwardPair(s, qp + q_off, kp + kv_off, vp + kv_off, mp + pair * s.lk, op + q_off,
+                 dop + q_off, lp + pair * s.lq, scale, dqp + q_off, dkp + kv_off, dvp + kv_off,
+                 scratch);
+  });
   return ffi::Error::Success();
 }
 
@@ -332,6 +581,21 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, f
 // 1 when this process may use AMX (asks the kernel once); the Python side checks it before it
 // emits the custom call.
 extern "C" int difforge_amx_ready() { return RequestAmx() ? 1 : 0; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DifforgeAmxAttentionBackward, AttentionBackward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DifforgeAmxAttention, Attention,
                               ffi::Ffi::Bind()
