@@ -183,12 +183,17 @@ def test_kernel_inside_shard_map_and_vmap():
         assert diffs(got[i], single)[0] == 0.0
 
 
-def test_kernel_builds_wherever_it_could_run():
+def test_kernel_builds_wherever_it_could_run(monkeypatch, tmp_path):
     """A CPU with AMX-BF16 and a compiler must get the kernel: a source that stopped compiling
-    would otherwise only turn the kernel's tests into skips."""
+    would otherwise only turn the kernel's tests into skips. Built from scratch (an empty cache),
+    then found in the cache."""
     if native.AMX_CPU_FLAGS - native.cpu_flags() or native._compiler() is None:
         pytest.skip("no AMX-BF16 CPU or no C++ compiler here: nothing to build")
-    native.build("amx_attention", native.AMX_FLAGS)  # raises NativeBuildError with the errors
+    monkeypatch.setenv("DIFFORGE_CACHE", str(tmp_path))
+    built = native.build("amx_attention", native.AMX_FLAGS)  # NativeBuildError names the errors
+    assert built.parent == tmp_path / "native" and built.stat().st_size > 0
+    assert [p.name for p in built.parent.iterdir()] == [built.name]  # no temp files left
+    assert native.build("amx_attention", native.AMX_FLAGS) == built
 
 
 def test_switch_off_and_build_failures_name_the_reason(monkeypatch, tmp_path):
