@@ -32,11 +32,14 @@ def _ratio(ours: dict | None, theirs: dict | None) -> float | None:
     return theirs["median_s"] / ours["median_s"]
 
 
+def _met(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
 def _verdict(ratio: float | None, goal: float) -> str:
     if ratio is None:
         return "-"
-    met = "met" if ratio >= goal else "**not met**"
-    return f"{ratio:.2f}x ({met})"
+    return f"{ratio:.2f}x ({_met(ratio >= goal)})"
 
 
 def _share_of_limit(record: dict, *, bf16: bool, word: str = "") -> str:
@@ -150,7 +153,7 @@ def _other_rows(results: list[dict]) -> list[str]:
                 f"(after its {conv['startup_s']:.1f} s start-up: "
                 f"{conv['marginal_vs_encoders']:.2f}x) | bare encoders "
                 f"{conv['encoder_items_per_s']:.3g} items/s | {share:.2f}x whole run "
-                f"({'met' if share >= 0.5 else '**not met**'}, goal 0.5x) |"
+                f"({_met(share >= 0.5)}, goal 0.5x) |"
             )
     load = _find(results, "memory_load", "274MiB", "difforge")
     if load:
@@ -158,7 +161,7 @@ def _other_rows(results: list[dict]) -> list[str]:
         rows.append(
             f"| model load, 274 MiB of safetensors | peak RSS {load['value']:.2f}x the weight "
             f"bytes | diffusers {peer['value']:.2f}x | goal < 1.3x: "
-            f"{'met' if load['value'] < 1.3 else '**not met**'} |"
+            f"{_met(load['value'] < 1.3)} |"
         )
     cold = _find(results, "compile_cache", "S", "cold_cache")
     warm = _find(results, "compile_cache", "S", "warm_cache")

@@ -379,16 +379,23 @@ def _pairwise(q, k, v, masks, blocks: _Blocks):
     return _pairwise_forward(q, k, v, masks, blocks)[0]
 
 
-def _pairwise_forward(q, k, v, masks, blocks: _Blocks):
+def _native_operands(q, k, v, masks, blocks: _Blocks):
+    """q, k, v ``[P, L, D]`` and the key masks ``[P, Lk]`` (all True for None) as the native
+    AMX kernels take them (jaxcore/kernels/native.py), or None where they cannot run and the
+    XLA loops below do: all pairs in one call, forward and backward (Wan S forward in bf16
+    220 -> 149 ms; its self-attention's backward 23 -> 6.8 ms per layer)."""
     pairs, lq, lk, d = q.shape[0], q.shape[-2], k.shape[-2], q.shape[-1]
     flat_q, flat_k = q.reshape(pairs, lq, d), k.reshape(pairs, lk, d)
-    if blocks.score_scale > 0 and native.amx_attention_supports(flat_q, flat_k):
-        # all pairs in one call of the fused bf16 kernel on AMX (jaxcore/kernels/native.py):
-        # Wan S forward in bf16 220 -> 149 ms
-        flat_masks = jnp.ones((pairs, lk), bool) if masks is None else masks.reshape(pairs, lk)
-        out, lse = native.amx_attention(
-            flat_q, flat_k, v.reshape(pairs, lk, d), flat_masks, blocks.score_scale
-        )
+    if blocks.score_scale <= 0 or not native.amx_attention_supports(flat_q, flat_k):
+        return None
+    flat_masks = jnp.ones((pairs, lk), bool) if masks is None else masks.reshape(pairs, lk)
+    return flat_q, flat_k, v.reshape(pairs, lk, d), flat_masks
+
+
+def _pairwise_forward(q, k, v, masks, blocks: _Blocks):
+    operands = _native_operands(q, k, v, masks, blocks)
+    if operands is not None:
+        out, lse = native.amx_attention(*operands, blocks.score_scale)
         out, lse = out.reshape(q.shape), lse.reshape(q.shape[:-1])
         return out, (q, k, v, masks, out, lse)
 
@@ -404,20 +411,14 @@ def _pairwise_forward(q, k, v, masks, blocks: _Blocks):
 
 def _pairwise_backward(blocks: _Blocks, residuals, d_out):
     q, k, v, masks, out, lse = residuals
-    pairs, lq, lk, d = q.shape[0], q.shape[-2], k.shape[-2], q.shape[-1]
-    flat_q, flat_k = q.reshape(pairs, lq, d), k.reshape(pairs, lk, d)
-    if blocks.score_scale > 0 and native.amx_attention_supports(flat_q, flat_k):
-        # the fused bf16 backward on AMX: Wan S self-attention's 8 heads 23 -> 6.8 ms, the S
-        # mixed-precision train step 728 -> 504 ms
-        flat_masks = jnp.ones((pairs, lk), bool) if masks is None else masks.reshape(pairs, lk)
+    operands = _native_operands(q, k, v, masks, blocks)
+    if operands is not None:  # the S mixed-precision train step 728 -> 504 ms with it
+        flat_q = operands[0]
         grads = native.amx_attention_backward(
-            flat_q,
-            flat_k,
-            v.reshape(pairs, lk, d),
-            flat_masks,
-            out.reshape(pairs, lq, d),
-            lse.reshape(pairs, lq),
-            d_out.reshape(pairs, lq, d),
+            *operands,
+            out.reshape(flat_q.shape),
+            lse.reshape(flat_q.shape[:-1]),
+            d_out.reshape(flat_q.shape),
             blocks.score_scale,
         )
         return (*(g.reshape(x.shape) for g, x in zip(grads, (q, k, v), strict=True)), None)

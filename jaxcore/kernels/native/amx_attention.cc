@@ -33,6 +33,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -45,6 +46,7 @@ namespace {
 constexpr int64_t kRows = 16;   // rows of an AMX tile
 constexpr int64_t kBlock = 32;  // queries per block: two row tiles share each right operand
 constexpr int64_t kDepth = 32;  // bf16 values along the contraction in one tile row (64 bytes)
+constexpr float kLog2e = 1.44269504088896341f;  // exp(x) = 2^(x log2(e))
 
 struct TileConfig {  // the layout _tile_loadconfig reads (palette 1)
   uint8_t palette_id = 1;
@@ -159,7 +161,7 @@ inline int64_t BlockTiles(int64_t i, int64_t n, int64_t lk_tiles) {
 // as 2^(c s - c max), c = scale log2(e), one multiply-add per score (scale > 0, so the max of
 // the scaled scores is the scaled max).
 void Softmax(int64_t lk_tiles, float scale, Scratch& w, float* shifts, float* sums) {
-  const float c = scale * 1.44269504088896341f;
+  const float c = scale * kLog2e;
   const __m512 vc = _mm512_set1_ps(c);
   const __m512 vneg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < kBlock; ++i) {
@@ -249,6 +251,16 @@ void OutputTiles(const uint16_t* a, int64_t lk_tiles, const uint32_t* b, int64_t
   _tile_stored(3, sums + kRows * d + 16, d * 4);
 }
 
+// The kBlock rows of x ([rows, d] bf16) a block's tile loads read: x itself when all exist,
+// else a copy in `tail` with zero rows after the last (zero queries get no probabilities).
+const uint16_t* BlockRows(const uint16_t* x, int64_t rows, int64_t d,
+                          std::vector<uint16_t>& tail) {
+  if (rows == kBlock) return x;
+  std::fill(tail.begin(), tail.end(), 0);
+  std::memcpy(tail.data(), x, rows * d * sizeof(uint16_t));
+  return tail.data();
+}
+
 // Queries [r0, r1) of one pair: their bf16 output and lse.
 void AttendRows(const Shape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                 const bool* mask, float scale, uint16_t* out, float* lse, int64_t r0, int64_t r1,
@@ -266,12 +278,7 @@ void AttendRows(const Shape& s, const uint16_t* q, const uint16_t* k, const uint
   ConfigureTiles();
   for (int64_t row0 = r0; row0 < r1; row0 += kBlock) {
     const int64_t rows = std::min(kBlock, r1 - row0);
-    const uint16_t* q_block = q + row0 * d;
-    if (rows < kBlock) {  // the block's tile loads read 32 rows
-      std::fill(w.q_tail.begin(), w.q_tail.end(), 0);
-      std::memcpy(w.q_tail.data(), q_block, rows * d * sizeof(uint16_t));
-      q_block = w.q_tail.data();
-    }
+    const uint16_t* q_block = BlockRows(q + row0 * d, rows, d, w.q_tail);
     for (int64_t n0 = 0; n0 < lk_tiles; n0 += 32)
       ScoreTiles(q_block, d, w.keys_t.data(), n0, w.scores.data(), ScoresStride(lk_tiles));
     Softmax(lk_tiles, scale, w, shifts, row_sums);
@@ -320,20 +327,29 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t items, Fn fn) {
   state->finished.wait(lock, [&] { return state->done.load() == items; });
 }
 
-bool Bf16Operands(std::initializer_list<const ffi::AnyBuffer*> buffers) {
-  for (const ffi::AnyBuffer* b : buffers)
-    if (b->element_type() != ffi::DataType::BF16 || b->dimensions().size() != 3) return false;
-  return true;
+// The pairs' shape when q and k (and `others`) are bf16 [P, L, D] with one P and one D, a
+// multiple of 32; nullopt otherwise.
+std::optional<Shape> PairsShape(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                std::initializer_list<const ffi::AnyBuffer*> others) {
+  const auto bf16_3d = [](const ffi::AnyBuffer* b) {
+    return b->element_type() == ffi::DataType::BF16 && b->dimensions().size() == 3;
+  };
+  if (!bf16_3d(&q) || !bf16_3d(&k)) return std::nullopt;
+  for (const ffi::AnyBuffer* b : others)
+    if (!bf16_3d(b)) return std::nullopt;
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd[2] % kDepth != 0 || kd[2] != qd[2] || kd[0] != qd[0]) return std::nullopt;
+  return Shape{qd[0], qd[1], kd[1], qd[2]};
 }
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::AnyBuffer> out,
                      ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale) {
-  const auto qd = q.dimensions(), kd = k.dimensions();
-  if (!Bf16Operands({&q, &k, &v}) || qd[2] % kDepth != 0 || kd[2] != qd[2] || kd[0] != qd[0])
+  const std::optional<Shape> shape = PairsShape(q, k, {&v});
+  if (!shape)
     return ffi::Error::InvalidArgument("amx attention: q [P, Lq, D], k/v [P, Lk, D] in bf16, D % 32 == 0");
   if (!RequestAmx()) return ffi::Error::Internal("amx attention: the kernel refused AMX tile state");
-  const Shape s{qd[0], qd[1], kd[1], qd[2]};
+  const Shape s = *shape;
   if (s.pairs == 0 || s.lq == 0) return ffi::Error::Success();
   const auto* qp = static_cast<const uint16_t*>(q.untyped_data());
   const auto* kp = static_cast<const uint16_t*>(k.untyped_data());
@@ -409,15 +425,15 @@ inline void StorePairs(uint32_t* to, __m512 a, __m512 b) {
 // ds and p of the block's rows (see above) into their operand layouts.
 void ScoreGradients(int64_t lk_tiles, float scale, const float* lse, const float* delta,
                     BackwardScratch& w) {
-  const float c = scale * 1.44269504088896341f;
+  const float c = scale * kLog2e;
   const int64_t stride = ScoresStride(lk_tiles);
   const __m512 vc = _mm512_set1_ps(c), vscale = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < kBlock / 2; ++r) {  // rows 2r and 2r + 1
     const int64_t a = 2 * r, b = 2 * r + 1;
     // a row that saw no key in the forward (lse +inf) has no probabilities and no gradient
     const __mmask16 row_a = std::isfinite(lse[a]) ? 0xffff : 0, row_b = std::isfinite(lse[b]) ? 0xffff : 0;
-    const __m512 shift_a = _mm512_set1_ps(row_a ? lse[a] * 1.44269504088896341f : 0.0f);
-    const __m512 shift_b = _mm512_set1_ps(row_b ? lse[b] * 1.44269504088896341f : 0.0f);
+    const __m512 shift_a = _mm512_set1_ps(row_a ? lse[a] * kLog2e : 0.0f);
+    const __m512 shift_b = _mm512_set1_ps(row_b ? lse[b] * kLog2e : 0.0f);
     const __m512 delta_a = _mm512_set1_ps(delta[a]), delta_b = _mm512_set1_ps(delta[b]);
     const float *s_a = w.scores.data() + a * stride, *s_b = w.scores.data() + b * stride;
     const float *dp_a = w.dprobs.data() + a * stride, *dp_b = w.dprobs.data() + b * stride;
@@ -502,16 +518,8 @@ void BackwardPair(const Shape& s, const uint16_t* q, const uint16_t* k, const ui
   float lse_block[kBlock], delta[kBlock];
   for (int64_t row0 = 0; row0 < s.lq; row0 += kBlock) {
     const int64_t rows = std::min(kBlock, s.lq - row0);
-    const uint16_t* q_block = q + row0 * d;
-    const uint16_t* do_block = d_out + row0 * d;
-    if (rows < kBlock) {  // tile loads read 32 rows: zero rows, which get no probabilities
-      std::fill(w.q_tail.begin(), w.q_tail.end(), 0);
-      std::fill(w.do_tail.begin(), w.do_tail.end(), 0);
-      std::memcpy(w.q_tail.data(), q_block, rows * d * sizeof(uint16_t));
-      std::memcpy(w.do_tail.data(), do_block, rows * d * sizeof(uint16_t));
-      q_block = w.q_tail.data();
-      do_block = w.do_tail.data();
-    }
+    const uint16_t* q_block = BlockRows(q + row0 * d, rows, d, w.q_tail);
+    const uint16_t* do_block = BlockRows(d_out + row0 * d, rows, d, w.do_tail);
     for (int64_t i = 0; i < kBlock; ++i) {
       lse_block[i] = i < rows ? lse[row0 + i] : std::numeric_limits<float>::infinity();
       float sum = 0.0f;
@@ -548,12 +556,11 @@ ffi::Error AttentionBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
                              ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_out,
                              ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                              ffi::Result<ffi::AnyBuffer> dv, float scale) {
-  const auto qd = q.dimensions(), kd = k.dimensions();
-  if (!Bf16Operands({&q, &k, &v, &out, &d_out}) || qd[2] % kDepth != 0 || kd[2] != qd[2] ||
-      kd[0] != qd[0])
+  const std::optional<Shape> shape = PairsShape(q, k, {&v, &out, &d_out});
+  if (!shape)
     return ffi::Error::InvalidArgument("amx attention backward: bf16 [P, L, D], D % 32 == 0");
   if (!RequestAmx()) return ffi::Error::Internal("amx attention: the kernel refused AMX tile state");
-  const Shape s{qd[0], qd[1], kd[1], qd[2]};
+  const Shape s = *shape;
   if (s.pairs == 0) return ffi::Error::Success();
   const auto* qp = static_cast<const uint16_t*>(q.untyped_data());
   const auto* kp = static_cast<const uint16_t*>(k.untyped_data());
@@ -582,13 +589,20 @@ ffi::Error AttentionBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
 // emits the custom call.
 extern "C" int difforge_amx_ready() { return RequestAmx() ? 1 : 0; }
 
+namespace {
+// What both calls take first: XLA's intra-op pool, then q, k, v and the key mask.
+auto BindPoolQkvMask() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::PRED>>();
+}
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DifforgeAmxAttentionBackward, AttentionBackward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                              BindPoolQkvMask()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
@@ -598,12 +612,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DifforgeAmxAttentionBackward, AttentionBackward,
                                   .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DifforgeAmxAttention, Attention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                              BindPoolQkvMask()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
