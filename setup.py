@@ -45,7 +45,7 @@ setup(
     description=__doc__,
     python_requires=">=3.11",
     packages=find_packages(include=["jaxcore*", "stages*", "pipelines*"]),
-    package_data={"jaxcore": ["README.md", "kernels/native/*.cc"]},
+    package_data={"jaxcore": ["README.md", "kernels/native/*.cc", "kernels/native/*.h"]},
     install_requires=BASE,
     extras_require={
         "test": TEST,

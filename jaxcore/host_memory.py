@@ -25,6 +25,11 @@ bf16 forward 264-265 -> 239-243 ms). An allocator must be loaded before the proc
 :func:`reexec_with_tcmalloc` re-executes the program with tcmalloc in ``LD_PRELOAD``; the
 ``difforge`` command and ``make bench`` call it first thing (``DIFFORGE_TCMALLOC=0`` turns it
 off, ``=1`` applies it whatever the host). Where it runs, the glibc policy above is moot.
+tcmalloc too hands freed pages back to the kernel by default, a little on every free, so a
+step that followed other work (another step function, PyTorch in the bench) faulted its
+temporaries in again: the Wan M float32 train step took 6.2 s right after such work, 4.1-4.3
+s otherwise; with ``TCMALLOC_RELEASE_RATE=0``, which the re-execution sets unless the user
+set it, 4.0-4.2 s in every position (alternately in one process).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ ENV = "DIFFORGE_KEEP_HOST_MEMORY"
 TCMALLOC_ENV = "DIFFORGE_TCMALLOC"
 # set in the re-executed process: it is not re-executed again, whatever LD_PRELOAD became
 _REEXECUTED_ENV = "DIFFORGE_TCMALLOC_PRELOADED"
+# gperftools' rate of handing freed pages back to the kernel; 0: never (unless the user set it)
+TCMALLOC_RELEASE_ENV = "TCMALLOC_RELEASE_RATE"
 _TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 _LIBRARY_DIRS = (
     "/usr/lib/x86_64-linux-gnu",
@@ -110,6 +117,7 @@ def reexec_with_tcmalloc() -> None:
         return
     preload = ":".join(p for p in (library, os.environ.get("LD_PRELOAD", "")) if p)
     env = {**os.environ, "LD_PRELOAD": preload, _REEXECUTED_ENV: "1"}
+    env.setdefault(TCMALLOC_RELEASE_ENV, "0")  # keep freed memory (see the module docstring)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

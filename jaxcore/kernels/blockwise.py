@@ -19,8 +19,9 @@ Layout: heads-major ``[B, H, L, D]`` inside (one transpose per call, not per til
 head at a time (``head_by_head``, what CPUs use for long sequences and for bf16, where the
 backward computes dq transposed from a transposed copy of k so that XLA CPU runs that product
 in bf16: :mod:`jaxcore.kernels.products`; the loop over pairs carries 16-bit arrays as their
-bits, see "the head-pair loop" below; in bf16 on a CPU with AMX the pairs' forward and backward
-are each one call of a native fused kernel instead, :mod:`jaxcore.kernels.native`); the public
+bits, see "the head-pair loop" below; in bf16 on a CPU with AMX, and in float32 on one with
+AVX-512, the pairs' forward and backward are each one call of a native fused kernel instead,
+:mod:`jaxcore.kernels.native`); the public
 :func:`blockwise_attention` takes and returns ``[B, L, H, D]``. Sequences are padded to block
 multiples (blocks balanced by :func:`balanced_block`); padded keys are masked; a row whose keys
 are all masked returns zeros and gets zero gradients.
@@ -310,7 +311,16 @@ def blockwise_attention(
     ``head_by_head``: one head of one batch row at a time (a loop over the B x H pairs) instead
     of all heads' tiles at once; on CPU a tile then stays in the core's cache between its
     matrix product, softmax and second product, and the tiles' products are plain matrix
-    products (XLA CPU runs a batched bf16 product in float32, an unbatched one on AMX)."""
+    products (XLA CPU runs a batched bf16 product in float32, an unbatched one on AMX). Where a
+    native kernel takes the inputs (:func:`jaxcore.kernels.native.kernel_for`) the pairs are
+    its instead, on the ``[B, L, H, D]`` arrays as they are (no padding, no transposes), with
+    the scale on the scores unless ``scale_scores`` is False."""
+    kernel = _native_kernel(q, k, v, head_by_head)
+    if kernel is not None and scale > 0:
+        if scale_scores is False:  # as asked: q rounded once with the scale folded in
+            q, scale = q * jnp.asarray(scale, q.dtype), 1.0
+        mask = jnp.ones((q.shape[0], k.shape[1]), bool) if kv_mask is None else kv_mask
+        return _native_attention(q, k, v, mask, kernel, float(scale))
     lq, lk = q.shape[1], k.shape[1]
     block_q, block_kv = balanced_block(lq, block_q), balanced_block(lk, block_kv)
     k, v, kv_mask = pad_keys(k, v, kv_mask, block_kv)
@@ -348,6 +358,40 @@ def blockwise_attention(
     return out.transpose(1, 2, 0, 3)[:, :lq]
 
 
+# --- the native kernels ----------------------------------------------------------------------
+#
+# bf16 on AMX, float32 with AVX-512 (jaxcore/kernels/native.py): every pair's forward in one
+# call, its backward in another, reading and writing [B, L, H, D] in place. Wan S in float32:
+# self-attention forward 13.7 -> 9.5 ms, backward ~36 -> 23 ms; in bf16 the forward 220 ->
+# 149 ms, the mixed-precision train step 728 -> 504 ms.
+
+
+def _native_kernel(q, k, v, head_by_head: bool):
+    """The native kernel for these inputs where the pairs loop (``head_by_head``), else None."""
+    if not head_by_head or not q.dtype == k.dtype == v.dtype:
+        return None
+    return native.kernel_for(q.dtype, q.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _native_attention(q, k, v, kv_mask, kernel, scale: float):
+    return native.attention(kernel, q, k, v, kv_mask, scale)[0]
+
+
+def _native_forward(q, k, v, kv_mask, kernel, scale: float):
+    out, lse = native.attention(kernel, q, k, v, kv_mask, scale)
+    return out, (q, k, v, kv_mask, out, lse)
+
+
+def _native_backward(kernel, scale: float, residuals, d_out):
+    q, k, v, kv_mask, out, lse = residuals
+    grads = native.attention_backward(kernel, q, k, v, kv_mask, out, lse, d_out, scale)
+    return (*grads, None)
+
+
+_native_attention.defvjp(_native_forward, _native_backward)
+
+
 # --- the head-pair loop ----------------------------------------------------------------------
 #
 # One (head, batch row) pair per iteration of a loop over arrays stacked pairs-first, [P, 1, 1,
@@ -379,26 +423,7 @@ def _pairwise(q, k, v, masks, blocks: _Blocks):
     return _pairwise_forward(q, k, v, masks, blocks)[0]
 
 
-def _native_operands(q, k, v, masks, blocks: _Blocks):
-    """q, k, v ``[P, L, D]`` and the key masks ``[P, Lk]`` (all True for None) as the native
-    AMX kernels take them (jaxcore/kernels/native.py), or None where they cannot run and the
-    XLA loops below do: all pairs in one call, forward and backward (Wan S forward in bf16
-    220 -> 149 ms; its self-attention's backward 23 -> 6.8 ms per layer)."""
-    pairs, lq, lk, d = q.shape[0], q.shape[-2], k.shape[-2], q.shape[-1]
-    flat_q, flat_k = q.reshape(pairs, lq, d), k.reshape(pairs, lk, d)
-    if blocks.score_scale <= 0 or not native.amx_attention_supports(flat_q, flat_k):
-        return None
-    flat_masks = jnp.ones((pairs, lk), bool) if masks is None else masks.reshape(pairs, lk)
-    return flat_q, flat_k, v.reshape(pairs, lk, d), flat_masks
-
-
 def _pairwise_forward(q, k, v, masks, blocks: _Blocks):
-    operands = _native_operands(q, k, v, masks, blocks)
-    if operands is not None:
-        out, lse = native.amx_attention(*operands, blocks.score_scale)
-        out, lse = out.reshape(q.shape), lse.reshape(q.shape[:-1])
-        return out, (q, k, v, masks, out, lse)
-
     def one_pair(operands):
         *qkv_p, mask_p = operands
         out_p, lse_p = _forward(*_from_loop_operands(qkv_p, (q, k, v)), mask_p, blocks)
@@ -411,17 +436,6 @@ def _pairwise_forward(q, k, v, masks, blocks: _Blocks):
 
 def _pairwise_backward(blocks: _Blocks, residuals, d_out):
     q, k, v, masks, out, lse = residuals
-    operands = _native_operands(q, k, v, masks, blocks)
-    if operands is not None:  # the S mixed-precision train step 728 -> 504 ms with it
-        flat_q = operands[0]
-        grads = native.amx_attention_backward(
-            *operands,
-            out.reshape(flat_q.shape),
-            lse.reshape(flat_q.shape[:-1]),
-            d_out.reshape(flat_q.shape),
-            blocks.score_scale,
-        )
-        return (*(g.reshape(x.shape) for g, x in zip(grads, (q, k, v), strict=True)), None)
 
     def one_pair(operands):
         q_p, k_p, v_p, mask_p, out_p, lse_p, do_p = operands

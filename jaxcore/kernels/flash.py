@@ -34,6 +34,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from jaxcore.dtypes import is_half_precision
+from jaxcore.kernels import native
 from jaxcore.kernels.blockwise import balanced_block, blockwise_attention
 from jaxcore.kernels.sharded import (
     CONTEXT_AXIS,
@@ -102,11 +103,12 @@ CPU_ALL_HEADS_MAX_TILE_BYTES = 12 * 2**20
 def cpu_head_by_head(q, k, block_sizes: BlockSizes) -> bool:
     """Whether the CPU kernel loops over (batch row, head) pairs for q ``[B, Lq, H, D]`` against
     k ``[B, Lk, H, D]``: for bf16/fp16 inputs always (XLA CPU computes a batched low-precision
-    matrix product in float32; one pair's is a plain product it runs on AMX / AVX512-BF16), else
-    when one pair's float32 score tile (the balanced blocks blockwise.py will use) is at least
-    :data:`CPU_PAIR_MIN_TILE_BYTES` and all pairs' together over
+    matrix product in float32; one pair's is a plain product it runs on AMX / AVX512-BF16), and
+    wherever a native fused kernel takes the inputs (:mod:`jaxcore.kernels.native`: all pairs in
+    one call); else when one pair's float32 score tile (the balanced blocks blockwise.py will
+    use) is at least :data:`CPU_PAIR_MIN_TILE_BYTES` and all pairs' together over
     :data:`CPU_ALL_HEADS_MAX_TILE_BYTES`."""
-    if is_half_precision(q.dtype):
+    if is_half_precision(q.dtype) or native.kernel_for(q.dtype, q.shape[-1]) is not None:
         return True
     batch, lq, heads, _ = q.shape
     tile_q = balanced_block(lq, block_sizes.block_q)

@@ -1,23 +1,26 @@
 """Native CPU kernels: C++ sources in ``jaxcore/kernels/native/``, XLA CPU custom calls (FFI).
 
-Today one: ``amx_attention.cc``, bf16 attention fused per block of 32 queries on Intel AMX,
-forward and backward (see its header for why and for their exact semantics). They replace
-XLA's forward and backward of the head-pair loop in :mod:`jaxcore.kernels.blockwise` where
-they can run.
+Two today, each a fused attention forward and backward for the head-pair loop of
+:mod:`jaxcore.kernels.blockwise`, which they replace where they can run (see each source's
+header for why and for their exact semantics):
+- ``amx_attention.cc``: bf16, blocks of 32 queries on Intel AMX (head dim a multiple of 32);
+- ``avx512_attention.cc``: float32, the same blocks with AVX-512 FMA (head dim a multiple of 16).
+Both include ``attention_common.h``.
 
 A kernel is built on first use with the system's C++ compiler (``c++``, or ``$CXX``) against
 the XLA FFI headers jaxlib ships, into ``$DIFFORGE_CACHE/native/`` under a name that hashes
-the source, the flags, jaxlib's version and the compiler's, so a changed source or jaxlib is
+the sources, the flags, jaxlib's version and the compiler's, so a changed source or jaxlib is
 rebuilt and concurrent processes never see a half-written library (temp file, then rename).
-Where it cannot run (no compiler, not Linux x86_64, a CPU without AMX-BF16, the OS refusing
-AMX's tile state, ``DIFFORGE_NATIVE_KERNELS=0``) the XLA path runs instead and one log line
-says why: the results agree within bf16 rounding either way
+Where one cannot run (no compiler, not Linux x86_64, a CPU without its instructions, the OS
+refusing AMX's tile state, ``DIFFORGE_NATIVE_KERNELS=0``) the XLA path runs instead and one
+log line says why: the results agree within rounding either way
 (tests/jaxcore/test_native_attention.py).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -38,12 +41,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).resolve().parent / "native"
 ENV_SWITCH = "DIFFORGE_NATIVE_KERNELS"  # "0": never use the native kernels
-AMX_ATTENTION_TARGET = "difforge_amx_attention"
-AMX_ATTENTION_BACKWARD_TARGET = "difforge_amx_attention_backward"
 AMX_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
-AMX_CPU_FLAGS = frozenset(
-    {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}
-)
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -65,13 +63,16 @@ def ffi_include_dir() -> Path:
 
 
 def build(name: str, flags: tuple[str, ...]) -> Path:
-    """The shared library of ``native/<name>.cc``, compiled now unless cached."""
+    """The shared library of ``native/<name>.cc`` (with the shared headers), compiled now unless
+    cached."""
     compiler = _compiler()
     if compiler is None:
         raise NativeBuildError("no C++ compiler (set CXX or install g++)")
     source = SOURCES / f"{name}.cc"
     command = [*BASE_FLAGS, *flags, f"-I{ffi_include_dir()}"]
     key = hashlib.sha256()
+    for header in sorted(SOURCES.glob("*.h")):
+        key.update(header.read_bytes())
     for part in (source.read_bytes(), repr(command).encode(), jaxlib.__version__.encode()):
         key.update(part)
     key.update(_compiler_version(compiler).encode())
@@ -109,82 +110,128 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def _amx_unavailable_reason() -> str | None:
-    """None when the AMX attention kernel is registered and usable here, else why not."""
+@dataclasses.dataclass(frozen=True)
+class AttentionKernel:
+    """One native attention kernel: ``native/<name>.cc``, whose library exports the FFI
+    handlers ``<symbol>`` (forward) and ``<symbol>Backward``, registered as :attr:`target` and
+    :attr:`backward_target`; it takes ``dtype`` inputs whose head dim is a multiple of
+    ``d_multiple``, on a CPU with ``cpu_flags``."""
+
+    name: str
+    symbol: str
+    dtype: str
+    d_multiple: int
+    flags: tuple[str, ...]
+    cpu_flags: frozenset[str]
+    uses_amx: bool  # the library exports difforge_amx_ready (the OS must grant AMX's state)
+
+    @property
+    def target(self) -> str:
+        return f"difforge_{self.name}"
+
+    @property
+    def backward_target(self) -> str:
+        return f"difforge_{self.name}_backward"
+
+
+AMX_ATTENTION = AttentionKernel(
+    "amx_attention",
+    "DifforgeAmxAttention",
+    "bfloat16",
+    32,
+    AMX_FLAGS,
+    frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}),
+    uses_amx=True,
+)
+AVX512_ATTENTION = AttentionKernel(
+    "avx512_attention",
+    "DifforgeAvx512Attention",
+    "float32",
+    16,
+    ("-mavx512f",),
+    frozenset({"avx512f"}),
+    uses_amx=False,
+)
+KERNELS = (AMX_ATTENTION, AVX512_ATTENTION)
+
+
+def _unavailable_reason(kernel: AttentionKernel) -> str | None:
+    """None when ``kernel`` is registered and usable here, else why not."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return f"{ENV_SWITCH}=0"
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         return f"{platform.system()} {platform.machine()} (the kernel is Linux x86_64 only)"
-    missing = AMX_CPU_FLAGS - cpu_flags()
+    missing = kernel.cpu_flags - cpu_flags()
     if missing:
         return f"this CPU lacks {', '.join(sorted(missing))}"
     try:
-        library = ctypes.CDLL(str(build("amx_attention", AMX_FLAGS)))
+        library = ctypes.CDLL(str(build(kernel.name, kernel.flags)))
     except (NativeBuildError, OSError) as error:
         return str(error)
-    if not library.difforge_amx_ready():
+    if kernel.uses_amx and not library.difforge_amx_ready():
         return "the OS refused AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
     for target, symbol in (
-        (AMX_ATTENTION_TARGET, library.DifforgeAmxAttention),
-        (AMX_ATTENTION_BACKWARD_TARGET, library.DifforgeAmxAttentionBackward),
+        (kernel.target, kernel.symbol),
+        (kernel.backward_target, f"{kernel.symbol}Backward"),
     ):
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
+        handler = getattr(library, symbol)
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return None
 
 
 @functools.cache
-def amx_attention_unavailable() -> str | None:
-    """None when :func:`amx_attention` can run in this process (it is built and registered on
-    the first call), else the reason it cannot; logged once either way."""
-    reason = _amx_unavailable_reason()
+def unavailable(kernel: AttentionKernel) -> str | None:
+    """None when ``kernel`` can run in this process (it is built and registered on the first
+    call), else the reason it cannot; logged once either way."""
+    reason = _unavailable_reason(kernel)
     if reason is None:
-        log.info("bf16 attention on CPU: the native AMX kernel (jaxcore/kernels/native)")
+        log.info("%s attention on CPU: the native kernel %s", kernel.dtype, kernel.name)
     else:
-        log.info("bf16 attention on CPU: XLA's path (native AMX kernel unavailable: %s)", reason)
+        log.info(
+            "%s attention on CPU: XLA's path (native %s unavailable: %s)",
+            kernel.dtype,
+            kernel.name,
+            reason,
+        )
     return reason
 
 
-def amx_attention_available() -> bool:
-    return amx_attention_unavailable() is None
+def kernel_for(dtype, head_dim: int) -> AttentionKernel | None:
+    """The native kernel that takes attention inputs of ``dtype`` and ``head_dim`` here (built
+    and registered now if need be), or None: XLA's path."""
+    for kernel in KERNELS:
+        if jax.numpy.dtype(dtype) == jax.numpy.dtype(kernel.dtype) and (
+            head_dim % kernel.d_multiple == 0
+        ):
+            return kernel if unavailable(kernel) is None else None
+    return None
 
 
-def amx_attention_supports(q: jax.Array, k: jax.Array) -> bool:
-    """Whether q ``[P, Lq, D]`` / k ``[P, Lk, D]`` are a case the kernel takes: bf16, D a
-    multiple of 32 (one AMX tile row), and the kernel available."""
-    return (
-        q.dtype == jax.numpy.bfloat16
-        and k.dtype == q.dtype
-        and q.shape[-1] % 32 == 0
-        and q.shape[-1] == k.shape[-1]
-        and amx_attention_available()
-    )
-
-
-def amx_attention(q, k, v, mask, scale: float):
-    """(out ``[P, Lq, D]`` bf16, lse ``[P, Lq]`` float32) of q over k/v ``[P, Lk, D]`` with
-    ``mask`` ``[P, Lk]`` (True = attend) and the scores scaled by ``scale``; the semantics of
-    :func:`jaxcore.kernels.blockwise._forward` for one pair. Call only where
-    :func:`amx_attention_supports` holds."""
-    pairs, lq, d = q.shape
+def attention(kernel: AttentionKernel, q, k, v, mask, scale: float):
+    """(out ``[B, Lq, H, D]``, lse ``[B, H, Lq]`` float32) of q ``[B, Lq, H, D]`` over k/v
+    ``[B, Lk, H, D]`` with ``mask`` ``[B, Lk]`` (True = attend) and the scores scaled by
+    ``scale`` (> 0): the semantics of :func:`jaxcore.kernels.blockwise._forward` for each (batch
+    row, head) pair. Only for a :func:`kernel_for` of the inputs."""
+    batch, lq, heads, _ = q.shape
     call = jax.ffi.ffi_call(
-        AMX_ATTENTION_TARGET,
+        kernel.target,
         (
-            jax.ShapeDtypeStruct((pairs, lq, d), q.dtype),
-            jax.ShapeDtypeStruct((pairs, lq), jax.numpy.float32),
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, lq), jax.numpy.float32),
         ),
         vmap_method="sequential",
     )
-    return call(q, k, v, mask, scale=np.float32(scale))
+    return call(q, k, v, mask.astype(bool), scale=np.float32(scale))
 
 
-def amx_attention_backward(q, k, v, mask, out, lse, d_out, scale: float):
-    """(dq, dk, dv) in bf16 of :func:`amx_attention` given its ``out``, ``lse`` and the output's
-    cotangent ``d_out``: the semantics of :func:`jaxcore.kernels.blockwise._backward` for one
-    pair (float32 accumulation, the probabilities and score gradients rounded to bf16 for the
-    products, as there). Call only where :func:`amx_attention_supports` holds."""
+def attention_backward(kernel: AttentionKernel, q, k, v, mask, out, lse, d_out, scale: float):
+    """(dq, dk, dv) of :func:`attention` given its ``out``, ``lse`` and the output's cotangent
+    ``d_out``: the semantics of :func:`jaxcore.kernels.blockwise._backward` for one pair
+    (float32 accumulation; in bf16 the probabilities and score gradients rounded to bf16 for
+    the products, as there)."""
     call = jax.ffi.ffi_call(
-        AMX_ATTENTION_BACKWARD_TARGET,
+        kernel.backward_target,
         tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
         vmap_method="sequential",
     )
-    return call(q, k, v, mask, out, lse, d_out, scale=np.float32(scale))
+    return call(q, k, v, mask.astype(bool), out, lse, d_out, scale=np.float32(scale))

@@ -129,6 +129,11 @@ def test_tcmalloc_choice(monkeypatch):
     assert executable == sys.executable and argv[1:] == sys.orig_argv[1:]
     assert env["LD_PRELOAD"] == "/lib/libtcmalloc_minimal.so.4:/lib/other.so"
     assert env[host_memory._REEXECUTED_ENV] == "1"
+    assert env[host_memory.TCMALLOC_RELEASE_ENV] == "0"  # freed memory kept
+    monkeypatch.setenv(host_memory.TCMALLOC_RELEASE_ENV, "2")  # the user's choice stands
+    host_memory.reexec_with_tcmalloc()
+    assert calls.pop()[2][host_memory.TCMALLOC_RELEASE_ENV] == "2"
+    monkeypatch.delenv(host_memory.TCMALLOC_RELEASE_ENV)
     # not again: already preloaded, already re-executed, turned off, an accelerator host
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc.so.4")
     host_memory.reexec_with_tcmalloc()

@@ -292,11 +292,17 @@ def test_bf16_attention_at_head_dim_128_is_as_accurate_as_torch():
     )
 
 
-def test_cpu_loops_over_pairs_only_for_large_tiles():
-    """All heads' tiles at once while a (row, head) pair's tile is small (the demo DiT's 64
-    tokens, 16 x 256 tokens) or all of them fit CPU_ALL_HEADS_MAX_TILE_BYTES (512 tokens x 8
-    heads); pair by pair above both (Wan S's 1,024 tokens and its cross-attention to 512, Flux
-    S's 1,536 tokens, 4,096 tokens); measured in flash.py."""
+def test_cpu_loops_over_pairs_only_for_large_tiles(monkeypatch):
+    """Without a native kernel: all heads' tiles at once while a (row, head) pair's tile is
+    small (the demo DiT's 64 tokens, 16 x 256 tokens) or all of them fit
+    CPU_ALL_HEADS_MAX_TILE_BYTES (512 tokens x 8 heads); pair by pair above both (Wan S's 1,024
+    tokens and its cross-attention to 512, Flux S's 1,536 tokens, 4,096 tokens); measured in
+    flash.py. With one, always pairs (one call of the kernel)."""
+    kernel = flash_kernels.native.AVX512_ATTENTION
+    monkeypatch.setattr(native, "kernel_for", lambda dtype, head_dim: kernel)
+    small = jax.ShapeDtypeStruct((32, 64, 4, 64), jnp.float32)
+    assert flash_kernels.cpu_head_by_head(small, small, flash_kernels.CPU_BLOCK_SIZES)
+    monkeypatch.setattr(native, "kernel_for", lambda dtype, head_dim: None)
     blocks = flash_kernels.CPU_BLOCK_SIZES
 
     def loops(batch, lq, lk, heads):
@@ -318,7 +324,7 @@ def test_cpu_attention_in_bf16_runs_one_head_of_one_row_at_a_time(monkeypatch):
     """bf16/fp16 always loop over (row, head) pairs: XLA CPU computes a batched bf16 product
     in float32 (no AMX), a plain row-major one in bf16; the compiled tiles' products say
     which, forward and backward (XLA's forward: the native AMX kernel's has no dots)."""
-    monkeypatch.setattr(native, "amx_attention_supports", lambda q, k: False)
+    monkeypatch.setattr(native, "kernel_for", lambda dtype, head_dim: None)
     blocks = flash_kernels.CPU_BLOCK_SIZES
     small = jax.ShapeDtypeStruct((32, 64, 4, 64), jnp.bfloat16)  # 2 MiB: all heads in fp32
     assert flash_kernels.cpu_head_by_head(small, small, blocks)

@@ -1,21 +1,25 @@
-"""The native AMX attention kernel (jaxcore/kernels/native/amx_attention.cc) against XLA's path.
+"""The native attention kernels (jaxcore/kernels/native/) against XLA's path: bf16 on AMX
+(amx_attention.cc), float32 with AVX-512 (avx512_attention.cc).
 
-Reference: the same head-pair loop with the kernel switched off (XLA's forward, the code every
-other attention test checks against dot_product), on the same bf16 inputs. Tolerances, stated:
-- outputs: ``OUT_ATOL = 1.6e-2`` for values of magnitude <= ~4 (a bf16 ulp at 2-4 is 1.6e-2:
-  the two round the same float32 sums, accumulated in a different order, to bf16), and a mean
-  difference under ``OUT_MEAN = 1e-3``; reached: max 7.8e-3, mean ~1e-4;
-- log-sum-exp: ``LSE_ATOL = 1e-5`` (reached ~2e-6);
-- gradients (the kernel's backward against XLA's, each fed its own forward's output and lse):
-  ``GRAD_RTOL = 2e-2`` of the gradients' largest magnitude and a mean difference under
-  ``GRAD_MEAN = 2e-3`` of it (bf16 rounding of p and ds, summed in another order).
-Skipped with the reason where the kernel cannot run (no AMX-BF16, no compiler); the switch and
-the fallback are tested everywhere.
+Reference: the same head-pair loop with the kernels switched off (XLA's forward, the code every
+other attention test checks against dot_product), on the same inputs. Tolerances, stated per
+dtype (``TOLERANCES``):
+- bf16 outputs: 1.6e-2 for values of magnitude <= ~4 (a bf16 ulp at 2-4 is 1.6e-2: the two
+  round the same float32 sums, accumulated in a different order, to bf16), and a mean
+  difference under 1e-3; reached: max 7.8e-3, mean ~1e-4. float32 outputs: 1e-5 and a mean
+  under 1e-6 (reached ~1e-6 and ~1e-7: exp as 2^x and another summation order);
+- log-sum-exp: 1e-5 (reached ~2e-6);
+- gradients (each backward fed its own forward's output and lse): bf16 2e-2 of the gradients'
+  largest magnitude and a mean under 2e-3 of it (bf16 rounding of p and ds, summed in another
+  order); float32 2e-5 and 2e-6 of it (reached ~1e-6).
+Skipped with the reason where a kernel cannot run (no AMX-BF16 / AVX-512, no compiler); the
+switch and the fallback are tested everywhere.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,23 +31,39 @@ from jaxcore.kernels import native
 from jaxcore.kernels.blockwise import blockwise_attention
 from jaxcore.sharding import MeshConfig, make_mesh
 
-OUT_ATOL = 1.6e-2
-OUT_MEAN = 1e-3
-LSE_ATOL = 1e-5
-GRAD_RTOL = 2e-2
-GRAD_MEAN = 2e-3
 
-needs_amx = pytest.mark.skipif(
-    not native.amx_attention_available(),
-    reason=f"native AMX attention unavailable here: {native.amx_attention_unavailable()}",
-)
+class Tolerance(NamedTuple):
+    out_atol: float
+    out_mean: float
+    lse_atol: float
+    grad_rtol: float
+    grad_mean: float
 
 
-def inputs(batch, lq, lk, heads, dim, *, masked, seed=0):
-    rng = np.random.default_rng(seed)
-    q, k, v = (
-        jnp.asarray(rng.normal(size=(batch, n, heads, dim)), jnp.bfloat16) for n in (lq, lk, lk)
+TOLERANCES = {
+    "bfloat16": Tolerance(1.6e-2, 1e-3, 1e-5, 2e-2, 2e-3),
+    "float32": Tolerance(1e-5, 1e-6, 1e-5, 2e-5, 2e-6),
+}
+KERNELS = {"bfloat16": native.AMX_ATTENTION, "float32": native.AVX512_ATTENTION}
+
+
+def needs_kernel(dtype: str):
+    """The dtype as a test parameter, skipped with the reason where its kernel cannot run."""
+    reason = native.unavailable(KERNELS[dtype])
+    return pytest.param(
+        dtype,
+        marks=pytest.mark.skipif(
+            reason is not None, reason=f"native {KERNELS[dtype].name} unavailable: {reason}"
+        ),
     )
+
+
+DTYPES = [needs_kernel("bfloat16"), needs_kernel("float32")]
+
+
+def inputs(batch, lq, lk, heads, dim, *, masked, seed=0, dtype="bfloat16"):
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.normal(size=(batch, n, heads, dim)), dtype) for n in (lq, lk, lk))
     mask = None
     if masked:
         keep = rng.random((batch, lk)) > 0.4
@@ -70,11 +90,12 @@ def pair_loop(q, k, v, mask, *, scale, scale_scores=None, block=1024):
 
 def with_xla_path(monkeypatch, make, *args):
     """``make()`` (a fresh jitted function: jit caches traces per function) called on
-    ``args`` with the kernel switched off, i.e. XLA's forward."""
+    ``args`` with the kernels switched off, i.e. XLA's forward."""
     with monkeypatch.context() as m:
-        m.setattr(native, "amx_attention_supports", lambda q, k: False)
+        m.setattr(native, "kernel_for", lambda dtype, head_dim: None)
         fn = make()
-        assert native.AMX_ATTENTION_TARGET not in fn.lower(*args).as_text()
+        hlo = fn.lower(*args).as_text()
+        assert not any(kernel.target in hlo for kernel in native.KERNELS)
         return fn(*args)
 
 
@@ -91,55 +112,69 @@ CASES = [
     (2, 33, 17, 2, 32, True, False),  # head dim 32, the scale folded into q
     (1, 5, 7, 1, 96, False, None),  # fewer queries than a tile's rows, keys than its depth
 ]
+CASE_IDS = ["x".join(map(str, c[:5])) + f"-m{c[5]}" for c in CASES]
 
 
-@needs_amx
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"-m{c[5]}")
-def test_kernel_matches_the_xla_pair_loop(monkeypatch, case):
+def ran_the_kernel(fn, args, dtype: str, backward: bool = False) -> bool:
+    hlo = fn.lower(*args).as_text()
+    kernel = KERNELS[dtype]
+    return kernel.target in hlo and (not backward or kernel.backward_target in hlo)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_kernel_matches_the_xla_pair_loop(monkeypatch, case, dtype):
     batch, lq, lk, heads, dim, masked, scale_scores = case
-    q, k, v, mask = inputs(batch, lq, lk, heads, dim, masked=masked, seed=lq + lk)
+    q, k, v, mask = inputs(batch, lq, lk, heads, dim, masked=masked, seed=lq + lk, dtype=dtype)
+    tol = TOLERANCES[dtype]
 
     def make():
         return jax.jit(functools.partial(pair_loop, scale=dim**-0.5, scale_scores=scale_scores))
 
     expected = with_xla_path(monkeypatch, make, q, k, v, mask)
     fn = make()
-    assert native.AMX_ATTENTION_TARGET in fn.lower(q, k, v, mask).as_text()  # the kernel ran
+    assert ran_the_kernel(fn, (q, k, v, mask), dtype)
     got = fn(q, k, v, mask)
-    assert got.dtype == jnp.bfloat16 and got.shape == expected.shape
+    assert got.dtype == q.dtype and got.shape == expected.shape
     worst, mean = diffs(got, expected)
-    assert worst < OUT_ATOL and mean < OUT_MEAN, (worst, mean)
+    assert worst < tol.out_atol and mean < tol.out_mean, (worst, mean)
     if masked and batch > 1:  # the fully masked row
         assert not np.asarray(got[-1]).any()
 
 
-@needs_amx
-def test_kernel_lse_and_fully_masked_pairs():
-    """The kernel's own outputs: lse = max + log(sum) of the scaled scores, +inf (and a zero
-    output) for a pair whose keys are all masked, as blockwise._forward defines them."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_lse_and_fully_masked_rows(dtype):
+    """The kernel's own outputs on ``[B, L, H, D]``: lse ``[B, H, Lq]`` = max + log(sum) of the
+    scaled scores, +inf (and a zero output) for a batch row whose keys are all masked, as
+    blockwise._forward defines them."""
     rng = np.random.default_rng(3)
-    q, k, v = (jnp.asarray(rng.normal(size=(3, n, 64)), jnp.bfloat16) for n in (40, 70, 70))
+    q, k, v = (jnp.asarray(rng.normal(size=(3, n, 2, 64)), dtype) for n in (40, 70, 70))
     mask = jnp.asarray(rng.random((3, 70)) > 0.3).at[1].set(False)
-    out, lse = jax.jit(native.amx_attention, static_argnums=4)(q, k, v, mask, 0.125)
-    scores = jnp.einsum("pqd,pkd->pqk", q, k, preferred_element_type=jnp.float32) * 0.125
-    scores = jnp.where(mask[:, None], scores, -jnp.inf)
+    kernel = KERNELS[dtype]
+    call = jax.jit(functools.partial(native.attention, kernel), static_argnums=4)
+    out, lse = call(q, k, v, mask, 0.125)
+    assert out.shape == q.shape and lse.shape == (3, 2, 40)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * 0.125
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     expected_lse = jax.nn.logsumexp(scores, axis=-1)
-    for pair in (0, 2):
-        assert float(jnp.max(jnp.abs(lse[pair] - expected_lse[pair]))) < LSE_ATOL
+    tol = TOLERANCES[dtype]
+    for row in (0, 2):
+        assert float(jnp.max(jnp.abs(lse[row] - expected_lse[row]))) < tol.lse_atol
     assert bool(jnp.all(jnp.isposinf(lse[1]))) and not np.asarray(out[1]).any()
-    probs = jax.nn.softmax(scores[0], axis=-1)
-    exact = jnp.einsum("qk,kd->qd", probs, v[0].astype(jnp.float32))
-    assert diffs(out[0], exact)[0] < OUT_ATOL
+    probs = jax.nn.softmax(scores[0], axis=-1)  # [H, Lq, Lk]
+    exact = jnp.einsum("hqk,khd->qhd", probs, v[0].astype(jnp.float32))
+    assert diffs(out[0], exact)[0] < tol.out_atol
 
 
-@needs_amx
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"-m{c[5]}")
-def test_gradients_match_the_xla_pair_loop(monkeypatch, case):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_gradients_match_the_xla_pair_loop(monkeypatch, case, dtype):
     """The kernel's backward (fed its forward's out and lse) against XLA's forward and
     backward: relative to the gradients' scale, and on average."""
     batch, lq, lk, heads, dim, masked, scale_scores = case
-    q, k, v, mask = inputs(batch, lq, lk, heads, dim, masked=masked, seed=lq * lk)
-    cotangent = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), jnp.bfloat16)
+    q, k, v, mask = inputs(batch, lq, lk, heads, dim, masked=masked, seed=lq * lk, dtype=dtype)
+    cotangent = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), dtype)
+    tol = TOLERANCES[dtype]
 
     def loss(q, k, v):
         out = pair_loop(q, k, v, mask, scale=dim**-0.5, scale_scores=scale_scores)
@@ -150,31 +185,30 @@ def test_gradients_match_the_xla_pair_loop(monkeypatch, case):
 
     expected = with_xla_path(monkeypatch, make, q, k, v)
     grad = make()
-    hlo = grad.lower(q, k, v).as_text()
-    assert native.AMX_ATTENTION_TARGET in hlo and native.AMX_ATTENTION_BACKWARD_TARGET in hlo
+    assert ran_the_kernel(grad, (q, k, v), dtype, backward=True)
     for g, e in zip(grad(q, k, v), expected, strict=True):
-        assert g.dtype == jnp.bfloat16 and g.shape == e.shape
+        assert g.dtype == q.dtype and g.shape == e.shape
         scale = float(jnp.max(jnp.abs(e.astype(jnp.float32)))) or 1.0
         worst, mean = diffs(g, e)
-        assert worst < GRAD_RTOL * scale and mean < GRAD_MEAN * scale, (worst, mean, scale)
+        assert worst < tol.grad_rtol * scale and mean < tol.grad_mean * scale, (worst, mean)
     if masked and batch > 1:  # the fully masked row: zero gradients
         assert not np.asarray(grad(q, k, v)[0][-1]).any()
 
 
-@needs_amx
-def test_kernel_inside_shard_map_and_vmap():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_inside_shard_map_and_vmap(dtype):
     """Sharded flash attention runs the kernel per device inside shard_map; vmap of it loops."""
     mesh = make_mesh(
         MeshConfig(ici_data_parallelism=2, ici_context_parallelism=2, ici_tensor_parallelism=2)
     )
-    q, k, v, mask = inputs(2, 40, 24, 4, 32, masked=True, seed=9)
+    q, k, v, mask = inputs(2, 40, 24, 4, 32, masked=True, seed=9, dtype=dtype)
     sharded = jax.jit(lambda q, k, v, m: attention(q, k, v, backend="flash", kv_mask=m, mesh=mesh))
-    assert native.AMX_ATTENTION_TARGET in sharded.lower(q, k, v, mask).as_text()
+    assert ran_the_kernel(sharded, (q, k, v, mask), dtype)
     got = sharded(q, k, v, mask)
     assert diffs(got, attention(q, k, v, backend="flash", kv_mask=mask))[0] == 0.0
     # row 0 has keys (row 1 none: dot_product's convention differs there, see test_attention)
     expected = dot_product_attention(q[:1], k[:1], v[:1], kv_mask=mask[:1])
-    assert diffs(got[:1], expected)[0] < OUT_ATOL
+    assert diffs(got[:1], expected)[0] < TOLERANCES[dtype].out_atol
     batched = jax.vmap(lambda q, k, v: pair_loop(q, k, v, None, scale=0.25))
     stacked = [jnp.stack([x, x * 0.5]) for x in (q, k, v)]
     got = jax.jit(batched)(*stacked)
@@ -183,39 +217,41 @@ def test_kernel_inside_shard_map_and_vmap():
         assert diffs(got[i], single)[0] == 0.0
 
 
-def test_kernel_builds_wherever_it_could_run(monkeypatch, tmp_path):
-    """A CPU with AMX-BF16 and a compiler must get the kernel: a source that stopped compiling
-    would otherwise only turn the kernel's tests into skips. Built from scratch (an empty cache),
-    then found in the cache."""
-    if native.AMX_CPU_FLAGS - native.cpu_flags() or native._compiler() is None:
-        pytest.skip("no AMX-BF16 CPU or no C++ compiler here: nothing to build")
+@pytest.mark.parametrize("kernel", native.KERNELS, ids=lambda k: k.name)
+def test_kernel_builds_wherever_it_could_run(monkeypatch, tmp_path, kernel):
+    """A CPU with the kernel's instructions and a compiler must get the kernel: a source that
+    stopped compiling would otherwise only turn the kernel's tests into skips. Built from
+    scratch (an empty cache), then found in the cache."""
+    if kernel.cpu_flags - native.cpu_flags() or native._compiler() is None:
+        pytest.skip(f"no CPU with {kernel.name}'s instructions or no C++ compiler here")
     monkeypatch.setenv("DIFFORGE_CACHE", str(tmp_path))
-    built = native.build("amx_attention", native.AMX_FLAGS)  # NativeBuildError names the errors
+    built = native.build(kernel.name, kernel.flags)  # NativeBuildError names the errors
     assert built.parent == tmp_path / "native" and built.stat().st_size > 0
     assert [p.name for p in built.parent.iterdir()] == [built.name]  # no temp files left
-    assert native.build("amx_attention", native.AMX_FLAGS) == built
+    assert native.build(kernel.name, kernel.flags) == built
 
 
-def test_switch_off_and_build_failures_name_the_reason(monkeypatch, tmp_path):
+@pytest.mark.parametrize("kernel", native.KERNELS, ids=lambda k: k.name)
+def test_switch_off_and_build_failures_name_the_reason(monkeypatch, tmp_path, kernel):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
-    assert native._amx_unavailable_reason() == f"{native.ENV_SWITCH}=0"
+    assert native._unavailable_reason(kernel) == f"{native.ENV_SWITCH}=0"
     monkeypatch.delenv(native.ENV_SWITCH)
     monkeypatch.setenv("DIFFORGE_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "_compiler", lambda: None)
     with pytest.raises(native.NativeBuildError, match="no C..? compiler"):
-        native.build("amx_attention", native.AMX_FLAGS)
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f"}))
-    assert "lacks" in native._amx_unavailable_reason()
-    assert "amx_bf16" in native._amx_unavailable_reason()
+        native.build(kernel.name, kernel.flags)
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"sse2"}))
+    assert "lacks" in native._unavailable_reason(kernel)
+    assert "avx512f" in native._unavailable_reason(kernel)
 
 
 def test_unsupported_inputs_take_the_xla_path():
-    """float32, float16 and head dims off the tile's 32 never reach the kernel."""
-    f32 = jnp.zeros((2, 16, 64), jnp.float32)
-    assert not native.amx_attention_supports(f32, f32)
-    assert not native.amx_attention_supports(f32.astype(jnp.float16), f32.astype(jnp.float16))
-    odd = jnp.zeros((2, 16, 40), jnp.bfloat16)
-    assert not native.amx_attention_supports(odd, odd)
-    q, k, v, _ = inputs(1, 24, 24, 2, 40, masked=False)
-    hlo = jax.jit(functools.partial(pair_loop, scale=0.2)).lower(q, k, v, None).as_text()
-    assert native.AMX_ATTENTION_TARGET not in hlo
+    """float16, and head dims off a kernel's multiple (bf16 32, float32 16), never reach a
+    kernel."""
+    assert native.kernel_for(jnp.float16, 64) is None
+    assert native.kernel_for(jnp.bfloat16, 48) is None
+    assert native.kernel_for(jnp.float32, 40) is None
+    for dtype, dim in (("bfloat16", 40), ("float32", 40), ("float16", 64)):
+        q, k, v, _ = inputs(1, 24, 24, 2, dim, masked=False, dtype=dtype)
+        hlo = jax.jit(functools.partial(pair_loop, scale=0.2)).lower(q, k, v, None).as_text()
+        assert not any(kernel.target in hlo for kernel in native.KERNELS), (dtype, dim)

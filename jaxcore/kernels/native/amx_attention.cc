@@ -11,42 +11,28 @@
 // scores = (q k^T) * scale in float32 (bf16 products, float32 accumulation; scale > 0), masked
 // keys left out; m = row max (0 where every key is masked); p = exp(scores - m) in float32;
 // l = sum(p) in float32; out = (bf16(p) v) / l, rounded to bf16 (zeros where l == 0);
-// lse = m + log(l) (+inf where l == 0). Within float32 rounding of XLA's exp, not bit for bit. jaxcore/kernels/native.py builds and registers it;
-// tests/jaxcore/test_native_attention.py compares it with the XLA path.
+// lse = m + log(l) (+inf where l == 0). Within float32 rounding of XLA's exp, not bit for bit.
+// jaxcore/kernels/native.py builds and registers it; tests/jaxcore/test_native_attention.py
+// compares it with the XLA path.
 //
-// Layout: q [P, Lq, D], k and v [P, Lk, D] (bf16, row-major, P = batch x heads pairs), mask
-// [P, Lk] (pred). D a multiple of 32 (one AMX tile row holds 32 bf16). Work items are
+// Layout: attention_common.h's Shape (q [B, Lq, H, D], k and v [B, Lk, H, D] in bf16, mask
+// [B, Lk], lse [B, H, Lq]), D a multiple of 32 (one AMX tile row holds 32 bf16). Work items are
 // (pair, query range) claimed from a shared counter by the calling thread and helpers on XLA's
 // intra-op pool; the caller works too, so the call completes even when no helper runs.
 
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
-#include <cstdint>
 #include <cstring>
-#include <initializer_list>
 #include <limits>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <utility>
-#include <vector>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "attention_common.h"
 
 namespace {
 
 constexpr int64_t kRows = 16;   // rows of an AMX tile
-constexpr int64_t kBlock = 32;  // queries per block: two row tiles share each right operand
 constexpr int64_t kDepth = 32;  // bf16 values along the contraction in one tile row (64 bytes)
-constexpr float kLog2e = 1.44269504088896341f;  // exp(x) = 2^(x log2(e))
 
 struct TileConfig {  // the layout _tile_loadconfig reads (palette 1)
   uint8_t palette_id = 1;
@@ -77,32 +63,10 @@ bool RequestAmx() {
   return granted;
 }
 
-// 2^x, zero where `live` is clear. Rounding to the nearest integer n leaves r = x - n in
-// [-0.5, 0.5], where Cephes' exp2f polynomial is within ~1 ulp; scalef applies 2^n and goes
-// to 0 for very negative x.
-inline __m512 Exp2(__m512 x, __mmask16 live) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_scalef_ps(live, p, n);
-}
-
 // bf16 (round to nearest even, as XLA's convert) of 16 float32 values, stored at `to`.
 inline void StoreBf16(uint16_t* to, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), (__m256i)_mm512_cvtneps_pbh(x));
 }
-
-inline int64_t ScoresStride(int64_t lk_tiles) { return lk_tiles + 16; }
-
-struct Shape {
-  int64_t pairs, lq, lk, d;
-};
 
 // A thread's buffers, reused across calls.
 struct Scratch {
@@ -116,39 +80,34 @@ struct Scratch {
   // same reason; the softmax reads them along rows)
   std::vector<float> scores;     // [32, lk_tiles + 16]
   std::vector<float> sums;       // [32, d] unnormalised output
-  std::vector<uint16_t> q_tail;  // [32, d]: the last block's queries, zero-padded
+  std::vector<uint16_t> q_block;  // [32, d]: BlockRows
 };
 
 // AMX's right operand holds pairs of consecutive contraction rows side by side. For q k^T
 // (and do v^T) the contraction runs along d: x^T as pairs (x[n][2r], x[n][2r+1]), tile
 // (n / 16, r / 16). For p v (and ds k) it runs along the keys: x as pairs (x[2r][c],
 // x[2r+1][c]), tile (r / 16, c / 16). Keys padded to whole tiles with zeros.
-void RepackTransposed(const uint16_t* x, int64_t lk, int64_t d, int64_t lk_tiles,
+// x's rows are `ld` apart.
+void RepackTransposed(const uint16_t* x, int64_t lk, int64_t d, int64_t ld, int64_t lk_tiles,
                       std::vector<uint32_t>& to) {
   const int64_t half_d = d / 2, r_tiles = half_d / 16;
   to.assign(half_d * lk_tiles, 0);
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(x);
   for (int64_t n = 0; n < lk; ++n) {
     uint32_t* tiles = to.data() + (n / 16) * r_tiles * 256 + n % 16;
-    for (int64_t r = 0; r < half_d; ++r) tiles[(r / 16) * 256 + (r % 16) * 16] = pairs[n * half_d + r];
+    for (int64_t r = 0; r < half_d; ++r) tiles[(r / 16) * 256 + (r % 16) * 16] = pairs[n * (ld / 2) + r];
   }
 }
 
-void RepackRows(const uint16_t* x, int64_t lk, int64_t d, int64_t lk_tiles,
+void RepackRows(const uint16_t* x, int64_t lk, int64_t d, int64_t ld, int64_t lk_tiles,
                 std::vector<uint32_t>& to) {
   const int64_t c_tiles = d / 16;
   to.assign(lk_tiles / 2 * d, 0);
   for (int64_t n = 0; n < lk; ++n) {
     uint32_t* tiles = to.data() + (n / 32) * c_tiles * 256 + ((n % 32) / 2) * 16;
     const int shift = (n % 2) * 16;
-    for (int64_t c = 0; c < d; ++c) tiles[(c / 16) * 256 + c % 16] |= uint32_t(x[n * d + c]) << shift;
+    for (int64_t c = 0; c < d; ++c) tiles[(c / 16) * 256 + c % 16] |= uint32_t(x[n * ld + c]) << shift;
   }
-}
-
-void LiveKeys(const bool* mask, int64_t lk, int64_t lk_tiles, std::vector<__mmask16>& live) {
-  live.assign(lk_tiles / 16, 0);
-  for (int64_t n = 0; n < lk; ++n)
-    if (mask[n]) live[n / 16] |= static_cast<__mmask16>(1u << (n % 16));
 }
 
 // Where row i, key n of a block's bf16 [32, lk_tiles] left operand lives in whole tiles.
@@ -251,34 +210,34 @@ void OutputTiles(const uint16_t* a, int64_t lk_tiles, const uint32_t* b, int64_t
   _tile_stored(3, sums + kRows * d + 16, d * 4);
 }
 
-// The kBlock rows of x ([rows, d] bf16) a block's tile loads read: x itself when all exist,
-// else a copy in `tail` with zero rows after the last (zero queries get no probabilities).
-const uint16_t* BlockRows(const uint16_t* x, int64_t rows, int64_t d,
-                          std::vector<uint16_t>& tail) {
-  if (rows == kBlock) return x;
-  std::fill(tail.begin(), tail.end(), 0);
-  std::memcpy(tail.data(), x, rows * d * sizeof(uint16_t));
-  return tail.data();
+// The kBlock rows a block's tile loads read, [32, d] bf16 contiguous: x's `rows` rows (`ld`
+// apart) gathered into `block`, zero rows after the last (zero queries get no probabilities).
+const uint16_t* BlockRows(const uint16_t* x, int64_t rows, int64_t d, int64_t ld,
+                          std::vector<uint16_t>& block) {
+  for (int64_t i = 0; i < rows; ++i)
+    std::memcpy(block.data() + i * d, x + i * ld, d * sizeof(uint16_t));
+  std::fill(block.begin() + rows * d, block.end(), 0);
+  return block.data();
 }
 
 // Queries [r0, r1) of one pair: their bf16 output and lse.
 void AttendRows(const Shape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                 const bool* mask, float scale, uint16_t* out, float* lse, int64_t r0, int64_t r1,
                 Scratch& w) {
-  const int64_t d = s.d;
+  const int64_t d = s.d, ld = s.row();
   const int64_t lk_tiles = (s.lk + kDepth - 1) / kDepth * kDepth;
-  RepackTransposed(k, s.lk, d, lk_tiles, w.keys_t);
-  RepackRows(v, s.lk, d, lk_tiles, w.values);
+  RepackTransposed(k, s.lk, d, ld, lk_tiles, w.keys_t);
+  RepackRows(v, s.lk, d, ld, lk_tiles, w.values);
   LiveKeys(mask, s.lk, lk_tiles, w.live);
   w.scores.resize(kBlock * ScoresStride(lk_tiles));
   w.probs.resize(kBlock * lk_tiles);
   w.sums.resize(kBlock * d);
-  w.q_tail.resize(kBlock * d);
+  w.q_block.resize(kBlock * d);
   float shifts[kBlock], row_sums[kBlock];
   ConfigureTiles();
   for (int64_t row0 = r0; row0 < r1; row0 += kBlock) {
     const int64_t rows = std::min(kBlock, r1 - row0);
-    const uint16_t* q_block = BlockRows(q + row0 * d, rows, d, w.q_tail);
+    const uint16_t* q_block = BlockRows(q + row0 * ld, rows, d, ld, w.q_block);
     for (int64_t n0 = 0; n0 < lk_tiles; n0 += 32)
       ScoreTiles(q_block, d, w.keys_t.data(), n0, w.scores.data(), ScoresStride(lk_tiles));
     Softmax(lk_tiles, scale, w, shifts, row_sums);
@@ -288,7 +247,7 @@ void AttendRows(const Shape& s, const uint16_t* q, const uint16_t* k, const uint
       const bool seen = row_sums[i] > 0;
       const __m512 inverse = _mm512_set1_ps(seen ? 1.0f / row_sums[i] : 0.0f);
       for (int64_t c = 0; c < d; c += 16)
-        StoreBf16(out + (row0 + i) * d + c,
+        StoreBf16(out + (row0 + i) * ld + c,
                   _mm512_mul_ps(_mm512_loadu_ps(w.sums.data() + i * d + c), inverse));
       lse[row0 + i] = seen ? shifts[i] + std::log(row_sums[i])
                            : std::numeric_limits<float>::infinity();
@@ -297,81 +256,31 @@ void AttendRows(const Shape& s, const uint16_t* q, const uint16_t* k, const uint
   _tile_release();
 }
 
-// Calls fn(i) for every i in [0, items) on the calling thread and on helpers from XLA's
-// intra-op pool, each index claimed once from a shared counter; returns when all are done. The
-// caller works too, so it returns even when no helper ever runs (a pool busy elsewhere).
-template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t items, Fn fn) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable finished;
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, items, fn] {
-    for (int64_t i; (i = state->next.fetch_add(1)) < items;) {
-      fn(i);
-      if (state->done.fetch_add(1) + 1 == items) {
-        std::lock_guard<std::mutex> lock(state->mu);
-        state->finished.notify_all();
-      }
-    }
-  };
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  for (int64_t i = 1; i < std::min(threads, items); ++i) {
-    auto helper = work;
-    pool.Schedule(std::move(helper));
-  }
-  work();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->finished.wait(lock, [&] { return state->done.load() == items; });
-}
-
-// The pairs' shape when q and k (and `others`) are bf16 [P, L, D] with one P and one D, a
-// multiple of 32; nullopt otherwise.
-std::optional<Shape> PairsShape(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                                std::initializer_list<const ffi::AnyBuffer*> others) {
-  const auto bf16_3d = [](const ffi::AnyBuffer* b) {
-    return b->element_type() == ffi::DataType::BF16 && b->dimensions().size() == 3;
-  };
-  if (!bf16_3d(&q) || !bf16_3d(&k)) return std::nullopt;
-  for (const ffi::AnyBuffer* b : others)
-    if (!bf16_3d(b)) return std::nullopt;
-  const auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd[2] % kDepth != 0 || kd[2] != qd[2] || kd[0] != qd[0]) return std::nullopt;
-  return Shape{qd[0], qd[1], kd[1], qd[2]};
-}
-
 ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::AnyBuffer> out,
                      ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale) {
-  const std::optional<Shape> shape = PairsShape(q, k, {&v});
+  const std::optional<Shape> shape = HeadsShape(ffi::DataType::BF16, kDepth, q, k, {&v});
   if (!shape)
-    return ffi::Error::InvalidArgument("amx attention: q [P, Lq, D], k/v [P, Lk, D] in bf16, D % 32 == 0");
+    return ffi::Error::InvalidArgument(
+        "amx attention: q [B, Lq, H, D], k/v [B, Lk, H, D] in bf16, D % 32 == 0");
   if (!RequestAmx()) return ffi::Error::Internal("amx attention: the kernel refused AMX tile state");
   const Shape s = *shape;
-  if (s.pairs == 0 || s.lq == 0) return ffi::Error::Success();
+  if (s.pairs() == 0 || s.lq == 0) return ffi::Error::Success();
   const auto* qp = static_cast<const uint16_t*>(q.untyped_data());
   const auto* kp = static_cast<const uint16_t*>(k.untyped_data());
   const auto* vp = static_cast<const uint16_t*>(v.untyped_data());
   const bool* mp = mask.typed_data();
   auto* op = static_cast<uint16_t*>(out->untyped_data());
   float* lp = lse->typed_data();
-  // about four items per thread, none under 4 blocks (128 queries): an item repacks its
-  // pair's k and v, which must stay small next to its products
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t blocks = (s.lq + kBlock - 1) / kBlock;
-  int64_t parts = (4 * threads + s.pairs - 1) / s.pairs;
-  parts = std::max<int64_t>(1, std::min(parts, blocks / 4));
-  const int64_t rows_per_item = (blocks + parts - 1) / parts * kBlock;
-  const int64_t items_per_pair = (s.lq + rows_per_item - 1) / rows_per_item;
-  ParallelFor(pool, s.pairs * items_per_pair, [&](int64_t i) {
+  const QuerySplit split(s, pool.num_threads());
+  const int64_t rows_per_item = split.rows_per_item, items_per_pair = split.items_per_pair;
+  ParallelFor(pool, s.pairs() * items_per_pair, [&](int64_t i) {
     thread_local Scratch scratch;
     const int64_t pair = i / items_per_pair, part = i % items_per_pair;
     const int64_t r0 = part * rows_per_item, r1 = std::min(s.lq, r0 + rows_per_item);
-    const int64_t q_off = pair * s.lq * s.d, kv_off = pair * s.lk * s.d;
-    AttendRows(s, qp + q_off, kp + kv_off, vp + kv_off, mp + pair * s.lk, scale, op + q_off,
-               lp + pair * s.lq, r0, r1, scratch);
+    const int64_t q_off = s.q_offset(pair), kv_off = s.kv_offset(pair);
+    AttendRows(s, qp + q_off, kp + kv_off, vp + kv_off, mp + s.mask_offset(pair), scale,
+               op + q_off, lp + s.lse_offset(pair), r0, r1, scratch);
   });
   return ffi::Error::Success();
 }
@@ -394,7 +303,7 @@ struct BackwardScratch {
   std::vector<uint16_t> do_t, q_t;     // [d, 32]
   std::vector<float> dv_t, dk_t;       // tile (c / 16, n / 16): [16 columns, 16 keys]
   std::vector<float> dq_sums;          // [32, d]
-  std::vector<uint16_t> q_tail, do_tail;
+  std::vector<uint16_t> q_block, do_block;  // [32, d]: BlockRows
 };
 
 inline uint16_t ToBf16(float x) {  // round to nearest even, as the vector conversion
@@ -496,11 +405,11 @@ void Transpose(const uint16_t* block, int64_t d, uint16_t* to) {  // [32, d] -> 
 void BackwardPair(const Shape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                   const bool* mask, const uint16_t* out, const uint16_t* d_out, const float* lse,
                   float scale, uint16_t* dq, uint16_t* dk, uint16_t* dv, BackwardScratch& w) {
-  const int64_t d = s.d;
+  const int64_t d = s.d, ld = s.row();
   const int64_t lk_tiles = (s.lk + kDepth - 1) / kDepth * kDepth, key_tiles = lk_tiles / 16;
-  RepackTransposed(k, s.lk, d, lk_tiles, w.keys_t);
-  RepackTransposed(v, s.lk, d, lk_tiles, w.values_t);
-  RepackRows(k, s.lk, d, lk_tiles, w.keys_rows);
+  RepackTransposed(k, s.lk, d, ld, lk_tiles, w.keys_t);
+  RepackTransposed(v, s.lk, d, ld, lk_tiles, w.values_t);
+  RepackRows(k, s.lk, d, ld, lk_tiles, w.keys_rows);
   LiveKeys(mask, s.lk, lk_tiles, w.live);
   w.scores.resize(kBlock * ScoresStride(lk_tiles));
   w.dprobs.resize(kBlock * ScoresStride(lk_tiles));
@@ -512,19 +421,19 @@ void BackwardPair(const Shape& s, const uint16_t* q, const uint16_t* k, const ui
   w.dv_t.assign(d * lk_tiles, 0.0f);
   w.dk_t.assign(d * lk_tiles, 0.0f);
   w.dq_sums.resize(kBlock * d);
-  w.q_tail.resize(kBlock * d);
-  w.do_tail.resize(kBlock * d);
+  w.q_block.resize(kBlock * d);
+  w.do_block.resize(kBlock * d);
   ConfigureTiles();
   float lse_block[kBlock], delta[kBlock];
   for (int64_t row0 = 0; row0 < s.lq; row0 += kBlock) {
     const int64_t rows = std::min(kBlock, s.lq - row0);
-    const uint16_t* q_block = BlockRows(q + row0 * d, rows, d, w.q_tail);
-    const uint16_t* do_block = BlockRows(d_out + row0 * d, rows, d, w.do_tail);
+    const uint16_t* q_block = BlockRows(q + row0 * ld, rows, d, ld, w.q_block);
+    const uint16_t* do_block = BlockRows(d_out + row0 * ld, rows, d, ld, w.do_block);
     for (int64_t i = 0; i < kBlock; ++i) {
       lse_block[i] = i < rows ? lse[row0 + i] : std::numeric_limits<float>::infinity();
       float sum = 0.0f;
       for (int64_t c = 0; i < rows && c < d; ++c)
-        sum += FromBf16(do_block[i * d + c]) * FromBf16(out[(row0 + i) * d + c]);
+        sum += FromBf16(do_block[i * d + c]) * FromBf16(out[(row0 + i) * ld + c]);
       delta[i] = sum;
     }
     for (int64_t n0 = 0; n0 < lk_tiles; n0 += 32) {
@@ -536,7 +445,7 @@ void BackwardPair(const Shape& s, const uint16_t* q, const uint16_t* k, const ui
       OutputTiles(w.ds_tiles.data(), lk_tiles, w.keys_rows.data(), d, c0, w.dq_sums.data());
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t c = 0; c < d; c += 16)
-        StoreBf16(dq + (row0 + i) * d + c, _mm512_loadu_ps(w.dq_sums.data() + i * d + c));
+        StoreBf16(dq + (row0 + i) * ld + c, _mm512_loadu_ps(w.dq_sums.data() + i * d + c));
     Transpose(do_block, d, w.do_t.data());
     Transpose(q_block, d, w.q_t.data());
     AccumulateTransposed(w.do_t.data(), w.p_pairs.data(), d, lk_tiles, w.dv_t.data());
@@ -546,8 +455,8 @@ void BackwardPair(const Shape& s, const uint16_t* q, const uint16_t* k, const ui
   for (int64_t n = 0; n < s.lk; ++n)
     for (int64_t c = 0; c < d; ++c) {
       const int64_t at = ((c / 16) * key_tiles + n / 16) * 256 + (c % 16) * 16 + n % 16;
-      dv[n * d + c] = ToBf16(w.dv_t[at]);
-      dk[n * d + c] = ToBf16(w.dk_t[at]);
+      dv[n * ld + c] = ToBf16(w.dv_t[at]);
+      dk[n * ld + c] = ToBf16(w.dk_t[at]);
     }
 }
 
@@ -556,12 +465,12 @@ ffi::Error AttentionBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
                              ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_out,
                              ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                              ffi::Result<ffi::AnyBuffer> dv, float scale) {
-  const std::optional<Shape> shape = PairsShape(q, k, {&v, &out, &d_out});
+  const std::optional<Shape> shape = HeadsShape(ffi::DataType::BF16, kDepth, q, k, {&v, &out, &d_out});
   if (!shape)
-    return ffi::Error::InvalidArgument("amx attention backward: bf16 [P, L, D], D % 32 == 0");
+    return ffi::Error::InvalidArgument("amx attention backward: bf16 [B, L, H, D], D % 32 == 0");
   if (!RequestAmx()) return ffi::Error::Internal("amx attention: the kernel refused AMX tile state");
   const Shape s = *shape;
-  if (s.pairs == 0) return ffi::Error::Success();
+  if (s.pairs() == 0) return ffi::Error::Success();
   const auto* qp = static_cast<const uint16_t*>(q.untyped_data());
   const auto* kp = static_cast<const uint16_t*>(k.untyped_data());
   const auto* vp = static_cast<const uint16_t*>(v.untyped_data());
@@ -573,12 +482,12 @@ ffi::Error AttentionBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
   auto* dkp = static_cast<uint16_t*>(dk->untyped_data());
   auto* dvp = static_cast<uint16_t*>(dv->untyped_data());
   // one item per pair: its dk and dv sum over all its queries
-  ParallelFor(pool, s.pairs, [&](int64_t pair) {
+  ParallelFor(pool, s.pairs(), [&](int64_t pair) {
     thread_local BackwardScratch scratch;
-    const int64_t q_off = pair * s.lq * s.d, kv_off = pair * s.lk * s.d;
-    BackwardPair(s, qp + q_off, kp + kv_off, vp + kv_off, mp + pair * s.lk, op + q_off,
-                 dop + q_off, lp + pair * s.lq, scale, dqp + q_off, dkp + kv_off, dvp + kv_off,
-                 scratch);
+    const int64_t q_off = s.q_offset(pair), kv_off = s.kv_offset(pair);
+    BackwardPair(s, qp + q_off, kp + kv_off, vp + kv_off, mp + s.mask_offset(pair), op + q_off,
+                 dop + q_off, lp + s.lse_offset(pair), scale, dqp + q_off, dkp + kv_off,
+                 dvp + kv_off, scratch);
   });
   return ffi::Error::Success();
 }
@@ -588,18 +497,6 @@ ffi::Error AttentionBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
 // 1 when this process may use AMX (asks the kernel once); the Python side checks it before it
 // emits the custom call.
 extern "C" int difforge_amx_ready() { return RequestAmx() ? 1 : 0; }
-
-namespace {
-// What both calls take first: XLA's intra-op pool, then q, k, v and the key mask.
-auto BindPoolQkvMask() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::PRED>>();
-}
-}  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DifforgeAmxAttentionBackward, AttentionBackward,
                               BindPoolQkvMask()

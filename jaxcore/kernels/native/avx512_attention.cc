@@ -1,0 +1,357 @@
+// Fused exact attention in float32 with AVX-512 FMA, forward and backward, as XLA CPU FFI
+// custom calls: the float32 counterpart of amx_attention.cc (AMX has no float32 products).
+//
+// Why: XLA CPU runs float32 attention as separate passes over [Lq, Lk] float32 tiles (q k^T,
+// row max, exp, row sum, p v), each a round trip through memory: the Wan S self-attention
+// (1024 tokens, 8 x 64) took 13.7 ms forward and 49 ms forward + backward, PyTorch's flash
+// kernel 8.2 and 29 ms (2 cores). Here a block of 32 queries goes through both products and its
+// softmax while its scores stay in the core's cache, and every product is one register-blocked
+// FMA kernel (Gemm below).
+//
+// Semantics: those of jaxcore/kernels/blockwise.py's forward and backward for one tile covering
+// all keys, in float32 throughout: scores = (q k^T) * scale (scale > 0), masked keys left out;
+// m = row max (0 where every key is masked); p = exp(scores - m); l = sum(p); out = (p v) / l
+// (zeros where l == 0); lse = m + log(l) (+inf where l == 0). The backward recomputes
+// p = exp(scale s - lse) and forms dq = ds k, dk = ds^T q, dv = p^T do with
+// ds = scale p (do v^T - delta), delta = rowsum(do * out). Within float32 rounding of XLA's
+// (exp as 2^x, another summation order), not bit for bit. jaxcore/kernels/native.py builds and
+// registers it; tests/jaxcore/test_native_attention.py compares it with the XLA path.
+//
+// Layout: attention_common.h's Shape (q [B, Lq, H, D], k and v [B, Lk, H, D] in float32, mask
+// [B, Lk], lse [B, H, Lq]), D a multiple of 16 (one register of float32). Threads as
+// amx_attention.cc: forward items are (pair, query range), backward items pairs.
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "attention_common.h"
+
+namespace {
+
+constexpr int64_t kLanes = 16;       // float32 in one register
+constexpr int kTileRows = 4;         // rows of c one register tile accumulates
+constexpr int kTileVectors = 4;      // registers along a row: 64 columns
+constexpr int64_t kChunk = 128;      // contraction steps whose b rows stay in L1 (32 KiB)
+
+// c[R rows, 16 C columns] (= or +=) sum over p < depth of a(r, p) b[p, :], a(r, p) at
+// a[r * a_row + p * a_step] (broadcast), b rows `ldb` apart, c rows `ldc` apart. R x C
+// accumulators stay in registers through the contraction.
+template <int R, int C>
+void RegisterTile(int64_t depth, const float* a, int64_t a_row, int64_t a_step, const float* b,
+                  int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j)
+      acc[r][j] = accumulate ? _mm512_loadu_ps(c + r * ldc + j * kLanes) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < depth; ++p) {
+    __m512 bv[C];
+    for (int j = 0; j < C; ++j) bv[j] = _mm512_loadu_ps(b + p * ldb + j * kLanes);
+    const float* ap = a + p * a_step;
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(ap[r * a_row]);
+      for (int j = 0; j < C; ++j) acc[r][j] = _mm512_fmadd_ps(av, bv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) _mm512_storeu_ps(c + r * ldc + j * kLanes, acc[r][j]);
+}
+
+using TileFn = void (*)(int64_t, const float*, int64_t, int64_t, const float*, int64_t, float*,
+                        int64_t, bool);
+
+template <int R>
+constexpr TileFn TileFor(int vectors) {
+  return vectors == 1 ? RegisterTile<R, 1>
+         : vectors == 2 ? RegisterTile<R, 2>
+         : vectors == 3 ? RegisterTile<R, 3>
+                        : RegisterTile<R, 4>;
+}
+
+// The register tile of `rows` (1..kTileRows) x `vectors` (1..kTileVectors) registers.
+TileFn Tile(int rows, int vectors) {
+  switch (rows) {
+    case 1: return TileFor<1>(vectors);
+    case 2: return TileFor<2>(vectors);
+    case 3: return TileFor<3>(vectors);
+    default: return TileFor<4>(vectors);
+  }
+}
+
+// c[m, n] (= or +=) a . b: a(i, p) at a[i * a_row + p * a_step], b [depth, n] rows `ldb`
+// apart, c rows `ldc` apart; n a multiple of 16. The contraction goes in chunks whose strip of
+// b (kChunk x 64 columns) stays in L1 while every row tile passes over it.
+void Gemm(int64_t m, int64_t n, int64_t depth, const float* a, int64_t a_row, int64_t a_step,
+          const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  constexpr int64_t strip = kTileVectors * kLanes;
+  for (int64_t p0 = 0; p0 < depth; p0 += kChunk) {
+    const int64_t steps = std::min(kChunk, depth - p0);
+    const bool add = accumulate || p0 > 0;
+    for (int64_t n0 = 0; n0 < n; n0 += strip) {
+      const int vectors = static_cast<int>(std::min(strip, n - n0) / kLanes);
+      for (int64_t i0 = 0; i0 < m; i0 += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - i0));
+        Tile(rows, vectors)(steps, a + i0 * a_row + p0 * a_step, a_row, a_step,
+                            b + p0 * ldb + n0, ldb, c + i0 * ldc + n0, ldc, add);
+      }
+    }
+  }
+}
+
+// x [lk, d] (rows `ld` apart) -> [d, keys] with rows `stride` apart (ScoresStride: rows
+// 4 KiB apart would share one L1 set), keys after lk zeros: the right operand of
+// q k^T, do v^T. 16 keys at a time, whose rows stay in L1 while their columns are written.
+void Transpose(const float* x, int64_t lk, int64_t d, int64_t ld, int64_t stride,
+               std::vector<float>& to) {
+  to.assign(d * stride, 0.0f);
+  for (int64_t n0 = 0; n0 < lk; n0 += kLanes) {
+    const int64_t n1 = std::min(lk, n0 + kLanes);
+    for (int64_t c = 0; c < d; ++c)
+      for (int64_t n = n0; n < n1; ++n) to[c * stride + n] = x[n * ld + c];
+  }
+}
+
+// x [n, d] (rows `ld` apart) as contiguous rows: v and k as the right operands of p v and
+// ds k, whose contraction runs down their rows, and a block's queries (rows a multiple of
+// 4 KiB apart, or 2 KiB at 8 heads x 64, share a few L1 sets: the forward of the Wan S
+// self-attention took 11.0 ms reading v in place, 9.5 ms with this copy).
+const float* Rows(const float* x, int64_t n_rows, int64_t d, int64_t ld, std::vector<float>& to) {
+  if (ld == d) return x;
+  to.resize(n_rows * d);
+  for (int64_t n = 0; n < n_rows; ++n) std::memcpy(to.data() + n * d, x + n * ld, d * sizeof(float));
+  return to.data();
+}
+
+inline int64_t PaddedKeys(int64_t lk) { return (lk + kLanes - 1) / kLanes * kLanes; }
+
+struct Scratch {  // a thread's buffers, reused across calls
+  std::vector<float> keys_t;    // [d, ScoresStride]: Transpose
+  std::vector<float> values;    // [lk, d]: Rows
+  std::vector<float> q_block;   // [32, d]: Rows
+  std::vector<__mmask16> live;  // LiveKeys
+  std::vector<float> scores;    // [32, ScoresStride]: the block's scores, then probabilities
+  std::vector<float> sums;      // [32, d]: unnormalised output
+};
+
+// The block's rows (`rows` of them) of scores -> probabilities in place, each row's shift (the
+// scaled max, 0 when every key is masked) and sum. exp(scale (s - max)) as 2^(c s - c max),
+// c = scale log2(e) (scale > 0: the max of the scaled scores is the scaled max).
+void Softmax(int64_t rows, int64_t padded_keys, float scale, const std::vector<__mmask16>& live,
+             float* scores, float* shifts, float* sums) {
+  const float c = scale * kLog2e;
+  const __m512 vc = _mm512_set1_ps(c);
+  const __m512 vneg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < rows; ++i) {
+    float* row = scores + i * ScoresStride(padded_keys);
+    __m512 vmax = vneg_inf;
+    for (int64_t n = 0; n < padded_keys; n += kLanes)
+      vmax = _mm512_mask_max_ps(vmax, live[n / kLanes], vmax, _mm512_loadu_ps(row + n));
+    const float m = _mm512_reduce_max_ps(vmax);
+    const bool seen = std::isfinite(m);  // else every key masked: zero probabilities
+    const __m512 vshift = _mm512_set1_ps(seen ? c * m : 0.0f);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t n = 0; n < padded_keys; n += kLanes) {
+      const __mmask16 keys = seen ? live[n / kLanes] : 0;
+      const __m512 p = Exp2(_mm512_fmsub_ps(_mm512_loadu_ps(row + n), vc, vshift), keys);
+      vsum = _mm512_add_ps(vsum, p);
+      _mm512_storeu_ps(row + n, p);
+    }
+    shifts[i] = seen ? scale * m : 0.0f;
+    sums[i] = _mm512_reduce_add_ps(vsum);
+  }
+}
+
+// Queries [r0, r1) of one pair: their output and lse.
+void AttendRows(const Shape& s, const float* q, const float* k, const float* v, const bool* mask,
+                float scale, float* out, float* lse, int64_t r0, int64_t r1, Scratch& w) {
+  const int64_t d = s.d, ld = s.row(), padded_keys = PaddedKeys(s.lk);
+  const int64_t stride = ScoresStride(padded_keys);
+  Transpose(k, s.lk, d, ld, stride, w.keys_t);
+  const float* values = Rows(v, s.lk, d, ld, w.values);
+  LiveKeys(mask, s.lk, padded_keys, w.live);
+  w.scores.resize(kBlock * stride);
+  w.sums.resize(kBlock * d);
+  float shifts[kBlock], row_sums[kBlock];
+  for (int64_t row0 = r0; row0 < r1; row0 += kBlock) {
+    const int64_t rows = std::min(kBlock, r1 - row0);
+    const float* q_block = Rows(q + row0 * ld, rows, d, ld, w.q_block);
+    Gemm(rows, padded_keys, d, q_block, d, 1, w.keys_t.data(), stride, w.scores.data(), stride,
+         false);
+    Softmax(rows, padded_keys, scale, w.live, w.scores.data(), shifts, row_sums);
+    // p v over the real keys only (padded ones have p = 0 and no row in v)
+    Gemm(rows, d, s.lk, w.scores.data(), stride, 1, values, d, w.sums.data(), d, false);
+    for (int64_t i = 0; i < rows; ++i) {
+      const bool seen = row_sums[i] > 0;
+      const __m512 inverse = _mm512_set1_ps(seen ? 1.0f / row_sums[i] : 0.0f);
+      for (int64_t c = 0; c < d; c += kLanes)
+        _mm512_storeu_ps(out + (row0 + i) * ld + c,
+                         _mm512_mul_ps(_mm512_loadu_ps(w.sums.data() + i * d + c), inverse));
+      lse[row0 + i] = seen ? shifts[i] + std::log(row_sums[i])
+                           : std::numeric_limits<float>::infinity();
+    }
+  }
+}
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                     ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::AnyBuffer> out,
+                     ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale) {
+  const std::optional<Shape> shape = HeadsShape(ffi::DataType::F32, kLanes, q, k, {&v});
+  if (!shape)
+    return ffi::Error::InvalidArgument(
+        "avx512 attention: q [B, Lq, H, D], k/v [B, Lk, H, D] in float32, D % 16 == 0");
+  const Shape s = *shape;
+  if (s.pairs() == 0 || s.lq == 0) return ffi::Error::Success();
+  const auto* qp = static_cast<const float*>(q.untyped_data());
+  const auto* kp = static_cast<const float*>(k.untyped_data());
+  const auto* vp = static_cast<const float*>(v.untyped_data());
+  const bool* mp = mask.typed_data();
+  auto* op = static_cast<float*>(out->untyped_data());
+  float* lp = lse->typed_data();
+  const QuerySplit split(s, pool.num_threads());
+  ParallelFor(pool, s.pairs() * split.items_per_pair, [&](int64_t i) {
+    thread_local Scratch scratch;
+    const int64_t pair = i / split.items_per_pair, part = i % split.items_per_pair;
+    const int64_t r0 = part * split.rows_per_item;
+    const int64_t r1 = std::min(s.lq, r0 + split.rows_per_item);
+    const int64_t q_off = s.q_offset(pair), kv_off = s.kv_offset(pair);
+    AttendRows(s, qp + q_off, kp + kv_off, vp + kv_off, mp + s.mask_offset(pair), scale,
+               op + q_off, lp + s.lse_offset(pair), r0, r1, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+// --- backward -------------------------------------------------------------------------------
+//
+// FlashAttention-2's backward for one pair, 32 queries at a time: s = q k^T and dp = do v^T
+// (the forward's products), p and ds in place of them, then dq = ds k for the block, and
+// dv^T += do^T p, dk^T += q^T ds accumulated over the blocks ([d, padded keys], so that their
+// contraction over the block's queries runs along rows of p and ds as stored).
+
+struct BackwardScratch {
+  std::vector<float> keys_t, values_t;  // [d, ScoresStride]: Transpose
+  std::vector<float> keys;              // [lk, d]: Rows
+  std::vector<float> q_block, do_block;  // [32, d]: Rows
+  std::vector<__mmask16> live;
+  std::vector<float> probs, dscores;    // [32, ScoresStride]
+  std::vector<float> dk_t, dv_t;        // [d, ScoresStride]
+};
+
+// p = exp(scale s - lse) (0 for masked keys and for rows that saw no key, lse +inf) in place
+// of the scores, ds = scale p (dp - delta) in place of dp.
+void ScoreGradients(int64_t rows, int64_t padded_keys, float scale, const float* lse,
+                    const float* delta, BackwardScratch& w) {
+  const int64_t stride = ScoresStride(padded_keys);
+  const __m512 vc = _mm512_set1_ps(scale * kLog2e), vscale = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < rows; ++i) {
+    const bool seen = std::isfinite(lse[i]);
+    const __m512 shift = _mm512_set1_ps(seen ? lse[i] * kLog2e : 0.0f);
+    const __m512 row_delta = _mm512_set1_ps(delta[i]);
+    float* p_row = w.probs.data() + i * stride;
+    float* ds_row = w.dscores.data() + i * stride;
+    for (int64_t n = 0; n < padded_keys; n += kLanes) {
+      const __mmask16 keys = seen ? w.live[n / kLanes] : 0;
+      const __m512 p = Exp2(_mm512_fmsub_ps(_mm512_loadu_ps(p_row + n), vc, shift), keys);
+      const __m512 dp = _mm512_sub_ps(_mm512_loadu_ps(ds_row + n), row_delta);
+      _mm512_storeu_ps(p_row + n, p);
+      _mm512_storeu_ps(ds_row + n, _mm512_mul_ps(_mm512_mul_ps(p, dp), vscale));
+    }
+  }
+}
+
+void BackwardPair(const Shape& s, const float* q, const float* k, const float* v,
+                  const bool* mask, const float* out, const float* d_out, const float* lse,
+                  float scale, float* dq, float* dk, float* dv, BackwardScratch& w) {
+  const int64_t d = s.d, ld = s.row(), padded_keys = PaddedKeys(s.lk);
+  const int64_t stride = ScoresStride(padded_keys);
+  Transpose(k, s.lk, d, ld, stride, w.keys_t);
+  Transpose(v, s.lk, d, ld, stride, w.values_t);
+  const float* keys = Rows(k, s.lk, d, ld, w.keys);
+  LiveKeys(mask, s.lk, padded_keys, w.live);
+  w.probs.resize(kBlock * stride);
+  w.dscores.resize(kBlock * stride);
+  w.dk_t.assign(d * stride, 0.0f);
+  w.dv_t.assign(d * stride, 0.0f);
+  float delta[kBlock];
+  for (int64_t row0 = 0; row0 < s.lq; row0 += kBlock) {
+    const int64_t rows = std::min(kBlock, s.lq - row0);
+    // the block's rows contiguous: the products below broadcast down their columns, which at
+    // a 4 KiB row stride (16 heads x 64) all fall in one L1 set (the Wan M train step took
+    // 5.46 s reading them in place, 4.56 s on XLA's path)
+    const float* q_block = Rows(q + row0 * ld, rows, d, ld, w.q_block);
+    const float* do_block = Rows(d_out + row0 * ld, rows, d, ld, w.do_block);
+    for (int64_t i = 0; i < rows; ++i) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t c = 0; c < d; c += kLanes)
+        sum = _mm512_fmadd_ps(_mm512_loadu_ps(do_block + i * d + c),
+                              _mm512_loadu_ps(out + (row0 + i) * ld + c), sum);
+      delta[i] = _mm512_reduce_add_ps(sum);
+    }
+    Gemm(rows, padded_keys, d, q_block, d, 1, w.keys_t.data(), stride, w.probs.data(), stride,
+         false);
+    Gemm(rows, padded_keys, d, do_block, d, 1, w.values_t.data(), stride,
+         w.dscores.data(), stride, false);
+    ScoreGradients(rows, padded_keys, scale, lse + row0, delta, w);
+    Gemm(rows, d, s.lk, w.dscores.data(), stride, 1, keys, d, dq + row0 * ld, ld, false);
+    // [d, keys] += x^T [d, rows] . y [rows, keys]: x^T(c, i) = x[i * d + c]
+    Gemm(d, padded_keys, rows, do_block, 1, d, w.probs.data(), stride, w.dv_t.data(), stride,
+         true);
+    Gemm(d, padded_keys, rows, q_block, 1, d, w.dscores.data(), stride, w.dk_t.data(), stride,
+         true);
+  }
+  for (int64_t n = 0; n < s.lk; ++n)
+    for (int64_t c = 0; c < d; ++c) {
+      dk[n * ld + c] = w.dk_t[c * stride + n];
+      dv[n * ld + c] = w.dv_t[c * stride + n];
+    }
+}
+
+ffi::Error AttentionBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                             ffi::AnyBuffer v, ffi::Buffer<ffi::PRED> mask, ffi::AnyBuffer out,
+                             ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_out,
+                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                             ffi::Result<ffi::AnyBuffer> dv, float scale) {
+  const std::optional<Shape> shape =
+      HeadsShape(ffi::DataType::F32, kLanes, q, k, {&v, &out, &d_out});
+  if (!shape)
+    return ffi::Error::InvalidArgument(
+        "avx512 attention backward: float32 [B, L, H, D], D % 16 == 0");
+  const Shape s = *shape;
+  if (s.pairs() == 0) return ffi::Error::Success();
+  const auto* qp = static_cast<const float*>(q.untyped_data());
+  const auto* kp = static_cast<const float*>(k.untyped_data());
+  const auto* vp = static_cast<const float*>(v.untyped_data());
+  const auto* op = static_cast<const float*>(out.untyped_data());
+  const auto* dop = static_cast<const float*>(d_out.untyped_data());
+  const bool* mp = mask.typed_data();
+  const float* lp = lse.typed_data();
+  auto* dqp = static_cast<float*>(dq->untyped_data());
+  auto* dkp = static_cast<float*>(dk->untyped_data());
+  auto* dvp = static_cast<float*>(dv->untyped_data());
+  // one item per pair: its dk and dv sum over all its queries
+  ParallelFor(pool, s.pairs(), [&](int64_t pair) {
+    thread_local BackwardScratch scratch;
+    const int64_t q_off = s.q_offset(pair), kv_off = s.kv_offset(pair);
+    BackwardPair(s, qp + q_off, kp + kv_off, vp + kv_off, mp + s.mask_offset(pair), op + q_off,
+                 dop + q_off, lp + s.lse_offset(pair), scale, dqp + q_off, dkp + kv_off,
+                 dvp + kv_off, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DifforgeAvx512Attention, Attention,
+                              BindPoolQkvMask()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DifforgeAvx512AttentionBackward, AttentionBackward,
+                              BindPoolQkvMask()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale"));
