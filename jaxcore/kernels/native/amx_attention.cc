@@ -256,33 +256,14 @@ void AttendRows(const Shape& s, const uint16_t* q, const uint16_t* k, const uint
   _tile_release();
 }
 
+constexpr KernelSpec kSpec{"amx attention", "bf16", ffi::DataType::BF16, kDepth, RequestAmx,
+                           "amx attention: the kernel refused AMX tile state"};
+
 ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::AnyBuffer> out,
                      ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale) {
-  const std::optional<Shape> shape = HeadsShape(ffi::DataType::BF16, kDepth, q, k, {&v});
-  if (!shape)
-    return ffi::Error::InvalidArgument(
-        "amx attention: q [B, Lq, H, D], k/v [B, Lk, H, D] in bf16, D % 32 == 0");
-  if (!RequestAmx()) return ffi::Error::Internal("amx attention: the kernel refused AMX tile state");
-  const Shape s = *shape;
-  if (s.pairs() == 0 || s.lq == 0) return ffi::Error::Success();
-  const auto* qp = static_cast<const uint16_t*>(q.untyped_data());
-  const auto* kp = static_cast<const uint16_t*>(k.untyped_data());
-  const auto* vp = static_cast<const uint16_t*>(v.untyped_data());
-  const bool* mp = mask.typed_data();
-  auto* op = static_cast<uint16_t*>(out->untyped_data());
-  float* lp = lse->typed_data();
-  const QuerySplit split(s, pool.num_threads());
-  const int64_t rows_per_item = split.rows_per_item, items_per_pair = split.items_per_pair;
-  ParallelFor(pool, s.pairs() * items_per_pair, [&](int64_t i) {
-    thread_local Scratch scratch;
-    const int64_t pair = i / items_per_pair, part = i % items_per_pair;
-    const int64_t r0 = part * rows_per_item, r1 = std::min(s.lq, r0 + rows_per_item);
-    const int64_t q_off = s.q_offset(pair), kv_off = s.kv_offset(pair);
-    AttendRows(s, qp + q_off, kp + kv_off, vp + kv_off, mp + s.mask_offset(pair), scale,
-               op + q_off, lp + s.lse_offset(pair), r0, r1, scratch);
-  });
-  return ffi::Error::Success();
+  return ForwardHandler<uint16_t, Scratch>(kSpec, pool, q, k, v, mask, out, lse, scale,
+                                           AttendRows);
 }
 
 // --- backward -------------------------------------------------------------------------------
@@ -465,31 +446,8 @@ ffi::Error AttentionBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
                              ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_out,
                              ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                              ffi::Result<ffi::AnyBuffer> dv, float scale) {
-  const std::optional<Shape> shape = HeadsShape(ffi::DataType::BF16, kDepth, q, k, {&v, &out, &d_out});
-  if (!shape)
-    return ffi::Error::InvalidArgument("amx attention backward: bf16 [B, L, H, D], D % 32 == 0");
-  if (!RequestAmx()) return ffi::Error::Internal("amx attention: the kernel refused AMX tile state");
-  const Shape s = *shape;
-  if (s.pairs() == 0) return ffi::Error::Success();
-  const auto* qp = static_cast<const uint16_t*>(q.untyped_data());
-  const auto* kp = static_cast<const uint16_t*>(k.untyped_data());
-  const auto* vp = static_cast<const uint16_t*>(v.untyped_data());
-  const auto* op = static_cast<const uint16_t*>(out.untyped_data());
-  const auto* dop = static_cast<const uint16_t*>(d_out.untyped_data());
-  const bool* mp = mask.typed_data();
-  const float* lp = lse.typed_data();
-  auto* dqp = static_cast<uint16_t*>(dq->untyped_data());
-  auto* dkp = static_cast<uint16_t*>(dk->untyped_data());
-  auto* dvp = static_cast<uint16_t*>(dv->untyped_data());
-  // one item per pair: its dk and dv sum over all its queries
-  ParallelFor(pool, s.pairs(), [&](int64_t pair) {
-    thread_local BackwardScratch scratch;
-    const int64_t q_off = s.q_offset(pair), kv_off = s.kv_offset(pair);
-    BackwardPair(s, qp + q_off, kp + kv_off, vp + kv_off, mp + s.mask_offset(pair), op + q_off,
-                 dop + q_off, lp + s.lse_offset(pair), scale, dqp + q_off, dkp + kv_off,
-                 dvp + kv_off, scratch);
-  });
-  return ffi::Error::Success();
+  return BackwardHandler<uint16_t, BackwardScratch>(kSpec, pool, q, k, v, mask, out, lse, d_out,
+                                                    dq, dk, dv, scale, BackwardPair);
 }
 
 }  // namespace

@@ -1,8 +1,10 @@
 // What the native attention kernels share (amx_attention.cc in bf16, avx512_attention.cc in
 // float32): the operands' shape check, the key mask as 16-key bit masks, 2^x in AVX-512, the work
 // loop over XLA's intra-op pool, how a forward splits its queries into work items, and the FFI
-// binding prefix both calls of each kernel take. Each kernel's library is its own translation
-// unit, so everything here is internal (an anonymous namespace).
+// binding prefix and the FFI handlers themselves (ForwardHandler, BackwardHandler: checks,
+// operands, work items), to which each kernel gives its element type and its per-item work.
+// Each kernel's library is its own translation unit, so everything here is internal (an
+// anonymous namespace).
 
 #pragma once
 
@@ -16,6 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -143,6 +146,110 @@ struct QuerySplit {
     items_per_pair = (s.lq + rows_per_item - 1) / rows_per_item;
   }
 };
+
+// What a kernel's handlers check before they run: its name and element type (for the errors),
+// the head-dim multiple it needs, and whether the OS lets it run (AMX's tile state).
+struct KernelSpec {
+  const char* name;        // "amx attention"
+  const char* type_name;   // "bf16"
+  ffi::DataType type;
+  int64_t d_multiple;
+  bool (*ready)();         // nullptr: always ready
+  const char* not_ready;   // the error when ready() is false
+};
+
+inline std::string DMultiple(const KernelSpec& spec) {
+  return "D % " + std::to_string(spec.d_multiple) + " == 0";
+}
+
+// What each call takes, for its InvalidArgument error.
+inline std::string ForwardOperands(const KernelSpec& spec) {
+  return std::string(spec.name) + ": q [B, Lq, H, D], k/v [B, Lk, H, D] in " + spec.type_name +
+         ", " + DMultiple(spec);
+}
+
+inline std::string BackwardOperands(const KernelSpec& spec) {
+  return std::string(spec.name) + " backward: " + spec.type_name + " [B, L, H, D], " +
+         DMultiple(spec);
+}
+
+// The operands' shape, or the error that names what the call takes (`operands`) or why the
+// kernel cannot run.
+ffi::ErrorOr<Shape> CheckedShape(const KernelSpec& spec, std::string (*operands)(const KernelSpec&),
+                                 const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                 std::initializer_list<const ffi::AnyBuffer*> others) {
+  const std::optional<Shape> shape = HeadsShape(spec.type, spec.d_multiple, q, k, others);
+  if (!shape) return ffi::Unexpected(ffi::Error::InvalidArgument(operands(spec)));
+  if (spec.ready != nullptr && !spec.ready())
+    return ffi::Unexpected(ffi::Error::Internal(spec.not_ready));
+  return *shape;
+}
+
+// A kernel's forward handler: every pair's queries in QuerySplit's items, each one call of
+// attend(shape, q, k, v, mask, scale, out, lse, first row, end row, scratch) on that pair's
+// operands (T: the element type; Scratch: a thread's buffers, reused across calls).
+template <typename T, typename Scratch, typename Attend>
+ffi::Error ForwardHandler(const KernelSpec& spec, ffi::ThreadPool& pool, const ffi::AnyBuffer& q,
+                          const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                          const ffi::Buffer<ffi::PRED>& mask, ffi::Result<ffi::AnyBuffer>& out,
+                          ffi::Result<ffi::Buffer<ffi::F32>>& lse, float scale, Attend attend) {
+  const ffi::ErrorOr<Shape> shape = CheckedShape(spec, ForwardOperands, q, k, {&v});
+  if (!shape.has_value()) return shape.error();
+  const Shape s = *shape;
+  if (s.pairs() == 0 || s.lq == 0) return ffi::Error::Success();
+  const auto* qp = static_cast<const T*>(q.untyped_data());
+  const auto* kp = static_cast<const T*>(k.untyped_data());
+  const auto* vp = static_cast<const T*>(v.untyped_data());
+  const bool* mp = mask.typed_data();
+  auto* op = static_cast<T*>(out->untyped_data());
+  float* lp = lse->typed_data();
+  const QuerySplit split(s, pool.num_threads());
+  ParallelFor(pool, s.pairs() * split.items_per_pair, [&](int64_t i) {
+    thread_local Scratch scratch;
+    const int64_t pair = i / split.items_per_pair, part = i % split.items_per_pair;
+    const int64_t r0 = part * split.rows_per_item;
+    const int64_t r1 = std::min(s.lq, r0 + split.rows_per_item);
+    const int64_t q_off = s.q_offset(pair), kv_off = s.kv_offset(pair);
+    attend(s, qp + q_off, kp + kv_off, vp + kv_off, mp + s.mask_offset(pair), scale, op + q_off,
+           lp + s.lse_offset(pair), r0, r1, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+// A kernel's backward handler: one item per pair (its dk and dv sum over all its queries), each
+// one call of backward_pair(shape, q, k, v, mask, out, d_out, lse, scale, dq, dk, dv, scratch).
+template <typename T, typename Scratch, typename BackwardPair>
+ffi::Error BackwardHandler(const KernelSpec& spec, ffi::ThreadPool& pool,
+                           const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                           const ffi::AnyBuffer& v, const ffi::Buffer<ffi::PRED>& mask,
+                           const ffi::AnyBuffer& out, const ffi::Buffer<ffi::F32>& lse,
+                           const ffi::AnyBuffer& d_out, ffi::Result<ffi::AnyBuffer>& dq,
+                           ffi::Result<ffi::AnyBuffer>& dk, ffi::Result<ffi::AnyBuffer>& dv,
+                           float scale, BackwardPair backward_pair) {
+  const ffi::ErrorOr<Shape> shape =
+      CheckedShape(spec, BackwardOperands, q, k, {&v, &out, &d_out});
+  if (!shape.has_value()) return shape.error();
+  const Shape s = *shape;
+  if (s.pairs() == 0) return ffi::Error::Success();
+  const auto* qp = static_cast<const T*>(q.untyped_data());
+  const auto* kp = static_cast<const T*>(k.untyped_data());
+  const auto* vp = static_cast<const T*>(v.untyped_data());
+  const auto* op = static_cast<const T*>(out.untyped_data());
+  const auto* dop = static_cast<const T*>(d_out.untyped_data());
+  const bool* mp = mask.typed_data();
+  const float* lp = lse.typed_data();
+  auto* dqp = static_cast<T*>(dq->untyped_data());
+  auto* dkp = static_cast<T*>(dk->untyped_data());
+  auto* dvp = static_cast<T*>(dv->untyped_data());
+  ParallelFor(pool, s.pairs(), [&](int64_t pair) {
+    thread_local Scratch scratch;
+    const int64_t q_off = s.q_offset(pair), kv_off = s.kv_offset(pair);
+    backward_pair(s, qp + q_off, kp + kv_off, vp + kv_off, mp + s.mask_offset(pair), op + q_off,
+                  dop + q_off, lp + s.lse_offset(pair), scale, dqp + q_off, dkp + kv_off,
+                  dvp + kv_off, scratch);
+  });
+  return ffi::Error::Success();
+}
 
 // What both calls of a kernel take first: XLA's intra-op pool, then q, k, v and the key mask.
 auto BindPoolQkvMask() {

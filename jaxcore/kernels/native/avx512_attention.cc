@@ -192,32 +192,14 @@ void AttendRows(const Shape& s, const float* q, const float* k, const float* v, 
   }
 }
 
+// AVX-512 needs no grant from the OS: always ready
+constexpr KernelSpec kSpec{"avx512 attention", "float32", ffi::DataType::F32, kLanes, nullptr,
+                           ""};
+
 ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::AnyBuffer> out,
                      ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale) {
-  const std::optional<Shape> shape = HeadsShape(ffi::DataType::F32, kLanes, q, k, {&v});
-  if (!shape)
-    return ffi::Error::InvalidArgument(
-        "avx512 attention: q [B, Lq, H, D], k/v [B, Lk, H, D] in float32, D % 16 == 0");
-  const Shape s = *shape;
-  if (s.pairs() == 0 || s.lq == 0) return ffi::Error::Success();
-  const auto* qp = static_cast<const float*>(q.untyped_data());
-  const auto* kp = static_cast<const float*>(k.untyped_data());
-  const auto* vp = static_cast<const float*>(v.untyped_data());
-  const bool* mp = mask.typed_data();
-  auto* op = static_cast<float*>(out->untyped_data());
-  float* lp = lse->typed_data();
-  const QuerySplit split(s, pool.num_threads());
-  ParallelFor(pool, s.pairs() * split.items_per_pair, [&](int64_t i) {
-    thread_local Scratch scratch;
-    const int64_t pair = i / split.items_per_pair, part = i % split.items_per_pair;
-    const int64_t r0 = part * split.rows_per_item;
-    const int64_t r1 = std::min(s.lq, r0 + split.rows_per_item);
-    const int64_t q_off = s.q_offset(pair), kv_off = s.kv_offset(pair);
-    AttendRows(s, qp + q_off, kp + kv_off, vp + kv_off, mp + s.mask_offset(pair), scale,
-               op + q_off, lp + s.lse_offset(pair), r0, r1, scratch);
-  });
-  return ffi::Error::Success();
+  return ForwardHandler<float, Scratch>(kSpec, pool, q, k, v, mask, out, lse, scale, AttendRows);
 }
 
 // --- backward -------------------------------------------------------------------------------
@@ -310,32 +292,8 @@ ffi::Error AttentionBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
                              ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_out,
                              ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                              ffi::Result<ffi::AnyBuffer> dv, float scale) {
-  const std::optional<Shape> shape =
-      HeadsShape(ffi::DataType::F32, kLanes, q, k, {&v, &out, &d_out});
-  if (!shape)
-    return ffi::Error::InvalidArgument(
-        "avx512 attention backward: float32 [B, L, H, D], D % 16 == 0");
-  const Shape s = *shape;
-  if (s.pairs() == 0) return ffi::Error::Success();
-  const auto* qp = static_cast<const float*>(q.untyped_data());
-  const auto* kp = static_cast<const float*>(k.untyped_data());
-  const auto* vp = static_cast<const float*>(v.untyped_data());
-  const auto* op = static_cast<const float*>(out.untyped_data());
-  const auto* dop = static_cast<const float*>(d_out.untyped_data());
-  const bool* mp = mask.typed_data();
-  const float* lp = lse.typed_data();
-  auto* dqp = static_cast<float*>(dq->untyped_data());
-  auto* dkp = static_cast<float*>(dk->untyped_data());
-  auto* dvp = static_cast<float*>(dv->untyped_data());
-  // one item per pair: its dk and dv sum over all its queries
-  ParallelFor(pool, s.pairs(), [&](int64_t pair) {
-    thread_local BackwardScratch scratch;
-    const int64_t q_off = s.q_offset(pair), kv_off = s.kv_offset(pair);
-    BackwardPair(s, qp + q_off, kp + kv_off, vp + kv_off, mp + s.mask_offset(pair), op + q_off,
-                 dop + q_off, lp + s.lse_offset(pair), scale, dqp + q_off, dkp + kv_off,
-                 dvp + kv_off, scratch);
-  });
-  return ffi::Error::Success();
+  return BackwardHandler<float, BackwardScratch>(kSpec, pool, q, k, v, mask, out, lse, d_out, dq,
+                                                 dk, dv, scale, BackwardPair);
 }
 
 }  // namespace
