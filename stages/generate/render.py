@@ -11,6 +11,10 @@
   output never depends on the batch it was in, the batch size or the device count.
 - The device work of batch k+1 is dispatched before the host waits for batch k, and encoding /
   uploading runs in a writer thread pool, so host and device work overlap.
+- The prompts of the next batches are text-encoded together, up to
+  :data:`jaxcore.pipeline.ENCODE_BATCH` texts per encoder call (:func:`_prefetch_texts`): a text
+  encoder at small batch is bound by reading its weights, so one call for many prompts costs
+  about what one prompt did. A repeated negative prompt is encoded once.
 """
 
 from __future__ import annotations
@@ -185,6 +189,42 @@ def _sample(
     )
 
 
+def _guidances(pipe, rows: Sequence[PromptSpec]) -> list:
+    return [
+        pipe.guidance(s.guidance_scale, s.true_cfg_scale, s.guidance_scale_2, s.guidance_rescale)
+        for s in rows
+    ]
+
+
+def _batch_texts(pipe, batch: Batch) -> list[str]:
+    """The texts this process's rows of ``batch`` encode: the prompts, and the negative prompts
+    when a row uses CFG (as :meth:`jaxcore.pipeline.Pipeline.conditioning` does)."""
+    rows = [batch.row_spec(r) for r in batch.local_rows]
+    texts = [s.prompt for s in rows]
+    if any(g.uses_cfg for g in _guidances(pipe, rows)):
+        texts += [s.negative_prompt for s in rows]
+    return texts
+
+
+def _prefetch_texts(pipe, batches: Sequence[Batch], start: int, max_sequence_length: int) -> int:
+    """Encode the texts of ``batches[start:]`` not encoded yet, together: batch ``start``'s and
+    those of the batches after it while the texts stay within ``ENCODE_BATCH``. Returns the
+    index of the first batch not covered."""
+    from jaxcore.pipeline import ENCODE_BATCH
+
+    missing: list[str] = []
+    end = start
+    while end < len(batches):
+        texts = pipe.missing_encodings(_batch_texts(pipe, batches[end]), max_sequence_length)
+        more = [t for t in texts if t not in missing]
+        if end > start and len(missing) + len(more) > ENCODE_BATCH:
+            break
+        missing += more
+        end += 1
+    pipe.prefetch_prompts(missing, max_sequence_length)
+    return end
+
+
 def _dispatch(
     pipe,
     batch: Batch,
@@ -205,10 +245,7 @@ def _dispatch(
     shape = pipe.latent_shape(first.height, first.width, first.num_frames)
     rows = [batch.row_spec(r) for r in batch.local_rows]
     latents = np.stack([initial_noise(s, shape) for s in rows])
-    guidances = [
-        pipe.guidance(s.guidance_scale, s.true_cfg_scale, s.guidance_scale_2, s.guidance_rescale)
-        for s in rows
-    ]
+    guidances = _guidances(pipe, rows)
     cond, uncond, scales = pipe.conditioning(
         [s.prompt for s in rows],
         [s.negative_prompt for s in rows],
@@ -328,9 +365,12 @@ def render_batches(
                 futures.append(future)
 
         pending: _InFlight | None = None
-        for batch in batches:
+        encoded_until = 0  # batches[:encoded_until] have their texts encoded
+        for index, batch in enumerate(batches):
             if stop is not None and stop():
                 break
+            if index >= encoded_until:
+                encoded_until = _prefetch_texts(pipe, batches, index, max_sequence_length)
             current = _dispatch(pipe, batch, scheduler, max_sequence_length, lora_strict, cache)
             if pending is not None:
                 collect(pending)

@@ -106,6 +106,51 @@ def test_guidance_and_prompts_change_the_output(jax_pipe):
     assert np.abs(plain - guided).max() > 1e-3  # guidance matters
 
 
+def test_prompt_encodings_are_reused_and_equal_encoding_each_text_alone(tiny_dir, monkeypatch):
+    from jaxcore.pipeline import ENCODE_BATCH, PromptEncodings
+
+    pipe = load_pipeline(tiny_dir)  # its own memo
+    calls = []
+    encode = pipe.family.encode_prompts
+
+    def counted(pipe_, texts, max_sequence_length):
+        calls.append(list(texts))
+        return encode(pipe_, texts, max_sequence_length)
+
+    monkeypatch.setattr(pipe.family, "encode_prompts", counted)
+    texts = ["a red circle", "blue square moving left", "", "a red circle"]
+    # rows equal each text encoded alone up to float rounding (batch shapes differ): values are
+    # O(1), reached ~1e-6, asserted at 1e-5
+    first = pipe.encode_prompts(texts, 512)["encoder_hidden_states"]
+    # three distinct texts in one call, padded to 4 rows with the last
+    assert calls == [["a red circle", "blue square moving left", "", ""]]
+    for text, row in zip(texts, first, strict=True):
+        alone = encode(pipe, [text], 512)["encoder_hidden_states"][0]
+        np.testing.assert_allclose(row, alone, atol=1e-5, rtol=0, err_msg=text)
+    assert np.abs(first[0] - first[1]).max() > 1e-3  # different texts, different rows
+    np.testing.assert_array_equal(
+        pipe.encode_prompts(texts[::-1], 512)["encoder_hidden_states"], first[::-1]
+    )
+    assert len(calls) == 1  # all found
+    pipe.encode_prompts(["a red circle"], 64)  # another max_sequence_length is another key
+    assert len(calls) == 2
+
+    many = [f"prompt {i}" for i in range(ENCODE_BATCH + 3)]
+    assert pipe.missing_encodings(many + ["a red circle"], 512) == many
+    pipe.prefetch_prompts(many, 512)
+    assert [len(c) for c in calls[2:]] == [ENCODE_BATCH, 4]
+    pipe.encode_prompts(many[-5:], 512)
+    assert len(calls) == 4 and pipe.missing_encodings(many[-5:], 512) == []
+
+    # a batch with more distinct texts than the memo holds still gets every row right
+    pipe.encodings = PromptEncodings(capacity=2)
+    rows = pipe.encode_prompts(many[:5], 512)["encoder_hidden_states"]
+    assert len(pipe.encodings._rows) == 2
+    for text, row in zip(many[:5], rows, strict=True):
+        alone = encode(pipe, [text], 512)["encoder_hidden_states"][0]
+        np.testing.assert_allclose(row, alone, atol=1e-5, rtol=0, err_msg=text)
+
+
 def test_initial_latents_depend_on_seed_only():
     a = initial_latents(11, (4, 2, 2, 2))
     np.testing.assert_array_equal(a, initial_latents(11, (4, 2, 2, 2)))

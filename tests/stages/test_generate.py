@@ -213,6 +213,45 @@ def test_same_pixels_for_any_batch_size_and_device_count(tiny_dir):
             )
 
 
+def test_prompts_of_the_next_batches_are_encoded_together(tiny_dir, monkeypatch):
+    """20 prompts with CFG, batch 1: the negative prompt once, the prompts in two encoder calls
+    of at most ENCODE_BATCH texts (15 + the negative, then 5), and the same pixels as encoding
+    each batch on its own."""
+    from jaxcore.pipeline import ENCODE_BATCH
+    from stages.generate.config import SamplingSection
+    from stages.generate.prompts import parse_prompts
+
+    defaults = SamplingSection(
+        height=16, width=16, num_frames=1, num_inference_steps=2, guidance_scale=4.0
+    )
+    specs = parse_prompts("p.txt", [f"red circle {i}" for i in range(20)], defaults)
+    pipe = load_pipeline(tiny_dir, mesh=make_mesh(devices=jax.devices()[:1]))
+    calls = []
+    encode = pipe.family.encode_prompts
+
+    def counted(pipe_, texts, max_sequence_length):
+        calls.append(list(texts))
+        return encode(pipe_, texts, max_sequence_length)
+
+    monkeypatch.setattr(pipe.family, "encode_prompts", counted)
+    together = _render(pipe, specs, 1)
+    assert ENCODE_BATCH == 16
+    assert [len(c) for c in calls] == [16, 8]  # 16 texts, then 5 padded to 8 rows
+    assert sorted(calls[0]) == sorted(["", *(f"red circle {i}" for i in range(15))])
+    assert calls[1][:5] == [f"red circle {i}" for i in range(15, 20)]
+    assert sum(text == "" for c in calls for text in c) == 1
+
+    monkeypatch.setattr(pipe.family, "encode_prompts", encode)
+    alone = {}
+    for spec in specs[:3]:  # a fresh memo per batch: each batch encodes its own texts
+        pipe.encodings = type(pipe.encodings)()
+        alone.update(_render(pipe, [spec], 1))
+    for spec in specs[:3]:
+        np.testing.assert_allclose(
+            together[spec.id], alone[spec.id], atol=INVARIANCE_TOLERANCE, rtol=0
+        )
+
+
 def test_kill_and_resume_renders_only_the_rest(tiny_dir, tmp_path):
     """SIGTERM (preemption): the batch in flight finishes, exit 75, no manifest; SIGKILL of
     the rerun: every visible file is complete; the last rerun renders only the rest."""
