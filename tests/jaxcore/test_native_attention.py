@@ -166,6 +166,35 @@ def test_kernel_lse_and_fully_masked_rows(dtype):
     assert diffs(out[0], exact)[0] < tol.out_atol
 
 
+@pytest.mark.parametrize("dtype", [needs_kernel("float32")])
+def test_float32_forward_streams_keys_in_blocks(dtype):
+    """The float32 forward takes the keys 512 at a time past 256 queries at a time (online
+    softmax): 300 queries (a partial second group), 1,100 keys (three blocks, the last partial),
+    scores large enough that each row's max moves between blocks, a batch row whose first block
+    is all masked (its running max starts at -inf) and one whose live keys are all in the last
+    block. Output and lse against float64 softmax on the host."""
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.normal(size=(3, n, 2, 64)) for n in (300, 1100, 1100))
+    q *= 3.0  # scores of magnitude ~10: the running max moves, and the sums are rescaled
+    keep = rng.random((3, 1100)) > 0.3
+    keep[1, :512] = False
+    keep[2, :1024] = False
+    kernel = KERNELS[dtype]
+    call = jax.jit(functools.partial(native.attention, kernel), static_argnums=4)
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+    out, lse = call(*args, jnp.asarray(keep), 0.125)
+    scores = np.einsum("bqhd,bkhd->bhqk", *(np.asarray(a, np.float64) for a in args[:2])) * 0.125
+    scores = np.where(keep[:, None, None], scores, -np.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores - top)
+    expected_lse = (top + np.log(weights.sum(axis=-1, keepdims=True)))[..., 0]
+    exact = np.einsum("bhqk,bkhd->bqhd", weights / weights.sum(-1, keepdims=True), v)
+    tol = TOLERANCES[dtype]
+    assert np.abs(np.asarray(lse) - expected_lse).max() < tol.lse_atol
+    worst = np.abs(np.asarray(out) - exact).max()
+    assert worst < tol.out_atol, worst
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_gradients_match_the_xla_pair_loop(monkeypatch, case, dtype):
