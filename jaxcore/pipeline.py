@@ -320,12 +320,13 @@ class Pipeline:
 
     def _encode_texts(self, texts: list[str], max_sequence_length: int) -> dict[str, dict]:
         """text -> its encoded row for every distinct text, encoding the missing ones."""
-        rows = {}
+        rows, missing = {}, []
         for text in dict.fromkeys(texts):
             row = self.encodings.get((text, max_sequence_length))
-            if row is not None:
+            if row is None:
+                missing.append(text)
+            else:
                 rows[text] = row
-        missing = [t for t in dict.fromkeys(texts) if t not in rows]
         for start in range(0, len(missing), ENCODE_BATCH):
             chunk = missing[start : start + ENCODE_BATCH]
             padded = chunk + [chunk[-1]] * (_row_bucket(len(chunk)) - len(chunk))

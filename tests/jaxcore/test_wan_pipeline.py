@@ -18,6 +18,7 @@ from jaxcore import families
 from jaxcore.pipeline import Pipeline, load_pipeline
 from jaxcore.sampling import initial_latents
 from pipelines.demo.tiny import build_tiny_wan_pipeline
+from tests.support.encoder_calls import record_encoder_calls
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-4
@@ -110,14 +111,8 @@ def test_prompt_encodings_are_reused_and_equal_encoding_each_text_alone(tiny_dir
     from jaxcore.pipeline import ENCODE_BATCH, PromptEncodings
 
     pipe = load_pipeline(tiny_dir)  # its own memo
-    calls = []
     encode = pipe.family.encode_prompts
-
-    def counted(pipe_, texts, max_sequence_length):
-        calls.append(list(texts))
-        return encode(pipe_, texts, max_sequence_length)
-
-    monkeypatch.setattr(pipe.family, "encode_prompts", counted)
+    calls = record_encoder_calls(pipe, monkeypatch)
     texts = ["a red circle", "blue square moving left", "", "a red circle"]
     # rows equal each text encoded alone up to float rounding (batch shapes differ): values are
     # O(1), reached ~1e-6, asserted at 1e-5

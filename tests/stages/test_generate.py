@@ -31,6 +31,7 @@ from jaxcore.sampling import initial_latents
 from jaxcore.sharding import make_mesh
 from pipelines import cli
 from pipelines.demo.tiny import build_tiny_wan_pipeline
+from tests.support.encoder_calls import record_encoder_calls
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-4
@@ -226,14 +227,8 @@ def test_prompts_of_the_next_batches_are_encoded_together(tiny_dir, monkeypatch)
     )
     specs = parse_prompts("p.txt", [f"red circle {i}" for i in range(20)], defaults)
     pipe = load_pipeline(tiny_dir, mesh=make_mesh(devices=jax.devices()[:1]))
-    calls = []
     encode = pipe.family.encode_prompts
-
-    def counted(pipe_, texts, max_sequence_length):
-        calls.append(list(texts))
-        return encode(pipe_, texts, max_sequence_length)
-
-    monkeypatch.setattr(pipe.family, "encode_prompts", counted)
+    calls = record_encoder_calls(pipe, monkeypatch)
     together = _render(pipe, specs, 1)
     assert ENCODE_BATCH == 16
     assert [len(c) for c in calls] == [16, 8]  # 16 texts, then 5 padded to 8 rows

@@ -457,17 +457,7 @@ ffi::Error AttentionBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
 extern "C" int difforge_amx_ready() { return RequestAmx() ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DifforgeAmxAttentionBackward, AttentionBackward,
-                              BindPoolQkvMask()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("scale"));
+                              BindBackward());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DifforgeAmxAttention, Attention,
-                              BindPoolQkvMask()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale"));
+                              BindForward());

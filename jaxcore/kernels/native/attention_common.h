@@ -261,4 +261,23 @@ auto BindPoolQkvMask() {
       .Arg<ffi::Buffer<ffi::PRED>>();
 }
 
+// Every kernel's forward binding: (pool, q, k, v, mask) -> (out, lse), attribute scale.
+auto BindForward() {
+  return BindPoolQkvMask().Ret<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>().Attr<float>(
+      "scale");
+}
+
+// Every kernel's backward binding: (pool, q, k, v, mask, out, lse, d_out) -> (dq, dk, dv),
+// attribute scale.
+auto BindBackward() {
+  return BindPoolQkvMask()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<float>("scale");
+}
+
 }  // namespace

@@ -352,17 +352,7 @@ ffi::Error AttentionBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DifforgeAvx512Attention, Attention,
-                              BindPoolQkvMask()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale"));
+                              BindForward());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DifforgeAvx512AttentionBackward, AttentionBackward,
-                              BindPoolQkvMask()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("scale"));
+                              BindBackward());
