@@ -148,6 +148,10 @@ class ShardConfig:
 class BeamConfig:
     """The Beam runner and its options; cloud fields are used by DataflowRunner only.
 
+    ``DirectRunner`` runs the job in this machine's Beam FnApiRunner
+    (:func:`stages.convert.pipeline.local_runner`), with ``direct_num_workers`` /
+    ``direct_running_mode``; ``PrismRunner`` is Beam's Go runner (a binary Beam downloads).
+
     ``worker_accelerator`` is Dataflow's ``worker_accelerator`` service option, e.g.
     ``type:nvidia-l4;count:1;install-nvidia-driver``. ``extra_options`` are passed to Beam as
     they are (``--flink_master=...``, ``--environment_type=DOCKER``, ...).

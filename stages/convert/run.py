@@ -27,6 +27,7 @@ from stages.convert.pipeline import (
     build_graph,
     dropped_counter,
     index_ranges,
+    local_runner,
     needs_spreading,
     pipeline_options,
     plan_shards,
@@ -251,7 +252,7 @@ def _run_pipeline(
     use_anonymous_gcs_with_emulator()
     handler = EncoderHandler(config.encoder, config.compute, encoders)
     options = pipeline_options(config.beam, job_name=_job_name(config.run_name))
-    pipeline = beam.Pipeline(options=options)
+    pipeline = beam.Pipeline(runner=local_runner(config.beam, options), options=options)
     outputs = build_graph(
         pipeline,
         ranges=ranges,

@@ -348,9 +348,27 @@ def _check_artifact(uri: str, direct, shapes_dir: Path) -> None:
     assert np.abs(empty[TEXT]).max() > 0  # "" still encodes its end-of-sequence token
 
 
-def test_cli_end_to_end_local(tmp_path, shapes_dir, encoder_dir, direct, capsys):
+def test_cli_end_to_end_local(tmp_path, shapes_dir, encoder_dir, direct, capsys, monkeypatch):
+    from apache_beam.runners.portability import prism_runner
+    from apache_beam.runners.portability.fn_api_runner import fn_runner
+
+    # runner=DirectRunner runs in Beam's FnApiRunner, and never tries Prism (a binary Beam's
+    # own DirectRunner would download at run time; it swallows the attempt's errors)
+    engines = []
+    prism_run, fnapi_run = prism_runner.PrismRunner.run_pipeline, fn_runner.FnApiRunner.run_pipeline
+    monkeypatch.setattr(
+        prism_runner.PrismRunner,
+        "run_pipeline",
+        lambda *a, **k: engines.append("prism") or prism_run(*a, **k),
+    )
+    monkeypatch.setattr(
+        fn_runner.FnApiRunner,
+        "run_pipeline",
+        lambda *a, **k: engines.append("fnapi") or fnapi_run(*a, **k),
+    )
     out = str(tmp_path / "converted")
     assert main(["convert", CONFIG, *_overrides(shapes_dir, encoder_dir, out)]) == 0
+    assert engines == ["fnapi"]
     assert "artifact" in capsys.readouterr().out
     _check_artifact(out, direct, shapes_dir)
     before = (Path(out) / "manifest.json").read_bytes()
@@ -421,6 +439,19 @@ def test_rows_are_reshuffled_only_where_there_are_workers_to_spread_them_over():
     assert not needs_spreading(BeamConfig())  # DirectRunner, one worker, in memory
     assert needs_spreading(BeamConfig(direct_num_workers=2, direct_running_mode="multi_processing"))
     assert needs_spreading(BeamConfig(runner="FlinkRunner"))
+
+
+def test_only_the_direct_runner_is_replaced_by_a_runner_object():
+    from apache_beam.runners.portability.fn_api_runner import fn_runner
+
+    from stages.convert.config import BeamConfig
+    from stages.convert.pipeline import local_runner, pipeline_options
+
+    direct = BeamConfig(direct_num_workers=2, direct_running_mode="multi_processing")
+    runner = local_runner(direct, pipeline_options(direct, "job"))
+    assert isinstance(runner, fn_runner.FnApiRunner)
+    flink = BeamConfig(runner="FlinkRunner")
+    assert local_runner(flink, pipeline_options(flink, "job")) is None
 
 
 def test_two_runs_write_byte_identical_shards(tmp_path, shapes_dir, encoder_dir):
