@@ -195,6 +195,52 @@ def test_float32_forward_streams_keys_in_blocks(dtype):
     assert worst < tol.out_atol, worst
 
 
+@pytest.mark.parametrize("dtype", [needs_kernel("float32")])
+def test_float32_backward_takes_keys_in_blocks(dtype):
+    """The float32 backward goes key block by key block (512 keys), 64 queries at a time: 300
+    queries (a partial last group), 1,100 keys (three blocks, the last partial), dq summed over
+    the blocks, a batch row whose first block is all masked and one whose live keys are all in
+    the last block, one row with every key masked (zero gradients). Fed its own forward's out
+    and lse; dq, dk, dv against float64 gradients on the host, relative to their scale."""
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.normal(size=(4, n, 2, 64)) for n in (300, 1100, 1100))
+    q *= 3.0  # peaked probabilities: gradients differ a lot between keys
+    d_out = rng.normal(size=q.shape)
+    keep = rng.random((4, 1100)) > 0.3
+    keep[1, :512] = False
+    keep[2, :1024] = False
+    keep[3] = False
+    kernel, scale = KERNELS[dtype], 0.125
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+    mask = jnp.asarray(keep)
+    forward = jax.jit(functools.partial(native.attention, kernel), static_argnums=4)
+    backward = jax.jit(functools.partial(native.attention_backward, kernel), static_argnums=7)
+    out, lse = forward(*args, mask, scale)
+    grads = backward(*args, mask, out, lse, jnp.asarray(d_out, jnp.float32), scale)
+
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    scores = np.where(keep[:, None, None], scores, -np.inf)
+    top = np.max(scores, axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    weights = np.where(keep[:, None, None], np.exp(scores - top), 0.0)
+    totals = weights.sum(-1, keepdims=True)
+    probs = np.divide(weights, totals, out=np.zeros_like(weights), where=totals > 0)
+    d_probs = np.einsum("bqhd,bkhd->bhqk", d_out, v)
+    d_scores = probs * (d_probs - (probs * d_probs).sum(-1, keepdims=True))
+    expected = (
+        np.einsum("bhqk,bkhd->bqhd", d_scores, k) * scale,
+        np.einsum("bhqk,bqhd->bkhd", d_scores, q) * scale,
+        np.einsum("bhqk,bqhd->bkhd", probs, d_out),
+    )
+    tol = TOLERANCES[dtype]
+    for name, got, want in zip(("dq", "dk", "dv"), grads, expected, strict=True):
+        got = np.asarray(got, np.float64)
+        bound = np.abs(want).max()
+        assert np.abs(got - want).max() < tol.grad_rtol * bound, name
+        assert np.abs(got - want).mean() < tol.grad_mean * bound, name
+        assert not got[3].any(), name  # every key masked: no gradient
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_gradients_match_the_xla_pair_loop(monkeypatch, case, dtype):

@@ -6,17 +6,19 @@
 // (1024 tokens, 8 x 64) took 13.7 ms forward and 49 ms forward + backward, PyTorch's flash
 // kernel 8.2 and 29 ms (2 cores). Here a block of 32 queries goes through both products and its
 // softmax while its scores stay in the core's cache, and every product is one register-blocked
-// FMA kernel (TiledGemm below). The forward takes the keys in blocks (online softmax, see
-// kKeyBlock), so that long sequences stay in L2.
+// FMA kernel (TiledGemm below). Both passes take the keys in blocks (the forward with an
+// online softmax, see kKeyBlock; the backward, kBackwardKeyBlock), so that long sequences stay
+// in L2.
 //
 // Semantics: those of jaxcore/kernels/blockwise.py's forward and backward for one tile covering
-// all keys (the forward's key blocks change only the float32 rounding), in float32 throughout: scores = (q k^T) * scale (scale > 0), masked keys left out;
-// m = row max (0 where every key is masked); p = exp(scores - m); l = sum(p); out = (p v) / l
-// (zeros where l == 0); lse = m + log(l) (+inf where l == 0). The backward recomputes
-// p = exp(scale s - lse) and forms dq = ds k, dk = ds^T q, dv = p^T do with
-// ds = scale p (do v^T - delta), delta = rowsum(do * out). Within float32 rounding of XLA's
-// (exp as 2^x, another summation order), not bit for bit. jaxcore/kernels/native.py builds and
-// registers it; tests/jaxcore/test_native_attention.py compares it with the XLA path.
+// all keys (the key blocks change only the float32 rounding), in float32 throughout:
+// scores = (q k^T) * scale (scale > 0), masked keys left out; m = row max (0 where every key
+// is masked); p = exp(scores - m); l = sum(p); out = (p v) / l (zeros where l == 0);
+// lse = m + log(l) (+inf where l == 0). The backward recomputes p = exp(scale s - lse) and
+// forms dq = ds k, dk = ds^T q, dv = p^T do with ds = scale p (do v^T - delta),
+// delta = rowsum(do * out). Within float32 rounding of XLA's (exp as 2^x, another summation
+// order), not bit for bit. jaxcore/kernels/native.py builds and registers it;
+// tests/jaxcore/test_native_attention.py compares it with the XLA path.
 //
 // Layout: attention_common.h's Shape (q [B, Lq, H, D], k and v [B, Lk, H, D] in float32, mask
 // [B, Lk], lse [B, H, Lq]), D a multiple of 16 (one register of float32). Threads as
@@ -106,9 +108,10 @@ void TiledGemm(int64_t m, int64_t n, int64_t depth, const float* a, int64_t a_ro
   }
 }
 
-// The products in 4 x 64 tiles; the forward's scores (32 queries x a key block, contracting
-// d) in 8 x 48: at head dim 128, 8,192 keys, the forward took 226-237 ms against 245-267 (torch
-// SDPA 228-236), at 64 the same as 4 x 64. 6 or 8 rows x 64 measured no better.
+// The products in 4 x 64 tiles; the scores and dp (queries x a key block, contracting d) in
+// 8 x 48: at head dim 128, 8,192 keys, the forward took 226-237 ms against 245-267 (torch
+// SDPA 228-236), at 64 the same as 4 x 64 (the backward's s and dp: 79.5-80 -> 75-77 ms at
+// 1,536 x 4 x 128). 6 or 8 rows x 64 measured no better.
 constexpr auto Gemm = TiledGemm<4, 4>;
 constexpr auto ScoresGemm = TiledGemm<8, 3>;
 
@@ -158,9 +161,10 @@ struct Scratch {  // a thread's buffers, reused across calls
 };
 
 // One key block's scores (`rows` rows `stride` apart, `keys` of them) -> probabilities in place
-// (FlashAttention's online softmax): each row's running max (raw scores, -inf before any live key), its running sum and
-// its unnormalised output (`sums`, d columns) rescaled to the new max. exp(scale (s - max)) as
-// 2^(c s - c max), c = scale log2(e) (scale > 0: the max of the scaled scores is the scaled max).
+// (FlashAttention's online softmax): each row's running max (raw scores, -inf before any live
+// key), its running sum and its unnormalised output (`sums`, d columns) rescaled to the new
+// max. exp(scale (s - max)) as 2^(c s - c max), c = scale log2(e) (scale > 0: the max of the
+// scaled scores is the scaled max).
 void OnlineSoftmax(int64_t rows, int64_t keys, int64_t stride, int64_t d, float scale,
                    const __mmask16* live, float* scores, float* maxima, float* totals,
                    float* sums) {
@@ -257,35 +261,44 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, f
 
 // --- backward -------------------------------------------------------------------------------
 //
-// FlashAttention-2's backward for one pair, 32 queries at a time: s = q k^T and dp = do v^T
-// (the forward's products), p and ds in place of them, then dq = ds k for the block, and
-// dv^T += do^T p, dk^T += q^T ds accumulated over the blocks ([d, padded keys], so that their
-// contraction over the block's queries runs along rows of p and ds as stored).
+// FlashAttention-2's backward for one pair, key block by key block (kBackwardKeyBlock keys) and
+// within a block kBackwardRows queries at a time: s = q k^T and dp = do v^T (the forward's
+// products, in its 8 x 48 tiles), p and ds in place of them, then dq += ds k for the queries,
+// and dv^T += do^T p, dk^T += q^T ds accumulated over the queries ([d, block keys], so that
+// their contraction over the queries runs along rows of p and ds as stored); a block's dk and
+// dv are final when its queries are done. What the inner loop re-reads (the block's k^T, v^T,
+// k, dk^T and dv^T: 5 x block x d floats) stays in L2. Over the whole sequence at once, 32
+// queries at a time, it outgrew L2 at head dim 128: forward + backward at 1,536 keys x 4
+// heads x 128 took 89-91 ms (torch SDPA 63-64), now 75-77; at 4,096 x 2 x 128 316-321 ms, now
+// 255-264 (torch 218-221); the Wan S self-attention (1,024 x 8 x 64) is unchanged. 128 queries,
+// or blocks of 256 keys, measured no better; 6 x 64 tiles for the other three products the same.
+constexpr int64_t kBackwardKeyBlock = 512;
+constexpr int64_t kBackwardRows = 64;
 
 struct BackwardScratch {
   std::vector<float> keys_t, values_t;  // [d, ScoresStride]: Transpose
   std::vector<float> keys;              // [lk, d]: Rows
-  std::vector<float> q_block, do_block;  // [32, d]: Rows
+  std::vector<float> q_block, do_block;  // [kBackwardRows, d]: Rows
   std::vector<__mmask16> live;
-  std::vector<float> probs, dscores;    // [32, ScoresStride]
-  std::vector<float> dk_t, dv_t;        // [d, ScoresStride]
+  std::vector<float> delta;             // [lq]: rowsum(do * out)
+  std::vector<float> probs, dscores;    // [kBackwardRows, ScoresStride(block)]
+  std::vector<float> dk_t, dv_t;        // [d, ScoresStride(block)]
 };
 
 // p = exp(scale s - lse) (0 for masked keys and for rows that saw no key, lse +inf) in place
-// of the scores, ds = scale p (dp - delta) in place of dp.
-void ScoreGradients(int64_t rows, int64_t padded_keys, float scale, const float* lse,
-                    const float* delta, BackwardScratch& w) {
-  const int64_t stride = ScoresStride(padded_keys);
+// of the scores, ds = scale p (dp - delta) in place of dp; `keys` of them, rows `stride` apart.
+void ScoreGradients(int64_t rows, int64_t keys, int64_t stride, float scale, const float* lse,
+                    const float* delta, const __mmask16* live, float* probs, float* dscores) {
   const __m512 vc = _mm512_set1_ps(scale * kLog2e), vscale = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < rows; ++i) {
     const bool seen = std::isfinite(lse[i]);
     const __m512 shift = _mm512_set1_ps(seen ? lse[i] * kLog2e : 0.0f);
     const __m512 row_delta = _mm512_set1_ps(delta[i]);
-    float* p_row = w.probs.data() + i * stride;
-    float* ds_row = w.dscores.data() + i * stride;
-    for (int64_t n = 0; n < padded_keys; n += kLanes) {
-      const __mmask16 keys = seen ? w.live[n / kLanes] : 0;
-      const __m512 p = Exp2(_mm512_fmsub_ps(_mm512_loadu_ps(p_row + n), vc, shift), keys);
+    float* p_row = probs + i * stride;
+    float* ds_row = dscores + i * stride;
+    for (int64_t n = 0; n < keys; n += kLanes) {
+      const __mmask16 alive = seen ? live[n / kLanes] : 0;
+      const __m512 p = Exp2(_mm512_fmsub_ps(_mm512_loadu_ps(p_row + n), vc, shift), alive);
       const __m512 dp = _mm512_sub_ps(_mm512_loadu_ps(ds_row + n), row_delta);
       _mm512_storeu_ps(p_row + n, p);
       _mm512_storeu_ps(ds_row + n, _mm512_mul_ps(_mm512_mul_ps(p, dp), vscale));
@@ -302,42 +315,52 @@ void BackwardPair(const Shape& s, const float* q, const float* k, const float* v
   Transpose(v, s.lk, d, ld, stride, w.values_t);
   const float* keys = Rows(k, s.lk, d, ld, w.keys);
   LiveKeys(mask, s.lk, padded_keys, w.live);
-  w.probs.resize(kBlock * stride);
-  w.dscores.resize(kBlock * stride);
-  w.dk_t.assign(d * stride, 0.0f);
-  w.dv_t.assign(d * stride, 0.0f);
-  float delta[kBlock];
-  for (int64_t row0 = 0; row0 < s.lq; row0 += kBlock) {
-    const int64_t rows = std::min(kBlock, s.lq - row0);
-    // the block's rows contiguous: the products below broadcast down their columns, which at
-    // a 4 KiB row stride (16 heads x 64) all fall in one L1 set (the Wan M train step took
-    // 5.46 s reading them in place, 4.56 s on XLA's path)
-    const float* q_block = Rows(q + row0 * ld, rows, d, ld, w.q_block);
-    const float* do_block = Rows(d_out + row0 * ld, rows, d, ld, w.do_block);
-    for (int64_t i = 0; i < rows; ++i) {
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t c = 0; c < d; c += kLanes)
-        sum = _mm512_fmadd_ps(_mm512_loadu_ps(do_block + i * d + c),
-                              _mm512_loadu_ps(out + (row0 + i) * ld + c), sum);
-      delta[i] = _mm512_reduce_add_ps(sum);
+  const int64_t block_keys = std::min(kBackwardKeyBlock, padded_keys);
+  const int64_t block_stride = ScoresStride(block_keys);
+  w.probs.resize(kBackwardRows * block_stride);
+  w.dscores.resize(kBackwardRows * block_stride);
+  w.delta.resize(s.lq);
+  for (int64_t i = 0; i < s.lq; ++i) {  // and dq starts at zero: the key blocks add to it
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += kLanes) {
+      sum = _mm512_fmadd_ps(_mm512_loadu_ps(d_out + i * ld + c), _mm512_loadu_ps(out + i * ld + c),
+                            sum);
+      _mm512_storeu_ps(dq + i * ld + c, _mm512_setzero_ps());
     }
-    Gemm(rows, padded_keys, d, q_block, d, 1, w.keys_t.data(), stride, w.probs.data(), stride,
-         false);
-    Gemm(rows, padded_keys, d, do_block, d, 1, w.values_t.data(), stride,
-         w.dscores.data(), stride, false);
-    ScoreGradients(rows, padded_keys, scale, lse + row0, delta, w);
-    Gemm(rows, d, s.lk, w.dscores.data(), stride, 1, keys, d, dq + row0 * ld, ld, false);
-    // [d, keys] += x^T [d, rows] . y [rows, keys]: x^T(c, i) = x[i * d + c]
-    Gemm(d, padded_keys, rows, do_block, 1, d, w.probs.data(), stride, w.dv_t.data(), stride,
-         true);
-    Gemm(d, padded_keys, rows, q_block, 1, d, w.dscores.data(), stride, w.dk_t.data(), stride,
-         true);
+    w.delta[i] = _mm512_reduce_add_ps(sum);
   }
-  for (int64_t n = 0; n < s.lk; ++n)
-    for (int64_t c = 0; c < d; ++c) {
-      dk[n * ld + c] = w.dk_t[c * stride + n];
-      dv[n * ld + c] = w.dv_t[c * stride + n];
+  for (int64_t key0 = 0; key0 < padded_keys; key0 += block_keys) {
+    const int64_t n_keys = std::min(block_keys, padded_keys - key0);  // a multiple of 16
+    const int64_t real_keys = std::min(n_keys, s.lk - key0);          // >= 1
+    w.dk_t.assign(d * block_stride, 0.0f);
+    w.dv_t.assign(d * block_stride, 0.0f);
+    for (int64_t row0 = 0; row0 < s.lq; row0 += kBackwardRows) {
+      const int64_t rows = std::min(kBackwardRows, s.lq - row0);
+      // the block's rows contiguous: the products below broadcast down their columns, which at
+      // a 4 KiB row stride (16 heads x 64) all fall in one L1 set (the Wan M train step took
+      // 5.46 s reading them in place, 4.56 s on XLA's path)
+      const float* q_block = Rows(q + row0 * ld, rows, d, ld, w.q_block);
+      const float* do_block = Rows(d_out + row0 * ld, rows, d, ld, w.do_block);
+      ScoresGemm(rows, n_keys, d, q_block, d, 1, w.keys_t.data() + key0, stride,
+                 w.probs.data(), block_stride, false);
+      ScoresGemm(rows, n_keys, d, do_block, d, 1, w.values_t.data() + key0, stride,
+                 w.dscores.data(), block_stride, false);
+      ScoreGradients(rows, n_keys, block_stride, scale, lse + row0, w.delta.data() + row0,
+                     w.live.data() + key0 / kLanes, w.probs.data(), w.dscores.data());
+      Gemm(rows, d, real_keys, w.dscores.data(), block_stride, 1, keys + key0 * d, d,
+           dq + row0 * ld, ld, true);
+      // [d, keys] += x^T [d, rows] . y [rows, keys]: x^T(c, i) = x[i * d + c]
+      Gemm(d, n_keys, rows, do_block, 1, d, w.probs.data(), block_stride, w.dv_t.data(),
+           block_stride, true);
+      Gemm(d, n_keys, rows, q_block, 1, d, w.dscores.data(), block_stride, w.dk_t.data(),
+           block_stride, true);
     }
+    for (int64_t n = 0; n < real_keys; ++n)
+      for (int64_t c = 0; c < d; ++c) {
+        dk[(key0 + n) * ld + c] = w.dk_t[c * block_stride + n];
+        dv[(key0 + n) * ld + c] = w.dv_t[c * block_stride + n];
+      }
+  }
 }
 
 ffi::Error AttentionBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
