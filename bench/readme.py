@@ -78,17 +78,22 @@ def _forward_rows(results: list[dict], bench: str, label: str) -> list[str]:
 
 def _train_rows(results: list[dict]) -> list[str]:
     rows = []
-    for case in ("demo b32", "S", "M", "S-bf16-mixed"):
+    for case in ("demo b32", "S", "M", "S-bf16-mixed", "M-bf16-mixed"):
         ours = _find(results, "train_step", case, "difforge")
-        theirs = _find(results, "train_step", case, "pytorch eager")
+        eager = _find(results, "train_step", case, "pytorch eager")
+        compiled = _find(results, "train_step", case, "pytorch compile")
         if ours is None:
             continue
         mfu = _share_of_limit(ours, bf16="mixed" in case, word="MFU")
+        reference = f"PyTorch eager {_time(eager)}"
+        verdicts = [_verdict(_ratio(ours, eager), 1.0) + " eager"]
+        if compiled:
+            reference += f", `torch.compile` {_time(compiled)}"
+            verdicts.append(_verdict(_ratio(ours, compiled), 1.0) + " compile")
         rows.append(
             f"| training step (fwd + bwd + AdamW), {case} | {_time(ours)}{mfu} | "
-            f"PyTorch eager (diffusers' model, torch AdamW"
-            f"{', autocast bf16' if 'mixed' in case else ''}) {_time(theirs)} | "
-            f"{_verdict(_ratio(ours, theirs), 1.0)} |"
+            f"{reference} (diffusers' model, torch AdamW"
+            f"{', autocast bf16' if 'mixed' in case else ''}) | {'; '.join(verdicts)} |"
         )
     return rows
 

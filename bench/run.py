@@ -48,7 +48,8 @@ GOALS = {
     "transformer_forward": "difforge >= 1.0x diffusers eager and torch.compile (fp32, S and M); "
     ">= 1.0x diffusers eager in bf16",
     "flux_forward": "difforge >= 1.0x diffusers eager",
-    "train_step": "difforge >= 1.0x PyTorch eager (diffusers' model, torch AdamW); MFU >= 0.70",
+    "train_step": "difforge >= 1.0x PyTorch eager and torch.compile (diffusers' model, torch "
+    "AdamW; fp32 and bf16 mixed, S and M); MFU >= 0.70",
     "vae_encode / vae_decode": "difforge >= 1.0x diffusers eager",
     "generate": "S: seconds per prompt <= diffusers' WanPipeline; share of wall time outside "
     "device compute < 0.10",

@@ -4,7 +4,7 @@ Uses the train stage's own step (``stages.train.trainer.make_train_step``: flow-
 with shifted timesteps, AdamW, donated buffers) on a one-device mesh, so the figure is the
 step ``difforge train`` runs. On CPU every case is timed alternately, call by call, with
 PyTorch (diffusers' ``WanTransformer3DModel`` of the same config, the same flow-matching step
-with torch's AdamW and clipping, eager). MFU = 3 x ``flops_per_forward`` / step time / the
+with torch's AdamW and clipping), eager and, at S and M, with the model under torch.compile. MFU = 3 x ``flops_per_forward`` / step time / the
 matmul limit (added by ``bench.run``); throughput in video tokens per second.
 """
 
@@ -46,11 +46,15 @@ DEMO = ForwardCase("demo b32", "configs/models/wan_demo.yml", (32, 4, 1, 16, 16)
 # mixed precision: float32 weights and AdamW state, bf16 activations (MaxDiffusion's and the
 # diffusers training scripts' --mixed_precision=bf16, i.e. torch.autocast on the PyTorch side)
 BENCH_S_MIXED = dataclasses.replace(BENCH_S, name="S-bf16-mixed", dtype="bfloat16")
+BENCH_M_MIXED = dataclasses.replace(BENCH_M, name="M-bf16-mixed", dtype="bfloat16")
 CASES = {
     "smoke": (TINY,),
     "quick": (DEMO, BENCH_S),
-    "full": (DEMO, BENCH_S, BENCH_M, BENCH_S_MIXED),
+    "full": (DEMO, BENCH_S, BENCH_M, BENCH_S_MIXED, BENCH_M_MIXED),
 }
+# cases also timed against torch.compile (the issue's S and M, fp32 and bf16; compiling the
+# model's forward and backward takes ~45-55 s a case here)
+COMPILED_CASES = {"S", "M", "S-bf16-mixed", "M-bf16-mixed"}
 ACCELERATOR_CASES = {"smoke": (TINY,), "quick": (BENCH_S,), "full": (BENCH_S, WAN_1_3B_480P)}
 
 
@@ -158,10 +162,12 @@ def run_case(ctx: BenchContext, case: ForwardCase) -> dict:
     )
 
 
-def _torch_step(case: ForwardCase):
+def _torch_step(case: ForwardCase, compiled: bool = False):
     """diffusers' WanTransformer3DModel of the same config, one flow-matching step with
-    torch's AdamW and gradient clipping (as the train stage's defaults), eager; a bf16 case
-    runs the forward and loss under ``torch.autocast(bfloat16)`` (float32 weights)."""
+    torch's AdamW and gradient clipping (as the train stage's defaults), eager, or with the
+    model under ``torch.compile`` (its forward and, through AOTAutograd, its backward; the
+    optimizer eager, as the diffusers training scripts run it); a bf16 case runs the forward
+    and loss under ``torch.autocast(bfloat16)`` (float32 weights)."""
     import torch
     from diffusers import WanTransformer3DModel
 
@@ -170,6 +176,7 @@ def _torch_step(case: ForwardCase):
     torch.manual_seed(0)
     model = WanTransformer3DModel(**config.to_dict()).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    forward = torch.compile(model) if compiled else model
     generator = torch.Generator().manual_seed(0)
     batch = case.latent_shape[0]
     latents = torch.randn(case.latent_shape, generator=generator)
@@ -182,7 +189,7 @@ def _torch_step(case: ForwardCase):
             :, None, None, None, None
         ] * noise
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.dtype == "bfloat16"):
-            out = model(noisy, sigma * 1000, text, return_dict=False)[0]
+            out = forward(noisy, sigma * 1000, text, return_dict=False)[0]
         loss = torch.mean((out.float() - (noise - latents)) ** 2)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -197,8 +204,9 @@ def run_alternating(ctx: BenchContext, case: ForwardCase) -> list[dict]:
     (:func:`bench.common.interleaved_times`): this VM's speed drifts by 20-30% within an hour,
     which one side timed after the other would read as a ratio."""
     ours, state = _difforge_step(case)
-    theirs = _torch_step(case)
-    calls = {"difforge": ours, "pytorch eager": theirs}
+    calls = {"difforge": ours, "pytorch eager": _torch_step(case)}
+    if case.name in COMPILED_CASES and ctx.profile != "smoke":
+        calls["pytorch compile"] = _torch_step(case, compiled=True)
     firsts = {}
     for name, fn in calls.items():
         started = time.perf_counter()

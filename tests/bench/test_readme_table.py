@@ -19,6 +19,9 @@ def test_table_quotes_the_run_and_judges_each_goal():
             record("transformer_forward", "S-bf16", "diffusers_eager", 0.25),
             record("train_step", "S-bf16-mixed", "difforge", 1.0),
             record("train_step", "S-bf16-mixed", "pytorch eager", 1.5),
+            record("train_step", "M", "difforge", 4.0),
+            record("train_step", "M", "pytorch eager", 4.4),
+            record("train_step", "M", "pytorch compile", 3.6),
         ]
     }
     lines = readme.table(run).splitlines()
@@ -29,6 +32,9 @@ def test_table_quotes_the_run_and_judges_each_goal():
     bf16_row = next(line for line in lines if "S-bf16 |" in line)
     assert "(50% of the bf16 limit)" in bf16_row and "1.25x (met)" in bf16_row
     train = next(line for line in lines if "S-bf16-mixed" in line)
-    assert "autocast bf16" in train and "1.50x (met)" in train
+    assert "autocast bf16" in train and "1.50x (met) eager" in train and "compile" not in train
+    m_train = next(line for line in lines if "AdamW), M |" in line)
+    assert "`torch.compile` 3.60 s" in m_train
+    assert "1.10x (met) eager" in m_train and "0.90x (**not met**) compile" in m_train
     # benchmarks the run skipped leave no row
     assert not any("Flux" in line or "convert" in line for line in lines)
