@@ -204,6 +204,7 @@ def test_make_record_dofn_routes_by_split_and_adds_timesteps():
 
 
 def test_graph_on_test_pipeline(shapes_dir, encoder_config):
+    from apache_beam.runners.portability.fn_api_runner import fn_runner
     from apache_beam.testing.test_pipeline import TestPipeline
     from apache_beam.testing.util import assert_that, equal_to
 
@@ -234,7 +235,9 @@ def test_graph_on_test_pipeline(shapes_dir, encoder_config):
         assert example.features.feature[records.SOURCE_ID].bytes_list.value[0].decode() == sid
         return sid
 
-    with TestPipeline() as pipeline:
+    # the engine runner=DirectRunner runs (stages.convert.pipeline.local_runner), not Beam's
+    # DirectRunner, which would try to download Prism first
+    with TestPipeline(runner=fn_runner.FnApiRunner()) as pipeline:
         outputs = build_graph(
             pipeline,
             num_rows=14,
