@@ -4,8 +4,9 @@ Uses the train stage's own step (``stages.train.trainer.make_train_step``: flow-
 with shifted timesteps, AdamW, donated buffers) on a one-device mesh, so the figure is the
 step ``difforge train`` runs. On CPU every case is timed alternately, call by call, with
 PyTorch (diffusers' ``WanTransformer3DModel`` of the same config, the same flow-matching step
-with torch's AdamW and clipping), eager and, at S and M, with the model under torch.compile. MFU = 3 x ``flops_per_forward`` / step time / the
-matmul limit (added by ``bench.run``); throughput in video tokens per second.
+with torch's AdamW and clipping), eager and, at S and M, with the model under torch.compile.
+MFU = 3 x ``flops_per_forward`` / step time / the matmul limit (added by ``bench.run``);
+throughput in video tokens per second.
 """
 
 from __future__ import annotations
