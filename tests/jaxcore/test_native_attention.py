@@ -166,6 +166,21 @@ def test_kernel_lse_and_fully_masked_rows(dtype):
     assert diffs(out[0], exact)[0] < tol.out_atol
 
 
+def host_softmax(q, k, keep, scale):
+    """(probabilities [B, H, Lq, Lk], lse [B, H, Lq]) in float64 on the host: masked keys 0,
+    a row with every key masked all zeros and lse +inf."""
+    scores = np.einsum("bqhd,bkhd->bhqk", np.asarray(q, np.float64), np.asarray(k, np.float64))
+    scores = np.where(keep[:, None, None], scores * scale, -np.inf)
+    top = np.max(scores, axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    weights = np.where(keep[:, None, None], np.exp(scores - top), 0.0)
+    totals = weights.sum(-1, keepdims=True)
+    probs = np.divide(weights, totals, out=np.zeros_like(weights), where=totals > 0)
+    with np.errstate(divide="ignore"):
+        lse = (top + np.log(totals))[..., 0]
+    return probs, np.where(totals[..., 0] > 0, lse, np.inf)
+
+
 @pytest.mark.parametrize("dtype", [needs_kernel("float32")])
 def test_float32_forward_streams_keys_in_blocks(dtype):
     """The float32 forward takes the keys 512 at a time past 256 queries at a time (online
@@ -183,12 +198,8 @@ def test_float32_forward_streams_keys_in_blocks(dtype):
     call = jax.jit(functools.partial(native.attention, kernel), static_argnums=4)
     args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
     out, lse = call(*args, jnp.asarray(keep), 0.125)
-    scores = np.einsum("bqhd,bkhd->bhqk", *(np.asarray(a, np.float64) for a in args[:2])) * 0.125
-    scores = np.where(keep[:, None, None], scores, -np.inf)
-    top = scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores - top)
-    expected_lse = (top + np.log(weights.sum(axis=-1, keepdims=True)))[..., 0]
-    exact = np.einsum("bhqk,bkhd->bqhd", weights / weights.sum(-1, keepdims=True), v)
+    probs, expected_lse = host_softmax(args[0], args[1], keep, 0.125)
+    exact = np.einsum("bhqk,bkhd->bqhd", probs, v)
     tol = TOLERANCES[dtype]
     assert np.abs(np.asarray(lse) - expected_lse).max() < tol.lse_atol
     worst = np.abs(np.asarray(out) - exact).max()
@@ -218,13 +229,7 @@ def test_float32_backward_takes_keys_in_blocks(dtype):
     out, lse = forward(*args, mask, scale)
     grads = backward(*args, mask, out, lse, jnp.asarray(d_out, jnp.float32), scale)
 
-    scores = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    scores = np.where(keep[:, None, None], scores, -np.inf)
-    top = np.max(scores, axis=-1, keepdims=True)
-    top = np.where(np.isfinite(top), top, 0.0)
-    weights = np.where(keep[:, None, None], np.exp(scores - top), 0.0)
-    totals = weights.sum(-1, keepdims=True)
-    probs = np.divide(weights, totals, out=np.zeros_like(weights), where=totals > 0)
+    probs, _ = host_softmax(q, k, keep, scale)
     d_probs = np.einsum("bqhd,bkhd->bhqk", d_out, v)
     d_scores = probs * (d_probs - (probs * d_probs).sum(-1, keepdims=True))
     expected = (

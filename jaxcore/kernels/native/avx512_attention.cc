@@ -223,14 +223,14 @@ void AttendRows(const Shape& s, const float* q, const float* k, const float* v, 
     std::fill(w.totals.begin(), w.totals.end(), 0.0f);
     for (int64_t key0 = 0; key0 < padded_keys; key0 += block_keys) {
       const int64_t keys = std::min(block_keys, padded_keys - key0);  // a multiple of 16
-      const int64_t real_keys = std::max<int64_t>(0, std::min(keys, s.lk - key0));
+      const int64_t real_keys = std::min(keys, s.lk - key0);            // >= 1
       for (int64_t row0 = 0; row0 < super_rows; row0 += kBlock) {
         const int64_t rows = std::min(kBlock, super_rows - row0);
         ScoresGemm(rows, keys, d, queries + row0 * d, d, 1, w.keys_t.data() + key0, stride,
-             w.scores.data(), block_stride, false);
+                   w.scores.data(), block_stride, false);
         OnlineSoftmax(rows, keys, block_stride, d, scale, w.live.data() + key0 / kLanes,
-                      w.scores.data(),
-                      w.maxima.data() + row0, w.totals.data() + row0, w.sums.data() + row0 * d);
+                      w.scores.data(), w.maxima.data() + row0, w.totals.data() + row0,
+                      w.sums.data() + row0 * d);
         // p v over the real keys only (padded ones have p = 0 and no row in v)
         Gemm(rows, d, real_keys, w.scores.data(), block_stride, 1, values + key0 * d, d,
              w.sums.data() + row0 * d, d, true);
