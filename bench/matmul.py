@@ -1,6 +1,8 @@
 """Benchmark 0, the machine's limits: the best n x n GEMM any library here reaches.
 
-- fp32: XLA (``jnp.matmul``), torch and numpy on the same matrices (2 n^3 FLOPs per call).
+- fp32: XLA (``jnp.matmul``), torch, numpy, and MKL through difforge's custom call where it
+  runs (``mkl``: :mod:`jaxcore.kernels.cpu_gemm`, the dense layers' products on CPU) on the
+  same matrices (2 n^3 FLOPs per call).
   numpy runs in its own subprocess with ``OPENBLAS_CORETYPE`` / ``OPENBLAS_L2_SIZE`` removed
   from its environment, so OpenBLAS picks its own kernel for this CPU (those variables, when a
   container sets them, can hold it to a slower one). The **limit** is the fastest of the three.
@@ -14,8 +16,10 @@ The limit is a large square GEMM; the models multiply smaller, thinner matrices.
 ``model-shapes`` rows time the products of the Wan bench size S's train step (1,024 video
 tokens, width 512, FFN 2,048, head dim 64) as its dense layers and attention tiles issue them
 (``NN`` x @ W, ``NT`` x @ W^T: a backward's input gradient or q k^T, ``TN`` x^T @ dy: a weight
-gradient), difforge's side as the jitted ``lax.dot_general`` the model lowers to, against
-torch on the same matrices, alternately call by call. ``vs difforge`` is then how much of a
+gradient), difforge's side as the product the dense layers issue (``layers._dot``: MKL where it
+runs, else XLA's dot), XLA's own ``lax.dot_general`` and torch on the same matrices, alternately
+call by call (the attention shapes run inside the native attention kernels in the models; their
+rows time the plain products). ``vs difforge`` is then how much of a
 train step's or forward's gap to PyTorch is the GEMM library's own, shape by shape. They carry
 ``operands`` (not ``dtype``), so they never set a limit.
 """
@@ -38,6 +42,8 @@ from bench.common import (
     time_calls,
     timed_record,
 )
+from jaxcore.kernels import cpu_gemm
+from jaxcore.models import layers
 
 BENCH = "matmul"
 SIZES = {"smoke": 256, "quick": 4096, "full": 4096}
@@ -91,6 +97,7 @@ def _fp32_records(ctx: BenchContext, n: int, a_np, b_np) -> list[dict]:
     matmul = jax.jit(jnp.matmul)
     times, _ = time_calls(lambda: matmul(a, b).block_until_ready(), reps=reps, warmup=ctx.warmup)
     records = [timed_record(BENCH, str(n), "xla", times, flops=flops, dtype=FP32)]
+    records += _mkl_records(ctx, str(n), a, b, flops, FP32)
 
     import torch
 
@@ -126,6 +133,17 @@ def _bf16_records(ctx: BenchContext, n: int, a_np, b_np) -> list[dict]:
     times, _ = time_calls(lambda: torch.mm(a_t, b_t), reps=reps, warmup=ctx.warmup)
     records.append(timed_record(BENCH, case, "torch", times, flops=flops, dtype=BF16))
     return records
+
+
+def _mkl_records(ctx: BenchContext, case: str, a, b, flops: float, dtype: str) -> list[dict]:
+    """MKL's GEMM through difforge's custom call on ``a @ b``, where it runs here."""
+    if ctx.on_accelerator or cpu_gemm.unavailable() is not None:
+        return []
+    product = jax.jit(lambda x, y: cpu_gemm.gemm(x, y, False, False))
+    times, _ = time_calls(
+        lambda: product(a, b).block_until_ready(), reps=max(ctx.reps, 3), warmup=ctx.warmup
+    )
+    return [timed_record(BENCH, case, "mkl", times, flops=flops, dtype=dtype)]
 
 
 # (name, m, k, n, layout) of the Wan S train step's products; layout of (lhs, rhs) as stored
@@ -179,10 +197,10 @@ def _model_shape_case(ctx, name, m, k, n, layout, *, operands: str, rng) -> list
     jax_dtype, torch_dtype = (
         (jnp.float32, torch.float32) if operands == FP32 else (jnp.bfloat16, torch.bfloat16)
     )
-    product = jax.jit(
-        lambda x, y: jax.lax.dot_general(
-            x, y, (((lhs_c,), (rhs_c,)), ((), ())), preferred_element_type=jnp.float32
-        )
+    dimensions = (((lhs_c,), (rhs_c,)), ((), ()))
+    product = jax.jit(lambda x, y: layers._dot(x, y, dimensions))
+    xla_product = jax.jit(
+        lambda x, y: jax.lax.dot_general(x, y, dimensions, preferred_element_type=jnp.float32)
     )
     a, b = jnp.asarray(a_np, jax_dtype), jnp.asarray(b_np, jax_dtype)
     a_t = torch.from_numpy(a_np).to(torch_dtype)
@@ -202,6 +220,7 @@ def _model_shape_case(ctx, name, m, k, n, layout, *, operands: str, rng) -> list
     samples = interleaved_times(
         {
             "difforge": repeated(lambda: product(a, b).block_until_ready()),
+            "xla": repeated(lambda: xla_product(a, b).block_until_ready()),
             "torch": repeated(lambda: torch.mm(a_t, b_t)),
         },
         reps=max(ctx.reps, 5),
@@ -209,7 +228,7 @@ def _model_shape_case(ctx, name, m, k, n, layout, *, operands: str, rng) -> list
     )
     times = {impl: [t / per_sample for t in ts] for impl, ts in samples.items()}
     case = f"model-shapes {name} {m}x{k}x{n} {layout} {operands}"
-    extra = {"difforge": {}, "torch": {"threads": threads}}
+    extra = {"difforge": {}, "xla": {}, "torch": {"threads": threads}}
     return [
         timed_record(BENCH, case, impl, t, flops=2.0 * m * k * n, operands=operands, **extra[impl])
         for impl, t in times.items()
@@ -225,8 +244,7 @@ def mark_limits(records: list[dict]) -> None:
 
 
 def run(ctx: BenchContext) -> list[dict]:
-    """fp32: XLA, torch, numpy; bf16 x bf16 -> fp32: XLA, torch; the best of each marked; on CPU
-    the model-shape products (XLA as difforge, torch)."""
+    """fp32: XLA, torch, numpy, MKL; bf16 x bf16 -> fp32: XLA, torch; the best of each marked; on CPU the model-shape products (difforge's dense-layer product, XLA's dot, torch)."""
     n = matmul_size(ctx)
     rng = np.random.default_rng(0)
     a_np = rng.standard_normal((n, n), dtype=np.float32)

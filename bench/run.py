@@ -178,7 +178,7 @@ def markdown_table(records: list[dict], facts: dict) -> str:
         "",
         "`vs difforge` = other's median / difforge's median (> 1: difforge is faster; < 1: "
         "difforge is SLOWER). `% limit` = GFLOP/s over the machine's fastest fp32 GEMM among "
-        "XLA, torch and numpy (MFU for train_step); `% bf16 limit` = over the fastest bf16-in / "
+        "XLA, torch, numpy and MKL (MFU for train_step); `% bf16 limit` = over the fastest bf16-in / "
         "fp32-accumulate GEMM (XLA, torch). The matmul rows marked `limit` set them.",
         "",
         "| bench | case | impl | median / value | spread (min-max) | GFLOP/s | % limit | "

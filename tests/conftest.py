@@ -39,6 +39,16 @@ REPO = Path(__file__).resolve().parent.parent
 GCS_BUCKET = "difforge-test"
 
 
+@pytest.fixture
+def xla_dots(monkeypatch):
+    """The dense layers' products as XLA's dots, MKL's GEMM switched off
+    (jaxcore/kernels/cpu_gemm.py): for tests that read XLA's FLOP count of a model, which does
+    not see into custom calls, or that compare against XLA's own products."""
+    from jaxcore.kernels import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "unavailable", lambda: "switched off by the xla_dots fixture")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -5,7 +5,8 @@ Two today, each a fused attention forward and backward for the head-pair loop of
 header for why and for their exact semantics):
 - ``amx_attention.cc``: bf16, blocks of 32 queries on Intel AMX (head dim a multiple of 32);
 - ``avx512_attention.cc``: float32, the same blocks with AVX-512 FMA (head dim a multiple of 16).
-Both include ``attention_common.h``.
+Both include ``attention_common.h``. ``mkl_gemm.cc`` (dense products in Intel oneMKL) is built
+by the same :func:`build` and driven by :mod:`jaxcore.kernels.cpu_gemm`.
 
 A kernel is built on first use with the system's C++ compiler (``c++``, or ``$CXX``) against
 the XLA FFI headers jaxlib ships, into ``$DIFFORGE_CACHE/native/`` under a name that hashes

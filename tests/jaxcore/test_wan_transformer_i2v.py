@@ -417,6 +417,7 @@ def test_ti2v_yaml_is_the_converted_config():
 # --- FLOPs --------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("xla_dots")  # XLA counts no custom call's FLOPs
 def test_flops_formula_counts_the_image_attention():
     """The analytic matmul FLOPs agree with XLA's count of the compiled I2V forward (10%)."""
     config = wt.WanTransformerConfig.from_dict(
