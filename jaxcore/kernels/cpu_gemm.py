@@ -17,8 +17,11 @@ product is lowered per platform), and wherever MKL cannot run (not installed, ``
 ``DIFFORGE_NATIVE_KERNELS=0``, no C++ compiler); one log line says which. Results agree with
 XLA's dot to float32 rounding (tests/jaxcore/test_cpu_gemm.py).
 
-``DIFFORGE_MKL``: ``0`` turns it off; a path names the ``libmkl_rt`` to load (default: the one
-the ``mkl`` wheel puts in ``<sys.prefix>/lib``, else the system's).
+``DIFFORGE_MKL``: ``0`` turns it off; a path names a ``libmkl_rt`` whose folder holds the MKL to
+link (default: the ``mkl`` wheel's in ``<sys.prefix>/lib``, else the system's). The kernel links
+MKL's libraries directly and keeps them out of the process's global symbol scope: through
+``libmkl_rt`` they had landed there, and a PyTorch imported afterwards ran its own MKL
+single-threaded (see ``native/mkl_gemm.cc``).
 """
 
 from __future__ import annotations
@@ -48,23 +51,45 @@ PRODUCT_NAME = "mkl_dense_product"
 
 KERNEL = "mkl_gemm"
 LARGEST_DIMENSION = 2**31 - 1  # MKL's LP64 interface takes 32-bit sizes
-BIND_ERRORS = {
-    1: "it did not load",
-    2: "it lacks cblas_sgemm or its threading-layer calls",
-    3: "MKL already runs a threaded layer in this process",
-}
 
 
 def find_library() -> str | None:
-    """The ``libmkl_rt`` to load: ``$DIFFORGE_MKL`` if a path, else the ``mkl`` wheel's in
-    ``<sys.prefix>/lib``, else the system's (``ctypes.util.find_library``); None if none."""
+    """The ``libmkl_rt`` whose folder holds the MKL libraries to link: ``$DIFFORGE_MKL`` if a
+    path, else the ``mkl`` wheel's in ``<sys.prefix>/lib``, else the system's
+    (``ctypes.util.find_library``); None if none."""
     named = os.environ.get(ENV, "")
     if named not in ("", "1"):
         return named
     wheel = sorted(Path(sys.prefix, "lib").glob("libmkl_rt.so*"))
     if wheel:
         return str(wheel[-1])
-    return ctypes.util.find_library("mkl_rt")
+    found = ctypes.util.find_library("mkl_rt")
+    return None if found is None else _system_library_path(found)
+
+
+def _system_library_path(name: str) -> str | None:
+    """The path of a library ``ctypes.util.find_library`` named (it gives a bare soname)."""
+    for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib"):
+        if Path(folder, name).exists():
+            return str(Path(folder, name))
+    return None
+
+
+def link_flags(runtime: Path) -> tuple[str, ...]:
+    """Linker flags for the MKL next to ``runtime`` (its ``libmkl_rt.so[.N]``): the LP64
+    interface, the sequential layer and the core, by their file names, with the folder as the
+    run path."""
+    suffix = runtime.name[len("libmkl_rt") :]  # ".so" or ".so.N"
+    parts = ("mkl_intel_lp64", "mkl_sequential", "mkl_core")
+    missing = [p for p in parts if not (runtime.parent / f"lib{p}{suffix}").exists()]
+    if missing:
+        raise FileNotFoundError(f"{runtime.parent} lacks lib{missing[0]}{suffix}")
+    folder = str(runtime.parent)
+    return (
+        f"-L{folder}",
+        f"-Wl,-rpath,{folder}",
+        *(f"-l:lib{p}{suffix}" for p in parts),
+    )
 
 
 def _unavailable_reason() -> str | None:
@@ -78,12 +103,12 @@ def _unavailable_reason() -> str | None:
     if path is None:
         return "no libmkl_rt (pip install 'difforge[mkl]')"
     try:
-        library = ctypes.CDLL(str(native.build(KERNEL, ())))
+        built = native.build(KERNEL, (), link_flags(Path(path)))
+        # Local, and deep-bound: MKL's libraries stay out of the global symbol scope (where
+        # PyTorch's own MKL would bind to them) and never bind to a PyTorch loaded before.
+        library = ctypes.CDLL(str(built), mode=os.RTLD_LOCAL | os.RTLD_DEEPBIND)
     except (native.NativeBuildError, OSError) as error:
         return str(error)
-    code = library.difforge_mkl_bind(path.encode())
-    if code:
-        return f"{path}: {BIND_ERRORS.get(code, f'bind error {code}')}"
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.DifforgeMklGemm), platform="cpu")
     return None
 

@@ -63,9 +63,9 @@ def ffi_include_dir() -> Path:
     return Path(jaxlib.__file__).resolve().parent / "include"
 
 
-def build(name: str, flags: tuple[str, ...]) -> Path:
+def build(name: str, flags: tuple[str, ...], libraries: tuple[str, ...] = ()) -> Path:
     """The shared library of ``native/<name>.cc`` (with the shared headers), compiled now unless
-    cached."""
+    cached; ``libraries``: linker arguments after the source (libraries it links)."""
     compiler = _compiler()
     if compiler is None:
         raise NativeBuildError("no C++ compiler (set CXX or install g++)")
@@ -74,7 +74,8 @@ def build(name: str, flags: tuple[str, ...]) -> Path:
     key = hashlib.sha256()
     for header in sorted(SOURCES.glob("*.h")):
         key.update(header.read_bytes())
-    for part in (source.read_bytes(), repr(command).encode(), jaxlib.__version__.encode()):
+    parts = (source.read_bytes(), repr((command, libraries)).encode(), jaxlib.__version__.encode())
+    for part in parts:
         key.update(part)
     key.update(_compiler_version(compiler).encode())
     target = cache_dir() / "native" / f"{name}-{key.hexdigest()[:16]}.so"
@@ -85,7 +86,7 @@ def build(name: str, flags: tuple[str, ...]) -> Path:
         built = Path(tmp) / target.name
         log.info("building native kernel %s (%s)", name, compiler)
         done = subprocess.run(
-            [compiler, *command, str(source), "-o", str(built)],
+            [compiler, *command, str(source), *libraries, "-o", str(built)],
             capture_output=True,
             text=True,
             check=False,

@@ -61,6 +61,8 @@ from jaxcore.models.layers import (
     gated_add,
     gelu_tanh,
     layer_norm,
+    linear,
+    linear_runs_in_mkl,
     scale_shift,
     timestep_embedding,
 )
@@ -517,8 +519,15 @@ class ChunkedMLPIn(nn.Module):
             (MLP_RATIO, self.dim),
             self.param_dtype,
         )
-        x = x_bld.astype(self.dtype)
-        return jnp.einsum("bld,dkm->blkm", x, kernel.astype(self.dtype)) + bias.astype(self.dtype)
+        x, kernel, bias = (
+            x_bld.astype(self.dtype),
+            kernel.astype(self.dtype),
+            bias.astype(self.dtype),
+        )
+        flat = kernel.reshape(self.dim, MLP_RATIO * self.dim)
+        if linear_runs_in_mkl(x, flat):  # on one CPU device: one dense product, in MKL
+            return linear(x, flat, bias.reshape(-1)).reshape(*x.shape[:-1], MLP_RATIO, self.dim)
+        return jnp.einsum("bld,dkm->blkm", x, kernel) + bias
 
 
 class PackedProjOut(nn.Module):
@@ -546,8 +555,17 @@ class PackedProjOut(nn.Module):
             (self.dim,),
             self.param_dtype,
         )
-        x = x_blkm.astype(self.dtype)
-        out = jnp.einsum("blkm,kmd->bld", x, kernel.astype(self.dtype)) + bias.astype(self.dtype)
+        x, kernel, bias = (
+            x_blkm.astype(self.dtype),
+            kernel.astype(self.dtype),
+            bias.astype(self.dtype),
+        )
+        flat_x = x.reshape(*x.shape[:-2], -1)
+        flat = kernel.reshape(-1, self.dim)
+        if linear_runs_in_mkl(flat_x, flat):  # on one CPU device: one dense product, in MKL
+            out = linear(flat_x, flat, bias)
+        else:
+            out = jnp.einsum("blkm,kmd->bld", x, kernel) + bias
         return sharding.constrain(out, _IMAGE_EMBED)
 
 

@@ -53,6 +53,12 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
     return _linear(x, kernel, bias)
 
 
+def linear_runs_in_mkl(x: jax.Array, kernel: jax.Array) -> bool:
+    """Whether :func:`linear` of ``x`` and the 2-D ``kernel`` runs its products in MKL here
+    (:mod:`jaxcore.kernels.cpu_gemm`: float32 on one CPU device, MKL installed)."""
+    return cpu_gemm.takes(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
 def _accumulation_dtype(dtype):
     """float32 for bfloat16/float16 operands (as torch's bf16 GEMMs and the TPU's MXU
     accumulate), else the operands' own dtype."""

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -203,5 +204,63 @@ def test_switches_and_library_lookup(monkeypatch, tmp_path):
     missing = tmp_path / "libmkl_rt.so.3"
     monkeypatch.setenv(cpu_gemm.ENV, str(missing))
     assert cpu_gemm.find_library() == str(missing)
-    if REASON is None or "libmkl_rt" in REASON:  # the kernel builds here: the load is reached
-        assert cpu_gemm._unavailable_reason() == f"{missing}: it did not load"
+    assert cpu_gemm._unavailable_reason() == f"{tmp_path} lacks libmkl_intel_lp64.so.3"
+    for part in ("rt", "intel_lp64", "sequential", "core"):
+        (tmp_path / f"libmkl_{part}.so.3").touch()
+    assert cpu_gemm.link_flags(missing)[2:] == (
+        "-l:libmkl_intel_lp64.so.3",
+        "-l:libmkl_sequential.so.3",
+        "-l:libmkl_core.so.3",
+    )
+
+
+@needs_mkl
+def test_mkl_stays_out_of_the_global_symbol_scope():
+    """After a product has run, MKL's libraries are not in the process's global symbol scope.
+    Loaded through ``libmkl_rt`` they were (``cblas_sgemm`` and MKL's service calls resolvable
+    from anywhere), and a PyTorch imported afterwards bound its own MKL's threading calls to
+    them and ran its GEMM single-threaded (336 -> 175 GFLOP/s). ``cblas_sgemm`` is the witness:
+    no library the suite loads exports it (PyTorch exports MKL's service calls, not it; numpy's
+    and scipy's OpenBLAS prefix theirs)."""
+    import ctypes
+
+    x = jnp.ones((64, 64), jnp.float32)
+    jax.jit(lambda a: cpu_gemm.gemm(a, a, False, False))(x).block_until_ready()
+    assert not hasattr(ctypes.CDLL(None), "cblas_sgemm")
+
+
+def _packed_runs(module, params, x):
+    """(output, (loss, gradients), the gradient program's text) of ``module`` at ``x``."""
+
+    def loss(params, x):
+        return jnp.sum(jnp.sin(module.apply(params, x)))
+
+    grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    program = grads.lower(params, x).as_text()
+    forward = jax.jit(lambda params, x: module.apply(params, x))  # a new function: traced afresh
+    return forward(params, x), grads(params, x), program
+
+
+@needs_mkl
+@pytest.mark.parametrize(
+    "name,shape", [("ChunkedMLPIn", (2, 5, 32)), ("PackedProjOut", (2, 5, 5, 32))]
+)
+def test_flux_packed_projections_are_one_mkl_product_each(name, shape):
+    """Flux's single-stream ``proj_mlp`` ([D, 4, D]) and ``proj_out`` ([5, D, D]) on one CPU
+    device: one flat dense product each (forward and gradients) in MKL, equal to the chunked
+    einsums XLA runs where they are sharded."""
+    from jaxcore.models import flux_transformer
+
+    module = getattr(flux_transformer, name)(32)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal(shape), jnp.float32)
+    params = jax.tree.map(lambda p: p + 0.1, nn.unbox(module.init(jax.random.key(0), x)))
+    out, (value, grads), program = _packed_runs(module, params, x)
+    assert program.count(cpu_gemm.TARGET) == 3
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_gemm, "unavailable", lambda: "off")
+        ref_out, (ref_value, ref_grads), ref_program = _packed_runs(module, params, x)
+    assert cpu_gemm.TARGET not in ref_program and "dot_general" in ref_program
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))

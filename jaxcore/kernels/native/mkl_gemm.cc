@@ -10,11 +10,15 @@
 // C [m, n] = op(A) op(B) in float32 (cblas_sgemm), row-major, A [m, k] or (transpose_a)
 // [k, m], B [k, n] or (transpose_b) [n, k]. float32 only: MKL's bf16 GEMM
 // (cblas_gemm_bf16bf16f32) ran the Wan S bf16 forward and mixed-precision train step no faster
-// than XLA's YNNPACK products (118.6 vs 114.5 ms, 485 vs 472 ms). MKL is not linked:
-// difforge_mkl_bind() loads libmkl_rt by path (the `mkl` wheel's) and resolves the entry
-// points, so this library builds without MKL's headers and loads without it.
-
-#include <dlfcn.h>
+// than XLA's YNNPACK products (118.6 vs 114.5 ms, 485 vs 472 ms).
+//
+// Linked directly against MKL's LP64 interface, sequential layer and core (no headers needed:
+// the one prototype is below), not through libmkl_rt: libmkl_rt loads those libraries into the
+// process's global symbol scope on its first call, where PyTorch's own statically linked MKL,
+// imported later, resolved its threading calls to them and ran single-threaded (its float32
+// GEMM 336 -> 175 GFLOP/s). Linked, they are this library's dependencies, which
+// jaxcore.kernels.cpu_gemm loads with RTLD_LOCAL | RTLD_DEEPBIND: out of the global scope, and
+// looked up before it (so they never bind to a PyTorch loaded first either).
 
 #include <algorithm>
 #include <atomic>
@@ -30,18 +34,14 @@
 
 namespace ffi = xla::ffi;
 
+extern "C" void cblas_sgemm(int layout, int transa, int transb, int m, int n, int k, float alpha,
+                            const float* a, int lda, const float* b, int ldb, float beta, float* c,
+                            int ldc);
+
 namespace {
 
 // CBLAS constants (mkl_cblas.h)
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
-constexpr int kSequentialLayer = 1;  // MKL_THREADING_SEQUENTIAL
-constexpr int kLp64Interface = 0;    // MKL_INTERFACE_LP64: 32-bit integer arguments
-
-using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
-                       float, float*, int);
-using SetLayer = int (*)(int);
-
-Sgemm sgemm = nullptr;
 
 // Products under this many multiply-adds run on the calling thread alone: handing half of a
 // small product to a pool thread costs more than it saves.
@@ -114,7 +114,6 @@ void Split(ffi::ThreadPool& pool, const Product& p, Fn gemm) {
 
 ffi::Error Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
                 ffi::Result<ffi::Buffer<ffi::F32>> c, bool ta, bool tb) {
-  if (sgemm == nullptr) return ffi::Error::Internal("difforge mkl_gemm: MKL not bound");
   const auto p = Geometry(a, b, ta, tb);
   const auto cd = c->dimensions();
   if (!p || cd.size() != 2 || cd[0] != p->m || cd[1] != p->n)
@@ -134,11 +133,11 @@ ffi::Error Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::
   Split(pool, *p, [&](int64_t lo, int64_t hi, bool by_rows) {
     if (by_rows) {  // rows lo..hi of C: rows of A (columns of a stored A^T)
       const float* a0 = ta ? ap + lo : ap + lo * lda;
-      sgemm(kRowMajor, op_a, op_b, hi - lo, p->n, p->k, 1.0f, a0, lda, bp, ldb, 0.0f,
+      cblas_sgemm(kRowMajor, op_a, op_b, hi - lo, p->n, p->k, 1.0f, a0, lda, bp, ldb, 0.0f,
            cp + lo * ldc, ldc);
     } else {  // columns lo..hi of C: columns of B (rows of a stored B^T)
       const float* b0 = tb ? bp + lo * ldb : bp + lo;
-      sgemm(kRowMajor, op_a, op_b, p->m, hi - lo, p->k, 1.0f, ap, lda, b0, ldb, 0.0f, cp + lo,
+      cblas_sgemm(kRowMajor, op_a, op_b, p->m, hi - lo, p->k, 1.0f, ap, lda, b0, ldb, 0.0f, cp + lo,
            ldc);
     }
   });
@@ -146,22 +145,6 @@ ffi::Error Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::
 }
 
 }  // namespace
-
-// Loads libmkl_rt from `path` and binds the entry points, MKL in its sequential layer (the
-// parallelism is XLA's pool). 0 on success; 1: the library does not load; 2: an entry point is
-// missing; 3: MKL already runs another threading layer in this process.
-extern "C" int difforge_mkl_bind(const char* path) {
-  void* library = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-  if (library == nullptr) return 1;
-  auto set_interface = reinterpret_cast<SetLayer>(dlsym(library, "MKL_Set_Interface_Layer"));
-  auto set_threading = reinterpret_cast<SetLayer>(dlsym(library, "MKL_Set_Threading_Layer"));
-  auto s = reinterpret_cast<Sgemm>(dlsym(library, "cblas_sgemm"));
-  if (!set_interface || !set_threading || !s) return 2;
-  set_interface(kLp64Interface);
-  if (set_threading(kSequentialLayer) != kSequentialLayer) return 3;
-  sgemm = s;
-  return 0;
-}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DifforgeMklGemm, Gemm,
                               ffi::Ffi::Bind()
