@@ -1,6 +1,6 @@
 // What the native attention kernels share (amx_attention.cc in bf16, avx512_attention.cc in
 // float32): the operands' shape check, the key mask as 16-key bit masks, 2^x in AVX-512, the work
-// loop over XLA's intra-op pool, how a forward splits its queries into work items, and the FFI
+// loop over XLA's intra-op pool (parallel_for.h), how a forward splits its queries into work items, and the FFI
 // binding prefix and the FFI handlers themselves (ForwardHandler, BackwardHandler: checks,
 // operands, work items), to which each kernel gives its element type and its per-item work.
 // Each kernel's library is its own translation unit, so everything here is internal (an
@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -78,36 +79,6 @@ void LiveKeys(const bool* mask, int64_t lk, int64_t padded_keys, std::vector<__m
   live.assign(padded_keys / 16, 0);
   for (int64_t n = 0; n < lk; ++n)
     if (mask[n]) live[n / 16] |= static_cast<__mmask16>(1u << (n % 16));
-}
-
-// Calls fn(i) for every i in [0, items) on the calling thread and on helpers from XLA's
-// intra-op pool, each index claimed once from a shared counter; returns when all are done. The
-// caller works too, so it returns even when no helper ever runs (a pool busy elsewhere).
-template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t items, Fn fn) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable finished;
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, items, fn] {
-    for (int64_t i; (i = state->next.fetch_add(1)) < items;) {
-      fn(i);
-      if (state->done.fetch_add(1) + 1 == items) {
-        std::lock_guard<std::mutex> lock(state->mu);
-        state->finished.notify_all();
-      }
-    }
-  };
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  for (int64_t i = 1; i < std::min(threads, items); ++i) {
-    auto helper = work;
-    pool.Schedule(std::move(helper));
-  }
-  work();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->finished.wait(lock, [&] { return state->done.load() == items; });
 }
 
 // The shape when q and k (and `others`) are [B, L, H, D] of `type` with one B, H and D (D a

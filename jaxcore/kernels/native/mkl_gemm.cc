@@ -21,15 +21,12 @@
 // looked up before it (so they never bind to a PyTorch loaded first either).
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <optional>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -46,35 +43,6 @@ constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 // Products under this many multiply-adds run on the calling thread alone: handing half of a
 // small product to a pool thread costs more than it saves.
 constexpr int64_t kSplitFloor = int64_t{1} << 20;
-
-// Calls fn(i) for every i in [0, items) on the calling thread and on helpers from XLA's
-// intra-op pool; returns when all are done (the caller works too, so it returns even when no
-// helper runs).
-template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t items, Fn fn) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable finished;
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, items, fn] {
-    for (int64_t i; (i = state->next.fetch_add(1)) < items;) {
-      fn(i);
-      if (state->done.fetch_add(1) + 1 == items) {
-        std::lock_guard<std::mutex> lock(state->mu);
-        state->finished.notify_all();
-      }
-    }
-  };
-  for (int64_t i = 1; i < items; ++i) {
-    auto helper = work;
-    pool.Schedule(std::move(helper));
-  }
-  work();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->finished.wait(lock, [&] { return state->done.load() == items; });
-}
 
 // One product's geometry: C [m, n] of op(A) op(B) with the leading dimensions of the stored
 // (row-major) operands.
@@ -134,11 +102,11 @@ ffi::Error Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::
     if (by_rows) {  // rows lo..hi of C: rows of A (columns of a stored A^T)
       const float* a0 = ta ? ap + lo : ap + lo * lda;
       cblas_sgemm(kRowMajor, op_a, op_b, hi - lo, p->n, p->k, 1.0f, a0, lda, bp, ldb, 0.0f,
-           cp + lo * ldc, ldc);
+                  cp + lo * ldc, ldc);
     } else {  // columns lo..hi of C: columns of B (rows of a stored B^T)
       const float* b0 = tb ? bp + lo * ldb : bp + lo;
-      cblas_sgemm(kRowMajor, op_a, op_b, p->m, hi - lo, p->k, 1.0f, ap, lda, b0, ldb, 0.0f, cp + lo,
-           ldc);
+      cblas_sgemm(kRowMajor, op_a, op_b, p->m, hi - lo, p->k, 1.0f, ap, lda, b0, ldb, 0.0f,
+                  cp + lo, ldc);
     }
   });
   return ffi::Error::Success();
