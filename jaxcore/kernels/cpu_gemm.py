@@ -31,7 +31,6 @@ import ctypes.util
 import functools
 import logging
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -95,10 +94,9 @@ def link_flags(runtime: Path) -> tuple[str, ...]:
 def _unavailable_reason() -> str | None:
     if os.environ.get(ENV) == "0":
         return f"{ENV}=0"
-    if os.environ.get(native.ENV_SWITCH, "1") == "0":
-        return f"{native.ENV_SWITCH}=0"
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return f"{platform.system()} {platform.machine()} (Linux x86_64 only)"
+    refused = native.switched_off_or_unsupported()
+    if refused is not None:
+        return refused
     path = find_library()
     if path is None:
         return "no libmkl_rt (pip install 'difforge[mkl]')"

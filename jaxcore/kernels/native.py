@@ -157,12 +157,21 @@ AVX512_ATTENTION = AttentionKernel(
 KERNELS = (AMX_ATTENTION, AVX512_ATTENTION)
 
 
-def _unavailable_reason(kernel: AttentionKernel) -> str | None:
-    """None when ``kernel`` is registered and usable here, else why not."""
+def switched_off_or_unsupported() -> str | None:
+    """Why no native kernel runs in this process (``DIFFORGE_NATIVE_KERNELS=0``, or not Linux
+    x86_64), else None."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return f"{ENV_SWITCH}=0"
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         return f"{platform.system()} {platform.machine()} (the kernel is Linux x86_64 only)"
+    return None
+
+
+def _unavailable_reason(kernel: AttentionKernel) -> str | None:
+    """None when ``kernel`` is registered and usable here, else why not."""
+    refused = switched_off_or_unsupported()
+    if refused is not None:
+        return refused
     missing = kernel.cpu_flags - cpu_flags()
     if missing:
         return f"this CPU lacks {', '.join(sorted(missing))}"

@@ -245,7 +245,7 @@ def _packed_runs(module, params, x):
 @pytest.mark.parametrize(
     "name,shape", [("ChunkedMLPIn", (2, 5, 32)), ("PackedProjOut", (2, 5, 5, 32))]
 )
-def test_flux_packed_projections_are_one_mkl_product_each(name, shape):
+def test_flux_packed_projections_are_one_mkl_product_each(name, shape, request):
     """Flux's single-stream ``proj_mlp`` ([D, 4, D]) and ``proj_out`` ([5, D, D]) on one CPU
     device: one flat dense product each (forward and gradients) in MKL, equal to the chunked
     einsums XLA runs where they are sharded."""
@@ -256,9 +256,8 @@ def test_flux_packed_projections_are_one_mkl_product_each(name, shape):
     params = jax.tree.map(lambda p: p + 0.1, nn.unbox(module.init(jax.random.key(0), x)))
     out, (value, grads), program = _packed_runs(module, params, x)
     assert program.count(cpu_gemm.TARGET) == 3
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_gemm, "unavailable", lambda: "off")
-        ref_out, (ref_value, ref_grads), ref_program = _packed_runs(module, params, x)
+    request.getfixturevalue("xla_dots")
+    ref_out, (ref_value, ref_grads), ref_program = _packed_runs(module, params, x)
     assert cpu_gemm.TARGET not in ref_program and "dot_general" in ref_program
     np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)

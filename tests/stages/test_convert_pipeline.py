@@ -204,14 +204,14 @@ def test_make_record_dofn_routes_by_split_and_adds_timesteps():
 
 
 def test_graph_on_test_pipeline(shapes_dir, encoder_config):
-    from apache_beam.runners.portability.fn_api_runner import fn_runner
+    from apache_beam.options.pipeline_options import PipelineOptions
     from apache_beam.testing.test_pipeline import TestPipeline
     from apache_beam.testing.util import assert_that, equal_to
 
     from jaxcore.compute import ComputeConfig
-    from stages.convert.config import DatasetConfig
+    from stages.convert.config import BeamConfig, DatasetConfig
     from stages.convert.encode import EncoderHandler
-    from stages.convert.pipeline import DROPPED_TAG, build_graph
+    from stages.convert.pipeline import DROPPED_TAG, build_graph, local_runner
 
     dataset_config = DatasetConfig(source=str(shapes_dir))
     items = synthetic.make_items(14, 24, 20, seed=3, corrupt=1, empty_captions=1)
@@ -235,9 +235,9 @@ def test_graph_on_test_pipeline(shapes_dir, encoder_config):
         assert example.features.feature[records.SOURCE_ID].bytes_list.value[0].decode() == sid
         return sid
 
-    # the engine runner=DirectRunner runs (stages.convert.pipeline.local_runner), not Beam's
-    # DirectRunner, which would try to download Prism first
-    with TestPipeline(runner=fn_runner.FnApiRunner()) as pipeline:
+    # the engine runner=DirectRunner runs, not Beam's DirectRunner (which tries Prism first)
+    runner = local_runner(BeamConfig(), PipelineOptions())
+    with TestPipeline(runner=runner) as pipeline:
         outputs = build_graph(
             pipeline,
             num_rows=14,

@@ -1,6 +1,6 @@
 // What the native attention kernels share (amx_attention.cc in bf16, avx512_attention.cc in
-// float32): the operands' shape check, the key mask as 16-key bit masks, 2^x in AVX-512, the work
-// loop over XLA's intra-op pool (parallel_for.h), how a forward splits its queries into work items, and the FFI
+// float32): the operands' shape check, the key mask as 16-key bit masks, 2^x in AVX-512, how a
+// forward splits its queries into work items (run by parallel_for.h's loop), and the FFI
 // binding prefix and the FFI handlers themselves (ForwardHandler, BackwardHandler: checks,
 // operands, work items), to which each kernel gives its element type and its per-item work.
 // Each kernel's library is its own translation unit, so everything here is internal (an
@@ -11,12 +11,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
