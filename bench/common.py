@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,13 +30,14 @@ class BenchContext:
 
     ``profile`` picks sizes (with ``backend``: accelerators get Wan 2.1 1.3B shapes);
     ``reps`` timed repetitions after ``warmup`` untimed ones; ``workdir`` a scratch folder the
-    benchmark may fill (model directories it writes itself).
+    benchmark may fill (model directories it writes itself), owned by the caller, who removes
+    it (:func:`bench.run.main` does unless told to keep it).
     """
 
+    workdir: Path
     profile: str = "full"
     reps: int = 3
     warmup: int = 1
-    workdir: Path = dataclasses.field(default_factory=lambda: Path(tempfile.mkdtemp("-bench")))
     backend: str = dataclasses.field(default_factory=jax.default_backend)
 
     def __post_init__(self):

@@ -9,6 +9,10 @@ Results: ``bench/results/latest.json`` (records + machine facts) and ``latest.md
     python -m bench.run                 # all, sizes by jax.default_backend()
     python -m bench.run --quick         # smaller sizes, fewer repetitions
     python -m bench.run --only transformer --only matmul
+    python -m bench.run --workdir /data/bench   # keep the model folders it writes, reuse them
+
+Without ``--workdir`` the scratch folder (model directories, datasets, renders: ~2 GiB for a
+full run) is a temporary one, removed when the run ends (on an error or Ctrl-C too).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 import os
 import platform
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -75,6 +80,13 @@ def parse_args(argv):
     parser.add_argument("--quick", action="store_true", help="smaller sizes, 2 repetitions")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 3)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="scratch folder for the model directories and data the benchmarks write; kept and "
+        "reused by the next run (default: a temporary folder, removed at the end)",
+    )
     return parser.parse_args(argv)
 
 
@@ -245,29 +257,42 @@ def main(argv=None) -> int:
     if argv is None:
         reexec_with_tcmalloc()
     host_memory_kept = keep_freed_host_memory()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    args = parse_args(argv)
-    from bench.common import BenchContext
-
-    profile = "quick" if args.quick else "full"
-    ctx = BenchContext(profile=profile, reps=args.reps or (2 if args.quick else 3))
-    names = (
-        list(BENCHMARKS) if not args.only else ["matmul", *[n for n in args.only if n != "matmul"]]
-    )
-    facts = machine_facts()
-    facts["host_memory_kept"] = host_memory_kept
-    facts["host_allocator"] = (
+    allocator = (
         "tcmalloc"
         if tcmalloc_active()
         else "glibc, freed memory kept"
         if host_memory_kept
         else "glibc"
     )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    from bench.common import BenchContext
+
+    profile = "quick" if args.quick else "full"
+    with contextlib.ExitStack() as scratch:
+        if args.workdir is None:
+            workdir = Path(scratch.enter_context(tempfile.TemporaryDirectory(suffix="-bench")))
+        else:
+            workdir = args.workdir
+            workdir.mkdir(parents=True, exist_ok=True)
+        reps = args.reps or (2 if args.quick else 3)
+        ctx = BenchContext(workdir, profile=profile, reps=reps)
+        facts = machine_facts()
+        facts["host_memory_kept"], facts["host_allocator"] = host_memory_kept, allocator
+        return run_and_report(args, ctx, facts)
+
+
+def run_and_report(args, ctx, facts: dict) -> int:
+    """Run the selected benchmarks in ``ctx``, write ``latest.json`` / ``latest.md``, print the
+    table; exit status 1 when a benchmark failed."""
+    names = (
+        list(BENCHMARKS) if not args.only else ["matmul", *[n for n in args.only if n != "matmul"]]
+    )
     started = time.perf_counter()
     records = run_benchmarks(names, ctx)
     add_derived(records)
     facts["total_seconds"] = time.perf_counter() - started
-    facts["profile"], facts["reps"] = profile, ctx.reps
+    facts["profile"], facts["reps"] = ctx.profile, ctx.reps
     with contextlib.suppress(OSError):
         facts["load_average_at_end"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -89,6 +89,43 @@ def test_derived_fractions_ratios_and_table():
     assert "Host allocator: tcmalloc (every peer runs in this process" in table
 
 
-def test_bad_profile_is_an_error():
+def test_bad_profile_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="profile"):
-        BenchContext(profile="huge")
+        BenchContext(tmp_path, profile="huge")
+
+
+def _fake_run(seen: list):
+    """A stand-in for the benchmarks: writes a model file into the scratch folder, as they do."""
+
+    def run_benchmarks(names, ctx):
+        (ctx.scratch("model") / "weights.safetensors").write_bytes(b"x" * 64)
+        seen.append(ctx.workdir)
+        return [value_record("memory_load", "c", "difforge", 1.0, "x weight bytes")]
+
+    return run_benchmarks
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_scratch_folder_is_removed_unless_named(keep, tmp_path, monkeypatch):
+    # A full run writes ~2 GiB of models into its scratch folder; left in /tmp, a few runs
+    # filled the disk (a CI install then failed with ENOSPC).
+    import tempfile
+
+    from jaxcore import host_memory
+
+    seen: list = []
+    monkeypatch.setattr(bench_run, "run_benchmarks", _fake_run(seen))
+    monkeypatch.setattr(host_memory, "keep_freed_host_memory", lambda: False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    argv = ["--out", str(tmp_path / "results")]
+    if keep:
+        argv += ["--workdir", str(tmp_path / "kept")]
+    assert bench_run.main(argv) == 0
+    assert (tmp_path / "results" / "latest.json").exists()
+    (workdir,) = seen
+    if keep:
+        assert workdir == tmp_path / "kept"
+        assert (workdir / "model" / "weights.safetensors").exists()
+    else:
+        assert workdir.parent == tmp_path and workdir.name.endswith("-bench")
+        assert not workdir.exists()
