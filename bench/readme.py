@@ -52,9 +52,11 @@ def _share_of_limit(record: dict, *, bf16: bool, word: str = "") -> str:
     return f" ({100 * record[key]:.0f}% of the {name} limit)"
 
 
-def _forward_rows(results: list[dict], bench: str, label: str) -> list[str]:
+def _forward_rows(
+    results: list[dict], bench: str, label: str, cases=("S", "M", "S-bf16")
+) -> list[str]:
     rows = []
-    for case in ("S", "M", "S-bf16"):
+    for case in cases:
         ours = _find(results, bench, case, "difforge")
         if ours is None:
             continue
@@ -192,6 +194,7 @@ def table(run: dict) -> str:
     lines = ["| what | difforge | reference | ratio (goal) |", "|---|---|---|---|"]
     lines += _forward_rows(results, "transformer_forward", "Wan DiT forward")
     lines += _forward_rows(results, "flux_forward", "Flux DiT forward")
+    lines += _forward_rows(results, "unet_forward", "SD UNet forward", ("SD2-half", "SDXL-half"))
     lines += _train_rows(results)
     lines += _vae_rows(results)
     lines += _other_rows(results)

@@ -1,4 +1,5 @@
-"""Dense layers' matrix products on CPU in Intel oneMKL's GEMM (``native/mkl_gemm.cc``).
+"""Dense layers' matrix products and stride-1 convolutions on CPU in Intel oneMKL's GEMM
+(``native/mkl_gemm.cc``).
 
 XLA CPU's float32 dot runs the Wan projections at 270-310 GFLOP/s on a 2-core AVX-512 host;
 MKL (PyTorch's GEMM) at 310-350 on the same shapes. Where MKL is installed (the ``mkl`` wheel:
@@ -7,9 +8,12 @@ custom call, cut into slabs run on XLA's own thread pool with MKL single-threade
 threads inside an XLA program fight XLA's for the cores). The Wan M float32 forward ran 1.17 ->
 1.05 s with it, the train step 3.95 -> 3.69 s (alternated in one process). float32 only: MKL's
 bf16 GEMM ran the Wan S bf16 forward and mixed-precision step no faster than XLA's AMX products.
+:func:`conv` does the same for the 2-D convolutions of the SD UNet and VAE (``Conv2d``): one
+accumulating GEMM per kernel tap over the padded image (see below).
 
 Where it applies: float32 operands on the CPU backend, products of the three forms
-:mod:`jaxcore.models.layers` writes (``x @ W``, ``dy @ W^T``, ``x^T dy``), traced with no mesh
+:mod:`jaxcore.models.layers` writes (``x @ W``, ``dy @ W^T``, ``x^T dy``) and stride-1
+convolutions, traced with no mesh
 or a one-device mesh (``jax.set_mesh``; :func:`jaxcore.sharding.mesh_context`) on operands
 placed on one device. A custom call has no sharding rule, so over several devices the
 partitioner would gather its operands: there XLA's dot runs instead, as on other platforms (the
@@ -47,6 +51,8 @@ TARGET = "difforge_mkl_gemm"
 # The name its products carry for rematerialisation policies: a custom call is no dot to
 # ``dots_saveable``, so :data:`jaxcore.compute.REMAT_POLICIES` saves this name as well.
 PRODUCT_NAME = "mkl_dense_product"
+
+CONV_TARGET = "difforge_mkl_conv"
 
 KERNEL = "mkl_gemm"
 LARGEST_DIMENSION = 2**31 - 1  # MKL's LP64 interface takes 32-bit sizes
@@ -108,6 +114,9 @@ def _unavailable_reason() -> str | None:
     except (native.NativeBuildError, OSError) as error:
         return str(error)
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.DifforgeMklGemm), platform="cpu")
+    jax.ffi.register_ffi_target(
+        CONV_TARGET, jax.ffi.pycapsule(library.DifforgeMklConv), platform="cpu"
+    )
     return None
 
 
@@ -185,3 +194,71 @@ def product(a: jax.Array, b: jax.Array, dimensions, xla_dot) -> jax.Array:
         return xla_dot(a, b, dimensions)
 
     return jax.lax.platform_dependent(a, b, cpu=on_cpu, default=elsewhere)
+
+
+# --- convolutions -------------------------------------------------------------------------------
+#
+# A stride-1 2-D convolution, [B, H, W, C] x [KH, KW, C, O], as KH x KW accumulating GEMMs over
+# the zero-padded image (``native/mkl_gemm.cc``, ``Conv``): no im2col copy, each tap's input rows
+# contiguous. XLA CPU runs the SD UNet's 3 x 3 convolutions at 220-260 GFLOP/s on the 2-core
+# AVX-512 host, PyTorch (oneDNN) at 280-350, these GEMMs at 250-310 (timings vary +-15% run to
+# run; bench/unet.py: the SD 2 layout at half width 1.19 -> 1.03 s a forward with them). Only the
+# forward: the gradients are XLA's convolution's (training the UNet keeps XLA's speed there).
+
+
+def conv_takes(x: jax.Array, kernel: jax.Array, strides, padding) -> bool:
+    """Whether :func:`conv` computes this convolution in MKL on CPU: float32, stride 1, zero or
+    positive padding, one device, MKL available."""
+    if x.dtype != jnp.float32 or kernel.dtype != jnp.float32 or jax.default_backend() != "cpu":
+        return False
+    if x.ndim != 4 or kernel.ndim != 4 or tuple(strides) != (1, 1):
+        return False
+    if any(p < 0 for pair in padding for p in pair):
+        return False
+    padded = [x.shape[1 + i] + sum(padding[i]) for i in range(2)]
+    if any(n < k for n, k in zip(padded, kernel.shape[:2], strict=True)):
+        return False
+    if max(x.shape[-1], kernel.shape[-1], padded[0] * padded[1]) > LARGEST_DIMENSION:
+        return False
+    return _on_one_device(x, kernel) and unavailable() is None
+
+
+def _mkl_conv(x, kernel, padding):
+    """The custom call: pad, convolve "wide" (every padded column), drop the extra columns."""
+    (top, bottom), (left, right) = padding
+    padded = jnp.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)))
+    b, hp, wp, _ = padded.shape
+    kh, kw, _, o = kernel.shape
+    call = jax.ffi.ffi_call(
+        CONV_TARGET,
+        jax.ShapeDtypeStruct((b, hp - kh + 1, wp, o), jnp.float32),
+        vmap_method="sequential",
+    )
+    return call(padded, kernel)[:, :, : wp - kw + 1]
+
+
+def conv(x: jax.Array, kernel: jax.Array, strides, padding, xla_conv) -> jax.Array:
+    """``xla_conv(x, kernel)`` (NHWC x HWIO, ``strides`` and explicit ``padding`` pairs),
+    computed by MKL where :func:`conv_takes` says so: on the CPU platform the custom call, on any
+    other the XLA convolution. The gradients are XLA's convolution's (a custom VJP): the
+    forward is what inference runs."""
+    if not conv_takes(x, kernel, strides, padding):
+        return xla_conv(x, kernel)
+    padding = tuple(tuple(pair) for pair in padding)
+
+    @jax.custom_vjp
+    def convolve(x, kernel):
+        def on_cpu(x, kernel):
+            return _mkl_conv(x, kernel, padding)
+
+        return jax.lax.platform_dependent(x, kernel, cpu=on_cpu, default=xla_conv)
+
+    def forward(x, kernel):
+        return convolve(x, kernel), (x, kernel)
+
+    def backward(residuals, cotangent):
+        _, pullback = jax.vjp(xla_conv, *residuals)
+        return pullback(cotangent)
+
+    convolve.defvjp(forward, backward)
+    return convolve(x, kernel)

@@ -102,7 +102,14 @@ from jaxcore.attention import attention as attention_fn
 from jaxcore.compute import remat_block
 from jaxcore.config import config_json_kwargs
 from jaxcore.models.autoencoder_kl import ACTIVATIONS, Conv2d, GroupNorm
-from jaxcore.models.layers import MLP2, AffineLayerNorm, dense, gelu_erf
+from jaxcore.models.layers import (
+    MLP2,
+    AffineLayerNorm,
+    dense,
+    gelu_erf,
+    linear,
+    linear_runs_in_mkl,
+)
 
 Dtype = Any
 
@@ -586,16 +593,32 @@ def _constrain_image(x_bhwc: jax.Array) -> jax.Array:
     return sharding.constrain(x_bhwc, _IMAGE)
 
 
-def _dense_no_bias(features: int, axes, name: str, dtype: Dtype, param_dtype: Dtype) -> nn.Dense:
+class DenseNoBias(nn.Module):
+    """torch ``Linear(bias=False)`` (flax ``nn.Dense(use_bias=False)``'s parameter) through
+    :func:`~jaxcore.models.layers.linear` with a zero bias: the product runs where the dense
+    layers' products run (MKL on one CPU device in float32), and its backward is the written-out
+    one. The zero bias is a constant: its gradient is never used, and XLA drops it."""
+
+    features: int
+    axes: tuple[str | None, str | None]
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(nn.initializers.xavier_uniform(), self.axes),
+            (x.shape[-1], self.features),
+            self.param_dtype,
+        )
+        zero = jnp.zeros((self.features,), self.dtype)
+        return linear(x.astype(self.dtype), kernel.astype(self.dtype), zero)
+
+
+def _dense_no_bias(features: int, axes, name: str, dtype: Dtype, param_dtype: Dtype):
     """torch ``Linear(bias=False)`` with a logically named kernel (the attention q/k/v)."""
-    return nn.Dense(
-        features,
-        use_bias=False,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes),
-        name=name,
-    )
+    return DenseNoBias(features, axes, dtype=dtype, param_dtype=param_dtype, name=name)
 
 
 def _conv1x1(features: int, name: str, kw: dict) -> Conv2d:
@@ -760,8 +783,11 @@ class GatedProjection(nn.Module):
             (2, self.features),
             self.param_dtype,
         )
-        x = x_bld.astype(self.dtype)
-        return jnp.einsum("bld,dkf->blkf", x, kernel.astype(self.dtype)) + bias.astype(self.dtype)
+        x, kernel, bias = (a.astype(self.dtype) for a in (x_bld, kernel, bias))
+        flat = kernel.reshape(x.shape[-1], 2 * self.features)
+        if linear_runs_in_mkl(x, flat):  # on one CPU device: one dense product, in MKL
+            return linear(x, flat, bias.reshape(-1)).reshape(*x.shape[:-1], 2, self.features)
+        return jnp.einsum("bld,dkf->blkf", x, kernel) + bias
 
 
 class GEGLU(nn.Module):

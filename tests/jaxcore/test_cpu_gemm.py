@@ -263,3 +263,135 @@ def test_flux_packed_projections_are_one_mkl_product_each(name, shape, request):
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+
+
+# --- convolutions ----------------------------------------------------------------------------
+
+
+def _xla_conv(padding, strides=(1, 1)):
+    def conv(x, kernel):
+        return jax.lax.conv_general_dilated(
+            x, kernel, strides, list(padding), dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+
+    return conv
+
+
+def _conv_exact(x, kernel, padding):
+    """(the convolution, the same of |x| and |kernel|) in float64, tap by tap."""
+    (top, bottom), (left, right) = padding
+    x64 = np.pad(np.asarray(x, np.float64), ((0, 0), (top, bottom), (left, right), (0, 0)))
+    k64 = np.asarray(kernel, np.float64)
+    kh, kw = k64.shape[:2]
+    h, w = x64.shape[1] - kh + 1, x64.shape[2] - kw + 1
+    out = np.zeros((x64.shape[0], h, w, k64.shape[-1]))
+    bound = np.zeros_like(out)
+    for i in range(kh):
+        for j in range(kw):
+            window = x64[:, i : i + h, j : j + w]
+            out += window @ k64[i, j]
+            bound += np.abs(window) @ np.abs(k64[i, j])
+    return out, bound
+
+
+# (x shape, kernel size, padding): 3 x 3 "same"; odd sizes and a batch; a 1 x 1; asymmetric
+# and one-sided padding; an image no wider than the kernel; big enough to be split in blocks
+CONVS = [
+    ((1, 5, 5, 3, 4), 3, ((1, 1), (1, 1))),
+    ((3, 7, 5, 8, 3), 3, ((1, 1), (1, 1))),
+    ((2, 6, 9, 16, 5), 1, ((0, 0), (0, 0))),
+    ((1, 6, 9, 5, 7), 3, ((0, 1), (2, 0))),
+    ((1, 1, 1, 4, 6), 3, ((1, 1), (1, 1))),
+    ((2, 37, 29, 24, 40), 3, ((1, 1), (1, 1))),
+]
+
+
+@needs_mkl
+@pytest.mark.parametrize("shape,size,padding", CONVS)
+def test_conv_equals_float64_convolution_and_xla_gradients(shape, size, padding):
+    """The custom call's convolution against a float64 one within float32 rounding of its terms
+    (|x| * |kernel| bounds them); its gradients are XLA's convolution's (the custom VJP)."""
+    b, h, w, c, o = shape
+    rng = np.random.default_rng(sum(shape))
+    x = jnp.asarray(rng.standard_normal((b, h, w, c)), jnp.float32)
+    kernel = jnp.asarray(rng.standard_normal((size, size, c, o)), jnp.float32)
+    xla = _xla_conv(padding)
+    ours = jax.jit(lambda x, k: cpu_gemm.conv(x, k, (1, 1), padding, xla))
+    assert cpu_gemm.CONV_TARGET in ours.lower(x, kernel).as_text()
+    exact, bound = _conv_exact(x, kernel, padding)
+    got = np.asarray(ours(x, kernel))
+    assert got.shape == exact.shape
+    assert np.all(np.abs(got - exact) <= 4 * size * size * c * 2**-24 * bound + 1e-30)
+
+    def loss(conv):
+        return lambda x, k: jnp.sum(jnp.sin(conv(x, k)))
+
+    grads = jax.jit(jax.grad(loss(lambda x, k: cpu_gemm.conv(x, k, (1, 1), padding, xla)), (0, 1)))
+    want = jax.jit(jax.grad(loss(xla), (0, 1)))(x, kernel)
+    for g, r in zip(grads(x, kernel), want, strict=True):
+        np.testing.assert_allclose(g, r, rtol=0, atol=1e-4 * float(np.abs(r).max()))
+
+
+def test_convolutions_mkl_does_not_take_stay_xla():
+    """Strided, bf16, negatively padded and several-device convolutions are XLA's."""
+    x, kernel = jnp.ones((1, 8, 8, 4), jnp.float32), jnp.ones((3, 3, 4, 4), jnp.float32)
+    same = ((1, 1), (1, 1))
+    assert not cpu_gemm.conv_takes(x, kernel, (2, 2), same)
+    assert not cpu_gemm.conv_takes(x.astype(jnp.bfloat16), kernel, (1, 1), same)
+    assert not cpu_gemm.conv_takes(x, kernel, (1, 1), ((-1, 0), (0, 0)))
+    assert not cpu_gemm.conv_takes(x[:, :1, :1], kernel, (1, 1), ((0, 0), (0, 0)))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    placed = jax.device_put(jnp.ones((2, 8, 8, 4)), NamedSharding(mesh, P("data")))
+    conv = jax.jit(lambda x, k: cpu_gemm.conv(x, k, (1, 1), same, _xla_conv(same)))
+    program = conv.lower(placed, kernel).as_text()
+    assert cpu_gemm.CONV_TARGET not in program and "convolution" in program
+    for_tpu = conv.trace(x, kernel).lower(lowering_platforms=("tpu",)).as_text()
+    assert cpu_gemm.CONV_TARGET not in for_tpu and "convolution" in for_tpu
+
+
+@needs_mkl
+def test_unet_and_vae_convolutions_and_projections_run_in_mkl(request):
+    """The SD UNet's stride-1 convolutions and its attention / GEGLU projections are MKL custom
+    calls on one CPU device (the stride-2 downsamplers stay XLA's), and the forward equals the
+    all-XLA one."""
+    from jaxcore.models import unet_2d_condition as unet
+
+    config = unet.UNet2DConditionConfig.from_dict(
+        {
+            "block_out_channels": [32, 64],
+            "down_block_types": [unet.CROSS_DOWN, unet.DOWN],
+            "up_block_types": [unet.UP, unet.CROSS_UP],
+            "layers_per_block": 1,
+            "attention_head_dim": [2, 4],
+            "use_linear_projection": True,
+            "cross_attention_dim": 16,
+            "norm_num_groups": 8,
+            "sample_size": 8,
+        }
+    )
+    module, params = unet.init_unet_2d_condition(config, jax.random.key(0))
+    rng = np.random.default_rng(5)
+    args = (
+        jnp.asarray(rng.standard_normal((1, 4, 8, 8)), jnp.float32),
+        jnp.full((1,), 500.0),
+        jnp.asarray(rng.standard_normal((1, 7, 16)), jnp.float32),
+    )
+
+    def forward():
+        fn = jax.jit(lambda params, *args: module.apply({"params": params}, *args))
+        return fn(params, *args), fn.lower(params, *args).as_text()
+
+    out, program = forward()
+    # stride-1 convolutions: conv_in, conv_out, 8 resnets' conv1 / conv2, 5 of them widening
+    # (a 1 x 1 shortcut), the upsampler; only the stride-2 downsampler is XLA's
+    assert program.count(cpu_gemm.CONV_TARGET) == 2 + 8 * 2 + 5 + 1
+    assert program.count("convolution") == 1
+    # dense products: 4 transformers x (proj_in, proj_out, self and cross q / k / v / out,
+    # GEGLU's two), 8 resnets' time projections, the time MLP's two; XLA's dots are left to the
+    # attention scores and values (4 x 2 attentions x 2)
+    assert program.count(cpu_gemm.TARGET) == 4 * 12 + 8 + 2
+    assert program.count("dot_general") == 4 * 2 * 2
+    request.getfixturevalue("xla_dots")
+    ref, ref_program = forward()
+    assert cpu_gemm.CONV_TARGET not in ref_program
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-5 * float(np.abs(ref).max()))
