@@ -63,6 +63,9 @@ def _checkpoint_params(out: Path, step: int) -> dict:
     return checkpoints.restore_tree(str(out / "checkpoints"), step, None)
 
 
+# slow: four train runs (43 s, the default suite's heaviest); the step-level equalities below
+# (any depth, sharded) stay in the default suite
+@pytest.mark.slow
 def test_scanned_run_trains_as_the_unrolled_one_and_resumes_across_layouts(
     tiny_data, tmp_path, caplog
 ):
