@@ -56,6 +56,20 @@ class BenchContext:
         return path
 
 
+def diffusers_model(class_name: str, config, directory: Path, seed: int = 0):
+    """diffusers' ``class_name`` built from ``config.to_dict()`` after ``torch.manual_seed(seed)``
+    (random init, eval mode), written to ``directory`` with ``save_pretrained`` unless already
+    there (our loaders read the same weights from it); returns the model."""
+    import diffusers
+    import torch
+
+    torch.manual_seed(seed)
+    model = getattr(diffusers, class_name)(**config.to_dict()).eval()
+    if not (directory / "config.json").exists():
+        model.save_pretrained(directory)
+    return model
+
+
 def cpu_threads() -> int:
     """Cores this process may use: what XLA's CPU thread pool sizes itself to."""
     try:

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.common import BenchContext
+from bench.common import BenchContext, diffusers_model
 from bench.transformer import compare_with_diffusers
 from jaxcore.model_configs import load_model_yaml
 from jaxcore.models import flux_transformer as flux
@@ -68,23 +68,12 @@ def make_inputs(config: flux.FluxTransformerConfig, case: FluxCase, seed: int = 
     }
 
 
-def write_diffusers_model(config: flux.FluxTransformerConfig, directory: Path, seed: int = 0):
-    import torch
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(seed)
-    model = FluxTransformer2DModel(**config.to_dict()).eval()
-    if not (directory / "config.json").exists():
-        model.save_pretrained(directory)
-    return model
-
-
 def run_case(ctx: BenchContext, case: FluxCase) -> list[dict]:
     import torch
 
     config = case.config()
     directory = ctx.scratch(f"flux_{case.name}")
-    torch_model = write_diffusers_model(config, directory)
+    torch_model = diffusers_model("FluxTransformer2DModel", config, directory)
     inputs = make_inputs(config, case)
     image_tokens = inputs["hidden_states"].shape[1]
     flops = flux.flops_per_forward(config, case.batch, image_tokens, case.text_tokens)

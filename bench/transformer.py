@@ -23,6 +23,7 @@ import numpy as np
 from bench.common import (
     BenchContext,
     block,
+    diffusers_model,
     interleaved_times,
     set_torch_threads,
     timed_record,
@@ -79,18 +80,6 @@ def cases_for(ctx: BenchContext) -> tuple[ForwardCase, ...]:
 def video_tokens(config: wan.WanTransformerConfig, latent_shape) -> int:
     grid = wan.patch_grid(latent_shape, config.patch_size)
     return latent_shape[0] * int(np.prod(grid))
-
-
-def write_diffusers_model(config: wan.WanTransformerConfig, directory: Path, seed: int = 0):
-    """Random-init diffusers model of this config, saved as safetensors; returns the model."""
-    import torch
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(seed)
-    model = WanTransformer3DModel(**config.to_dict()).eval()
-    if not (directory / "config.json").exists():
-        model.save_pretrained(directory)
-    return model
 
 
 def make_inputs(config: wan.WanTransformerConfig, case: ForwardCase, seed: int = 0):
@@ -190,7 +179,7 @@ def run_case(ctx: BenchContext, case: ForwardCase) -> list[dict]:
 
     config = case.config()
     directory = ctx.scratch(f"wan_{case.model_yaml.rsplit('/', 1)[-1]}")
-    torch_model = write_diffusers_model(config, directory)
+    torch_model = diffusers_model("WanTransformer3DModel", config, directory)
     latents, timestep, text = make_inputs(config, case)
     tokens = video_tokens(config, case.latent_shape)
     flops = wan.flops_per_forward(

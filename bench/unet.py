@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.common import BenchContext
+from bench.common import BenchContext, diffusers_model
 from bench.transformer import compare_with_diffusers
 from jaxcore.model_configs import load_model_yaml
 from jaxcore.models import unet_2d_condition as unet
@@ -109,23 +109,12 @@ def torch_inputs(inputs: dict) -> dict:
     return out | {"return_dict": False}
 
 
-def write_diffusers_model(config: unet.UNet2DConditionConfig, directory: Path, seed: int = 0):
-    import torch
-    from diffusers import UNet2DConditionModel
-
-    torch.manual_seed(seed)
-    model = UNet2DConditionModel(**config.to_dict()).eval()
-    if not (directory / "config.json").exists():
-        model.save_pretrained(directory)
-    return model
-
-
 def run_case(ctx: BenchContext, case: UNetCase) -> list[dict]:
     from jaxcore.families.sd import unet_flops
 
     config = case.config()
     directory = ctx.scratch(f"unet_{case.name}")
-    torch_model = write_diffusers_model(config, directory)
+    torch_model = diffusers_model("UNet2DConditionModel", config, directory)
     inputs = make_inputs(config, case)
     size = case.latent_size
     common = {

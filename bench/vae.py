@@ -17,7 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import BenchContext, block, interleaved_times, set_torch_threads, timed_record
+from bench.common import (
+    BenchContext,
+    block,
+    diffusers_model,
+    interleaved_times,
+    set_torch_threads,
+    timed_record,
+)
 from jaxcore.model_configs import load_model_yaml
 from jaxcore.models import wan_vae
 
@@ -59,24 +66,13 @@ def cases_for(ctx: BenchContext) -> tuple[VAECase, ...]:
     return (ACCELERATOR_CASES if ctx.on_accelerator else CASES)[ctx.profile]
 
 
-def write_diffusers_vae(config: wan_vae.WanVAEConfig, directory: Path, seed: int = 0):
-    import torch
-    from diffusers import AutoencoderKLWan
-
-    torch.manual_seed(seed)
-    model = AutoencoderKLWan(**config.to_dict()).eval()
-    if not (directory / "config.json").exists():
-        model.save_pretrained(directory)
-    return model
-
-
 def run_case(ctx: BenchContext, case: VAECase) -> list[dict]:
     import torch
 
     config = case.config()
     threads = set_torch_threads()
     directory = ctx.scratch(f"vae_{case.name}")
-    torch_vae = write_diffusers_vae(config, directory)
+    torch_vae = diffusers_model("AutoencoderKLWan", config, directory)
     module, params = wan_vae.load_wan_vae(directory)
     video = np.random.default_rng(0).uniform(-1, 1, case.video_shape).astype(np.float32)
     pixels = int(np.prod(case.video_shape[2:]))

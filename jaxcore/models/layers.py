@@ -120,12 +120,15 @@ def _weight_gradient(x_2d: jax.Array, dy_2d: jax.Array) -> jax.Array:
 
 class Dense(nn.Module):
     """flax ``nn.Dense`` (parameters ``kernel`` [in, out] and ``bias`` [out], computed in
-    ``dtype``) through :func:`linear`; the kernel and bias carry logical axis names."""
+    ``dtype``) through :func:`linear`; the kernel and bias carry logical axis names. Without
+    ``use_bias`` (torch ``Linear(bias=False)``) there is no bias parameter: :func:`linear` adds a
+    zero constant, whose gradient nothing uses (XLA drops it)."""
 
     features: int
     axes: tuple[str | None, str | None]
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -135,12 +138,15 @@ class Dense(nn.Module):
             (x.shape[-1], self.features),
             self.param_dtype,
         )
-        bias = self.param(
-            "bias",
-            nn.with_logical_partitioning(nn.initializers.zeros_init(), (self.axes[1],)),
-            (self.features,),
-            self.param_dtype,
-        )
+        if self.use_bias:
+            bias = self.param(
+                "bias",
+                nn.with_logical_partitioning(nn.initializers.zeros_init(), (self.axes[1],)),
+                (self.features,),
+                self.param_dtype,
+            )
+        else:
+            bias = jnp.zeros((self.features,), self.param_dtype)
         dtype = self.dtype or jnp.result_type(x, kernel)
         return linear(x.astype(dtype), kernel.astype(dtype), bias.astype(dtype))
 

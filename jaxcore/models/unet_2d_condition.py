@@ -105,6 +105,7 @@ from jaxcore.models.autoencoder_kl import ACTIVATIONS, Conv2d, GroupNorm
 from jaxcore.models.layers import (
     MLP2,
     AffineLayerNorm,
+    Dense,
     dense,
     gelu_erf,
     linear,
@@ -593,32 +594,9 @@ def _constrain_image(x_bhwc: jax.Array) -> jax.Array:
     return sharding.constrain(x_bhwc, _IMAGE)
 
 
-class DenseNoBias(nn.Module):
-    """torch ``Linear(bias=False)`` (flax ``nn.Dense(use_bias=False)``'s parameter) through
-    :func:`~jaxcore.models.layers.linear` with a zero bias: the product runs where the dense
-    layers' products run (MKL on one CPU device in float32), and its backward is the written-out
-    one. The zero bias is a constant: its gradient is never used, and XLA drops it."""
-
-    features: int
-    axes: tuple[str | None, str | None]
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(nn.initializers.xavier_uniform(), self.axes),
-            (x.shape[-1], self.features),
-            self.param_dtype,
-        )
-        zero = jnp.zeros((self.features,), self.dtype)
-        return linear(x.astype(self.dtype), kernel.astype(self.dtype), zero)
-
-
 def _dense_no_bias(features: int, axes, name: str, dtype: Dtype, param_dtype: Dtype):
     """torch ``Linear(bias=False)`` with a logically named kernel (the attention q/k/v)."""
-    return DenseNoBias(features, axes, dtype=dtype, param_dtype=param_dtype, name=name)
+    return Dense(features, axes, dtype=dtype, param_dtype=param_dtype, use_bias=False, name=name)
 
 
 def _conv1x1(features: int, name: str, kw: dict) -> Conv2d:
