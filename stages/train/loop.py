@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -621,9 +622,12 @@ def train(
     """Run (or resume) training into ``output_dir``; see the module docstring.
     ``prior_manifest``: the class examples of a prior-preservation (DreamBooth) run."""
     run = prepare(config, output_dir, data_manifest, prior_manifest)
-    resume(run)
-    preempted, final_loss = run_steps(run)
-    return finish(run, preempted, final_loss)
+    try:
+        resume(run)
+        preempted, final_loss = run_steps(run)
+        return finish(run, preempted, final_loss)
+    finally:  # its TensorBoard events and traces are in the output by now (or never will be)
+        shutil.rmtree(run.local_dir, ignore_errors=True)
 
 
 def _host_copy(params):

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxcore import sharding
+from jaxcore import sharding, storage
 from jaxcore.artifacts import ArtifactError
 from jaxcore.compute import ComputeConfig
 from jaxcore.config import load_config
@@ -471,16 +471,25 @@ def test_two_processes_train_bit_identical_models(tiny_data, one_layer_model, tm
     assert weights[0].read_bytes() == weights[1].read_bytes()
 
 
-def test_checkpoints_on_gcs_save_keep_resume_and_reshard(gcs_root, one_layer_model):
+def test_checkpoints_on_gcs_save_keep_resume_and_reshard(gcs_root, one_layer_model, monkeypatch):
     """orbax on the local GCS server: saves every 2 steps keeping 2, a longer run resumes from
-    the latest, and a checkpoint restores onto another mesh shape."""
+    the latest, and a checkpoint restores onto another mesh shape. The local folder that
+    stages the TensorBoard events for upload is gone after each run."""
     # orbax reaches gs:// through etils.epath -> fsspec -> gcsfs; tensorstore does the array I/O.
     from stages.train import loop
 
+    made = []
+    make_dir = loop.tempfile.mkdtemp
+    monkeypatch.setattr(
+        loop.tempfile, "mkdtemp", lambda *a, **kw: made.append(make_dir(*a, **kw)) or made[-1]
+    )
     out = f"{gcs_root}/train"
     common = [f"model.model_config={one_layer_model}", "checkpoint_every=2", "max_to_keep=2"]
     first = loop.train(_config(out, *common, "max_train_steps=4"), out)
     assert first.checkpoints == [2, 4]
+    assert storage.list_files(f"{out}/tensorboard"), "the events were uploaded"
+    local_dirs = [d for d in made if Path(d).name.startswith("difforge-train-")]
+    assert local_dirs and not any(Path(d).exists() for d in local_dirs)
     second = loop.train(_config(out, *common, "max_train_steps=6"), out)
     assert second.checkpoints == [4, 6]  # resumed at 4 (no step 2 re-saved), kept 2
     mesh = sharding.make_mesh(sharding.MeshConfig(ici_data_parallelism=2, ici_tensor_parallelism=4))
