@@ -252,7 +252,9 @@ class WanEncoders(Encoders):
         self.batch_size = batch_size
         self.max_sequence_length = max_sequence_length
         started = time.perf_counter()
-        self.vae, self.vae_params = wan_vae.load_wan_vae(directory / "vae", dtype=compute.dtype)
+        self.vae, self.vae_params = wan_vae.load_wan_vae(
+            directory / "vae", dtype=compute.dtype, encoder_only=True
+        )
         self.text_encoder, self.text_params = umt5.load_umt5(
             directory / "text_encoder", dtype=compute.dtype, param_dtype=compute.param_dtype
         )

@@ -1109,11 +1109,22 @@ def _create_parameters(module: WanVAE, video_chunk: jax.Array, latent_frame: jax
     return module.decode_chunk(latent_frame, False)
 
 
-def abstract_params(module: WanVAE) -> dict:
-    """The ``params`` collection as boxed ShapeDtypeStructs (nn.Partitioned kept), no allocation."""
+def _create_encoder_parameters(module: WanVAE, video_chunk: jax.Array, latent_frame: jax.Array):
+    """``init``'s method for an encoder-only load: the encoder and quant_conv."""
+    return module.encode_chunk(video_chunk, False)
+
+
+# diffusers AutoencoderKLWan keys only decoding reads
+DECODER_PREFIXES = ("decoder.", "post_quant_conv.")
+
+
+def abstract_params(module: WanVAE, *, encoder_only: bool = False) -> dict:
+    """The ``params`` collection as boxed ShapeDtypeStructs (nn.Partitioned kept), no allocation;
+    ``encoder_only``: the encoder's and quant_conv's alone."""
+    method = _create_encoder_parameters if encoder_only else _create_parameters
 
     def init(rng, video_chunk, latent_frame):
-        return module.init(rng, video_chunk, latent_frame, method=_create_parameters)
+        return module.init(rng, video_chunk, latent_frame, method=method)
 
     return weights.shapes_of_init(init, *_later_chunks(module.config))["params"]
 
@@ -1173,19 +1184,28 @@ def load_wan_vae(
     attention: str = "dot_product",
     mesh: jax.sharding.Mesh | None = None,
     rules=None,
+    encoder_only: bool = False,
 ) -> tuple[WanVAE, dict]:
     """Load a diffusers ``AutoencoderKLWan`` directory (config.json + safetensors).
 
     Returns ``(module, params)``: activations and parameters in ``dtype``; with a mesh the
     parameters are placed by the logical rules (replicated under the default rules).
+    ``encoder_only``: read the encoder's parameters alone (encoding: convert, image
+    conditioning); the decoder's keys are left unread and the module cannot decode.
     Raises WeightsError naming missing/unexpected keys or mismatched shapes, and
     WanVAEConfigError naming a config key it cannot represent.
     """
     config = WanVAEConfig.from_dict(weights.read_config(directory))
     module = WanVAE(config, dtype=dtype, param_dtype=dtype, attention=attention, mesh=mesh)
-    boxed = abstract_params(module)
+    boxed = abstract_params(module, encoder_only=encoder_only)
     params = weights.load_placed(
-        directory, _weight_map_for(boxed), boxed, mesh=mesh, rules=rules, dtype=dtype
+        directory,
+        _weight_map_for(boxed),
+        boxed,
+        mesh=mesh,
+        rules=rules,
+        dtype=dtype,
+        ignore_unused=DECODER_PREFIXES if encoder_only else (),
     )
     return module, params
 

@@ -130,6 +130,16 @@ class EncoderHandler:
                 "tensors": {name: tensors[name][i] for name in names},
             }
 
+    def encode_empty_prompt(self, model: Encoders) -> dict:
+        """The empty caption's text tensors (see records.EMPTY_PROMPT_FILE), as the element
+        ``run_inference`` makes of the empty-prompt item, without encoding a blank video."""
+        text = model.encode_text([""] * self.batch_size)  # a full batch: the same program
+        return {
+            "source_id": records.EMPTY_PROMPT_ID,
+            "caption": "",
+            "tensors": {name: value[0] for name, value in text.items()},
+        }
+
     def batch_elements_kwargs(self) -> dict[str, Any]:
         """Full batches: a smaller one costs a full batch's compute (it is padded)."""
         return {"min_batch_size": self.batch_size, "max_batch_size": self.batch_size}

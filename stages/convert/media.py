@@ -151,6 +151,8 @@ def resize_center_crop(frames: np.ndarray, height: int, width: int) -> np.ndarra
     from PIL import Image
 
     _, h, w, _ = frames.shape
+    if (h, w) == (height, width):
+        return frames
     scale = max(height / h, width / w)
     new_h, new_w = max(height, round(h * scale)), max(width, round(w * scale))
     top, left = (new_h - height) // 2, (new_w - width) // 2

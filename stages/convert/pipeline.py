@@ -1,18 +1,24 @@
 """The convert Beam graph: rows -> decoded clips -> the JAX encoders -> TFRecords.
 
-    ranges --ReadRows--> rows --PrepareItem--> items --Encode--> encoded --MakeRecord-->
-        train/*.tfrecord, eval/*.tfrecord (eval records carry a timestep)
-    (Encode: full batches of ``batch_size`` items -> the JAX encoders, loaded once per process)
+    ranges --ReadRows--> rows --PrepareItem--> items --Encode--> encoded --SplitRecords-->
+        train: (id, record) --> train/*.tfrecord
+        eval: encoded --MakeEvalRecord (+ the eval timesteps, dealt over every eval id)-->
+            eval/*.tfrecord
+    (Encode: full batches of ``batch_size`` items -> the JAX encoders, loaded once per process,
+    on a thread of their own so the next rows decode while a batch encodes)
     PrepareItem's "dropped" side output --> dropped/dropped.jsonl (one JSON line per bad row)
+    EmptyPrompt --> the encoders' tensors of the empty caption --> empty_prompt.safetensors
 
-Every dropped row increments a Beam ``Metrics`` counter named after its reason; the stage
-reads the counters after the job and writes them into the manifest. :func:`build_graph`
-attaches the transforms to any pipeline (tests pass a ``TestPipeline`` and ``assert_that``);
-:func:`run_convert_pipeline` builds the pipeline from ``BeamConfig`` and runs it.
+On the DirectRunner everything from the row ranges to the train records runs as one fused
+stage; only the eval items (a tenth) wait for the eval timesteps. Every dropped row increments
+a Beam ``Metrics`` counter named after its reason; the stage reads the counters after the job
+and writes them into the manifest. :func:`build_graph` attaches the transforms to any pipeline
+(tests pass a ``TestPipeline`` and ``assert_that``); :func:`write_outputs` the writes.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -20,12 +26,14 @@ import math
 import os
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import apache_beam as beam
 import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
+from apache_beam.transforms.window import GlobalWindows
 from apache_beam.utils import shared
 
 from jaxcore import storage
@@ -39,10 +47,12 @@ log = logging.getLogger(__name__)
 NAMESPACE = "convert"
 DROPPED_TAG = "dropped"
 EMPTY_PROMPT_TAG = "empty_prompt"
+RECORDS = "records"  # Encode's output of the encoded items
 ROWS_READ = "rows_read"
 ENCODE_BATCHES = "encode_batches"
 ENCODE_PADDING = "encode_padding_rows"
 ROWS_PER_READ = 256
+ENCODE_AHEAD = 2  # batches queued for the encoder thread while the next rows are read
 DROPPED_FILE = "dropped/dropped.jsonl"
 RECORD_OVERHEAD_BYTES = 512  # feature names, shapes, id, TFRecord framing: a generous bound
 
@@ -161,33 +171,43 @@ class PrepareItem(beam.DoFn):
         yield {"source_id": source_id, "caption": caption, "video": video}
 
 
-class MakeRecord(beam.DoFn):
-    """An encoded item -> serialized ``tf.train.Example`` on the ``train`` or ``eval`` output."""
+class SplitRecords(beam.DoFn):
+    """An encoded item -> its train record ``(source_id, serialized tf.train.Example)`` on the
+    ``train`` output, or the item itself on the ``eval`` output: an eval record carries a
+    timestep, dealt over all eval ids (:class:`MakeEvalRecord`), so only eval items wait for
+    the whole split; train records are made as their batch leaves the encoders."""
 
     def __init__(self, split_config: SplitConfig):
         self._split = split_config
-        self._records = {s: Metrics.counter(NAMESPACE, records_counter(s)) for s in records.SPLITS}
+        self._train_records = Metrics.counter(NAMESPACE, records_counter(split.TRAIN))
+
+    def process(self, item: dict):
+        sid = item["source_id"]
+        which = split.assign_split(sid, self._split.eval_fraction, self._split.split_seed)
+        if which == split.EVAL:
+            yield beam.pvalue.TaggedOutput(split.EVAL, item)
+            return
+        self._train_records.inc()
+        # records.make_example's bytes, without TensorFlow (see stages.convert.tfrecord)
+        example = tfrecord.example_bytes(item["tensors"], item["caption"], sid)
+        yield beam.pvalue.TaggedOutput(split.TRAIN, (sid, example))
+
+
+class MakeEvalRecord(beam.DoFn):
+    """An encoded eval item -> ``(source_id, serialized tf.train.Example)`` with its timestep."""
+
+    def __init__(self, split_config: SplitConfig):
+        self._eval_records = Metrics.counter(NAMESPACE, records_counter(split.EVAL))
         self._buckets = {
             t: Metrics.counter(NAMESPACE, timestep_counter(t)) for t in split_config.timesteps_list
         }
 
     def process(self, item: dict, eval_timesteps: Mapping[str, int]):
         sid = item["source_id"]
-        which = split.assign_split(sid, self._split.eval_fraction, self._split.split_seed)
-        timestep = eval_timesteps[sid] if which == split.EVAL else None
-        if timestep is not None:
-            self._buckets[timestep].inc()
-        self._records[which].inc()
-        # records.make_example's bytes, without TensorFlow (see stages.convert.tfrecord)
-        example = tfrecord.example_bytes(item["tensors"], item["caption"], sid, timestep)
-        yield beam.pvalue.TaggedOutput(which, (sid, example))
-
-
-def _is_eval(item: dict, split_config: SplitConfig) -> bool:
-    return (
-        split.assign_split(item["source_id"], split_config.eval_fraction, split_config.split_seed)
-        == split.EVAL
-    )
+        timestep = eval_timesteps[sid]
+        self._buckets[timestep].inc()
+        self._eval_records.inc()
+        yield sid, tfrecord.example_bytes(item["tensors"], item["caption"], sid, timestep)
 
 
 def row_ranges(num_rows: int, rows_per_read: int = ROWS_PER_READ) -> list[tuple[int, int]]:
@@ -235,9 +255,12 @@ def build_graph(
     """
     if (num_rows is None) == (ranges is None):
         raise ValueError("give num_rows or ranges")
+    row_range_list = list(ranges) if ranges is not None else row_ranges(num_rows)
     rows = (
         pipeline
-        | "RowRanges" >> beam.Create(list(ranges) if ranges is not None else row_ranges(num_rows))
+        # Create's own reshuffle spreads the ranges over workers: a fusion break, pointless
+        # where spreading the rows is
+        | "RowRanges" >> beam.Create(row_range_list, reshuffle=spread_rows)
         | "ReadRows" >> beam.ParDo(ReadRows(dataset_config, dataset_token))
     )
     if spread_rows:
@@ -245,40 +268,32 @@ def build_graph(
     prepared = rows | "PrepareItem" >> beam.ParDo(PrepareItem(media_config)).with_outputs(
         DROPPED_TAG, main="items"
     )
-    # One extra item: the empty caption, encoded by the same model as every caption (training
-    # swaps it in for a share of the captions; see records.EMPTY_PROMPT_FILE). Its video is
-    # blank (made on a worker: a full-size video in the job graph would bloat it); only its
-    # text tensors are kept.
-    empty = (
-        pipeline
-        | "EmptyPrompt" >> beam.Create([records.EMPTY_PROMPT_ID])
-        | "BlankVideo" >> beam.Map(_empty_prompt_item, media_config)
-    )
-    both = (prepared.items, empty) | "WithEmptyPrompt" >> beam.Flatten()
-    encoded_all = both | "Encode" >> Encode(handler)
-    empty_prompt = encoded_all | "EmptyPromptOnly" >> beam.Filter(_is_empty_prompt)
-    encoded = encoded_all | "Records" >> beam.Filter(lambda item: not _is_empty_prompt(item))
+    encoded = prepared.items | "Encode" >> Encode(handler, media_config)
+    split_records = encoded[RECORDS] | "SplitRecords" >> beam.ParDo(
+        SplitRecords(split_config)
+    ).with_outputs(*records.SPLITS)
+    eval_items = split_records[split.EVAL]
     eval_timesteps = (
-        encoded
-        | "EvalIds" >> beam.Filter(_is_eval, split_config)
-        | "EvalId" >> beam.Map(lambda item: item["source_id"])
-        | "CollectEvalIds" >> beam.combiners.ToList()
+        eval_items
+        | "EvalId" >> beam.Map(lambda item: (None, item["source_id"]))
+        # (not combiners.ToList: its default for an empty input costs a stage of its own;
+        # without eval items nothing reads the side input)
+        | "CollectEvalIds" >> beam.GroupByKey()
         | "AssignTimesteps"
-        >> beam.Map(
-            split.assign_timesteps,
-            split_config.timesteps_list,
-            split_config.split_seed,
-            first_eval_bucket,
+        >> beam.MapTuple(
+            lambda _, ids: split.assign_timesteps(
+                ids, split_config.timesteps_list, split_config.split_seed, first_eval_bucket
+            )
         )
     )
-    examples = encoded | "MakeRecord" >> beam.ParDo(
-        MakeRecord(split_config), beam.pvalue.AsSingleton(eval_timesteps)
-    ).with_outputs(*records.SPLITS)
+    eval_records = eval_items | "MakeEvalRecord" >> beam.ParDo(
+        MakeEvalRecord(split_config), beam.pvalue.AsSingleton(eval_timesteps, default_value={})
+    )
     return {
-        split.TRAIN: examples[split.TRAIN],
-        split.EVAL: examples[split.EVAL],
+        split.TRAIN: split_records[split.TRAIN],
+        split.EVAL: eval_records,
         DROPPED_TAG: prepared[DROPPED_TAG],
-        EMPTY_PROMPT_TAG: empty_prompt,
+        EMPTY_PROMPT_TAG: encoded[EMPTY_PROMPT_TAG],
     }
 
 
@@ -292,46 +307,110 @@ def _is_empty_prompt(item: dict) -> bool:
 
 
 class Encode(beam.PTransform):
-    """Items -> encoded items, in full batches of ``batch_size`` (a smaller batch costs as much:
-    it is padded), by :class:`EncodeBatches`; with ``large_model``, by Beam's ``RunInference``
-    (one model copy shared by a worker's processes)."""
+    """Items -> ``{"records": encoded items, "empty_prompt": the encoded empty caption}``.
 
-    def __init__(self, handler: EncoderHandler):
+    Items go in full batches of ``batch_size`` (a smaller batch costs as much: it is padded)
+    through :class:`EncodeBatches`; the empty caption (training swaps it in for a share of the
+    captions; see records.EMPTY_PROMPT_FILE) through the text encoders alone, in a branch of
+    its own, with the same encoders (one load per process). With ``large_model``, Beam's
+    ``RunInference`` (one model copy shared by a worker's processes) encodes both: the empty
+    caption joins the items with a blank video (made on a worker: a full-size video in the job
+    graph would bloat it), and only its text tensors are kept.
+    """
+
+    def __init__(self, handler: EncoderHandler, media_config: MediaConfig):
         super().__init__()
         self._handler = handler
+        self._media = media_config
 
     def expand(self, items):
+        empty = items.pipeline | "EmptyPrompt" >> beam.Create(
+            [records.EMPTY_PROMPT_ID], reshuffle=False
+        )
         if self._handler.share_model_across_processes():
             from apache_beam.ml.inference.base import RunInference
 
             from stages.convert.model_handler import EncoderModelHandler
 
-            return items | "RunInference" >> RunInference(EncoderModelHandler(self._handler))
-        return (
-            items
+            blank = empty | "BlankVideo" >> beam.Map(_empty_prompt_item, self._media)
+            both = (items, blank) | "WithEmptyPrompt" >> beam.Flatten()
+            encoded = both | "RunInference" >> RunInference(EncoderModelHandler(self._handler))
+            return {
+                RECORDS: encoded | "Records" >> beam.Filter(lambda i: not _is_empty_prompt(i)),
+                EMPTY_PROMPT_TAG: encoded | "EmptyPromptOnly" >> beam.Filter(_is_empty_prompt),
+            }
+        encoders = shared.Shared()  # both DoFns acquire the same encoders
+        return {
+            RECORDS: items
             | "Batch" >> beam.BatchElements(**self._handler.batch_elements_kwargs())
-            | "EncodeBatch" >> beam.ParDo(EncodeBatches(self._handler))
-        )
+            | "EncodeBatch" >> beam.ParDo(EncodeBatches(self._handler, encoders)),
+            EMPTY_PROMPT_TAG: empty
+            | "EncodeEmptyPrompt" >> beam.ParDo(EncodeEmptyPrompt(self._handler, encoders)),
+        }
 
 
 class EncodeBatches(beam.DoFn):
     """A batch of items -> its encoded items; the encoders load in ``setup``, once per worker
-    process (shared by the process's threads, as ``RunInference`` shares its model)."""
+    process (shared by the process's threads, as ``RunInference`` shares its model).
 
-    def __init__(self, handler: EncoderHandler):
+    The encoders run on a thread of this DoFn's own: ``process`` queues a batch and returns
+    the results of the batches more than ``ENCODE_AHEAD`` behind it, so this thread decodes
+    and prepares the next rows (and serializes the records fused after this DoFn) while XLA
+    computes, which releases the GIL; ``finish_bundle`` waits for the rest. Encoding one batch
+    at a time, the two cores sat half idle at the tiny model's size.
+    """
+
+    def __init__(self, handler: EncoderHandler, encoders: shared.Shared | None = None):
         self._handler = handler
-        self._shared = shared.Shared()
+        self._shared = encoders or shared.Shared()
         self._model = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: collections.deque = collections.deque()
         self._batches = Metrics.counter(NAMESPACE, ENCODE_BATCHES)
         self._padding = Metrics.counter(NAMESPACE, ENCODE_PADDING)
 
     def setup(self):
         self._model = self._shared.acquire(self._handler.load_model, tag="encoders")
 
+    def start_bundle(self):
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="difforge-encode")
+        self._pending = collections.deque()
+
     def process(self, batch: Sequence[dict]) -> Iterator[dict]:
-        self._batches.inc()
+        self._batches.inc()  # (Beam's counters count on the bundle's thread only)
         self._padding.inc(self._handler.batch_size - len(batch))
-        yield from self._handler.run_inference(batch, self._model)
+        self._pending.append(self._pool.submit(self._encode, batch))
+        while len(self._pending) > ENCODE_AHEAD:
+            yield from self._pending.popleft().result()
+
+    def finish_bundle(self):
+        while self._pending:
+            for item in self._pending.popleft().result():
+                yield GlobalWindows.windowed_value_at_end_of_window(item)
+
+    def teardown(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def _encode(self, batch: Sequence[dict]) -> list[dict]:
+        return list(self._handler.run_inference(batch, self._model))
+
+
+class EncodeEmptyPrompt(beam.DoFn):
+    """``EMPTY_PROMPT_ID`` -> the encoded empty caption (text tensors only)."""
+
+    def __init__(self, handler: EncoderHandler, encoders: shared.Shared):
+        self._handler = handler
+        self._shared = encoders
+        self._model = None
+
+    def setup(self):
+        self._model = self._shared.acquire(self._handler.load_model, tag="encoders")
+
+    def process(self, source_id: str) -> Iterator[dict]:
+        yield self._handler.encode_empty_prompt(self._model)
 
 
 class WriteShard(beam.DoFn):
@@ -379,12 +458,13 @@ def write_outputs(
             | f"Write{title}" >> beam.ParDo(WriteShard(output_dir, split_name, count))
         )
     _ = outputs[EMPTY_PROMPT_TAG] | "WriteEmptyPrompt" >> beam.Map(_write_empty_prompt, output_dir)
-    dropped_prefix = storage.join(output_dir, DROPPED_FILE.removesuffix(".jsonl"))
     _ = (
         outputs[DROPPED_TAG]
-        | "DroppedJson" >> beam.Map(lambda d: json.dumps(d, sort_keys=True))
-        | "WriteDropped"
-        >> beam.io.WriteToText(dropped_prefix, file_name_suffix=".jsonl", shard_name_template="")
+        | "DroppedJson" >> beam.Map(lambda d: (None, json.dumps(d, sort_keys=True)))
+        # one file, its lines sorted, written by one worker: dropped rows are few (the job
+        # fails past max_bad_fraction), and WriteToText's four stages cost more than the rows
+        | "GroupDropped" >> beam.GroupByKey()
+        | "WriteDropped" >> beam.Map(_write_dropped, output_dir)
     )
 
 
@@ -393,8 +473,18 @@ def _write_empty_prompt(item: dict, output_dir: str) -> None:
     storage.write_bytes(storage.join(output_dir, records.EMPTY_PROMPT_FILE), data)
 
 
+def _write_dropped(element, output_dir: str) -> None:
+    _, lines = element
+    text = "".join(f"{line}\n" for line in sorted(lines))
+    storage.write_text(storage.join(output_dir, DROPPED_FILE), text)
+
+
 def write_empty_shards(output_dir: str, plan: ShardPlan) -> None:
-    """Every planned shard exists after the job (dropped rows may leave one empty)."""
+    """Every planned shard exists after the job (dropped rows may leave one empty), and the
+    dropped-rows file (empty when no row was dropped)."""
+    dropped = storage.join(output_dir, DROPPED_FILE)
+    if not storage.exists(dropped):
+        storage.write_text(dropped, "")
     for split_name in records.SPLITS:
         count = plan.num_shards[split_name]
         for index in range(count):

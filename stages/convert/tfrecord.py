@@ -28,7 +28,7 @@ _DT_FLOAT = 1  # tensorflow/core/framework/types.proto
 _CRC_MASK_DELTA = 0xA282EAD8
 
 
-def _varint(value: int) -> bytes:
+def _encode_varint(value: int) -> bytes:
     if value < 0:
         value += 1 << 64  # int64: two's complement, ten bytes
     out = bytearray()
@@ -40,6 +40,14 @@ def _varint(value: int) -> bytes:
         else:
             out.append(low)
             return bytes(out)
+
+
+# A record needs ~100 varints (tags, lengths, dims), nearly all small: looked up, not built.
+_SMALL_VARINTS = tuple(_encode_varint(n) for n in range(1 << 14))
+
+
+def _varint(value: int) -> bytes:
+    return _SMALL_VARINTS[value] if 0 <= value < 1 << 14 else _encode_varint(value)
 
 
 def _tag(field: int, wire_type: int) -> bytes:

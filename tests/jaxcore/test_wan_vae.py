@@ -263,6 +263,30 @@ def test_unexpected_checkpoint_key_is_reported(tmp_path):
         wan_vae.load_wan_vae(tmp_path)
 
 
+def test_encoder_only_load_reads_the_encoder_alone_and_encodes_the_same(tiny, tmp_path):
+    model, module, params, directory = tiny
+    enc_module, enc_params = wan_vae.load_wan_vae(directory, encoder_only=True)
+    assert set(enc_params) == {"encoder", "quant_conv"} < set(params)
+    for name in enc_params:
+        jax.tree.map(np.testing.assert_array_equal, enc_params[name], params[name])
+    video = jnp.asarray(ref.video((1, 3, 5, 16, 24), seed=2))
+    full = wan_vae.encode(module, params, video)
+    alone = wan_vae.encode(enc_module, enc_params, video)
+    np.testing.assert_array_equal(alone.mean, full.mean)
+    # the decoder's keys are not read; a missing encoder key still is an error
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    del state["decoder.conv_out.weight"]
+    weights.save_safetensors(state, tmp_path / "diffusion_pytorch_model.safetensors")
+    (tmp_path / "config.json").write_text((directory / "config.json").read_text())
+    wan_vae.load_wan_vae(tmp_path, encoder_only=True)
+    with pytest.raises(weights.WeightsError, match="decoder.conv_out.weight"):
+        wan_vae.load_wan_vae(tmp_path)
+    del state["encoder.conv_out.weight"]
+    weights.save_safetensors(state, tmp_path / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(weights.WeightsError, match="encoder.conv_out.weight"):
+        wan_vae.load_wan_vae(tmp_path, encoder_only=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("frames", [13, 17])
 def test_larger_video_round_trip_matches_diffusers(tmp_path, frames):

@@ -123,6 +123,12 @@ def test_resize_center_crop_keeps_the_centre():
     assert out[0, :, 2:8, 1].min() > 200 and out[0, :, 2:8, [0, 2]].max() < 40
 
 
+def test_resize_center_crop_of_the_target_size_is_the_identity():
+    frames = np.random.default_rng(0).integers(0, 256, (2, 6, 5, 3), dtype=np.uint8)
+    np.testing.assert_array_equal(media.resize_center_crop(frames, 6, 5), frames)
+    assert media.resize_center_crop(frames, 5, 6).shape == (2, 5, 6, 3)  # not the same size
+
+
 def test_resize_center_crop_upscales_small_media():
     image = np.full((1, 4, 6, 3), 100, np.uint8)
     out = media.resize_center_crop(image, 8, 8)

@@ -25,13 +25,14 @@ SHAPES = [
     {"latents": (16,), "pooled": ()},  # a scalar: an empty shape
     {"latents": (0, 3), "x": (2, 0, 1)},  # empty tensors
     {"latents": (3, 2), "latents_mask": (2,), "text_ids": (7, 3)},  # prefix-sharing names
+    {"latents": (16, 1, 32, 32)},  # lengths past the table of small varints (2**14)
 ]
 
 
 @pytest.mark.parametrize("shapes", SHAPES)
 @pytest.mark.parametrize(
     "caption,sid,timestep",
-    [("a red circle", "cat/001.png", None), ("ünï ✓", "x", 875), ("c", "s", 0)],
+    [("a red circle", "cat/001.png", None), ("ünï ✓", "x", 875), ("c", "s", 0), ("c", "s", 2**40)],
 )
 def test_example_bytes_equal_make_example(shapes, caption, sid, timestep):
     rng = np.random.default_rng(0)
@@ -156,14 +157,94 @@ def test_encode_batches_pads_captions_and_counts_batches():
     assert handler.batch_elements_kwargs() == {"min_batch_size": 4, "max_batch_size": 4}
     dofn = EncodeBatches(handler)
     dofn._model = model = _Model()
+    dofn.start_bundle()
     batch = [
         {"source_id": f"s{i}", "caption": "ab" * (i + 1), "video": np.ones((3, 1, 2, 2))}
         for i in range(3)
     ]
-    out = list(dofn.process(batch))
+    out = list(dofn.process(batch)) + [wv.value for wv in dofn.finish_bundle()]
+    dofn.teardown()
     assert model.text_batches == [4]  # a full batch of captions: no new program per size
     assert [o["source_id"] for o in out] == ["s0", "s1", "s2"]
     assert [float(o["tensors"]["encoder_hidden_states"][0, 0]) for o in out] == [2, 4, 6]
+
+
+def test_encode_batches_encode_on_their_own_thread_a_few_batches_behind():
+    """process() queues a batch for the encoder thread and returns those more than
+    ENCODE_AHEAD behind; finish_bundle() the rest, in order, in the global window."""
+    import threading
+
+    from apache_beam.transforms.window import GlobalWindow
+
+    from jaxcore.compute import ComputeConfig
+    from stages.convert import pipeline
+    from stages.convert.config import EncoderConfig
+    from stages.convert.encode import EncoderHandler
+
+    threads = []
+
+    class Model(_Model):
+        def encode_media(self, videos):
+            threads.append(threading.get_ident())
+            return super().encode_media(videos)
+
+    handler = EncoderHandler(
+        EncoderConfig(pretrained_model_name_or_path="x", batch_size=2), ComputeConfig()
+    )
+    dofn = pipeline.EncodeBatches(handler)
+    dofn._model = Model()
+    batches = [
+        [{"source_id": f"b{b}i{i}", "caption": "c", "video": np.ones((3, 1, 2, 2))} for i in (0, 1)]
+        for b in range(pipeline.ENCODE_AHEAD + 3)
+    ]
+    for _ in range(2):  # two bundles on one DoFn instance
+        dofn.start_bundle()
+        returned = [[o["source_id"] for o in dofn.process(batch)] for batch in batches]
+        assert returned[: pipeline.ENCODE_AHEAD] == [[]] * pipeline.ENCODE_AHEAD
+        rest = list(dofn.finish_bundle())
+        assert all(wv.windows == (GlobalWindow(),) for wv in rest)
+        ids = [sid for r in returned for sid in r] + [wv.value["source_id"] for wv in rest]
+        assert ids == [item["source_id"] for batch in batches for item in batch]
+    dofn.teardown()
+    assert threads and threading.get_ident() not in threads
+
+
+def test_an_encoder_error_fails_the_bundle():
+    from jaxcore.compute import ComputeConfig
+    from stages.convert.config import EncoderConfig
+    from stages.convert.encode import EncoderHandler
+    from stages.convert.pipeline import EncodeBatches
+
+    class Broken(_Model):
+        def encode_media(self, videos):
+            raise RuntimeError("out of memory in the VAE")
+
+    handler = EncoderHandler(
+        EncoderConfig(pretrained_model_name_or_path="x", batch_size=2), ComputeConfig()
+    )
+    dofn = EncodeBatches(handler)
+    dofn._model = Broken()
+    dofn.start_bundle()
+    list(dofn.process([{"source_id": "a", "caption": "c", "video": np.ones((3, 1, 2, 2))}]))
+    with pytest.raises(RuntimeError, match="out of memory in the VAE"):
+        list(dofn.finish_bundle())
+    dofn.teardown()
+
+
+def test_the_empty_prompt_is_the_text_encoders_row_of_the_empty_caption():
+    from jaxcore.compute import ComputeConfig
+    from stages.convert.config import EncoderConfig
+    from stages.convert.encode import EncoderHandler
+
+    handler = EncoderHandler(
+        EncoderConfig(pretrained_model_name_or_path="x", batch_size=3), ComputeConfig()
+    )
+    model = _Model()
+    item = handler.encode_empty_prompt(model)
+    assert model.text_batches == [3]  # a full batch: the program the captions use
+    assert item["source_id"] == records.EMPTY_PROMPT_ID and item["caption"] == ""
+    assert set(item["tensors"]) == {"encoder_hidden_states"}  # no latents
+    assert float(item["tensors"]["encoder_hidden_states"][0, 0]) == 0.0
 
 
 def test_large_model_encodes_through_run_inference():
@@ -188,9 +269,9 @@ import sys
 import numpy as np
 from stages.convert import run, pipeline
 from stages.convert.config import SplitConfig
-dofn = pipeline.MakeRecord(SplitConfig(eval_fraction=0.0))
+dofn = pipeline.SplitRecords(SplitConfig(eval_fraction=0.0))
 tensors = {{"latents": np.ones((4, 1, 2, 2), np.float32)}}
-(out,) = dofn.process({{"source_id": "a", "caption": "c", "tensors": tensors}}, {{}})
+(out,) = dofn.process({{"source_id": "a", "caption": "c", "tensors": tensors}})
 writer = pipeline.WriteShard({str(tmp_path)!r}, "train", 1)
 list(writer.process((0, [(("k",), out.value[1])])))
 bad = [m for m in ("tensorflow", "apache_beam.ml") if m in sys.modules]

@@ -170,28 +170,36 @@ def test_prepare_item_dofn_emits_items_and_drop_reasons():
     ]
 
 
-def test_make_record_dofn_routes_by_split_and_adds_timesteps():
+def test_record_dofns_route_by_split_and_add_eval_timesteps():
+    """SplitRecords serializes train items at once and passes eval items on; MakeEvalRecord
+    gives each its timestep."""
     import tensorflow as tf
 
-    from stages.convert.pipeline import MakeRecord
+    from stages.convert.pipeline import MakeEvalRecord, SplitRecords
 
     cfg = SplitConfig(eval_fraction=0.5, split_seed=0, timesteps_list=(100, 200))
     ids = [f"id{i}" for i in range(8)]
     eval_ids = [i for i in ids if split.assign_split(i, 0.5, 0) == "eval"]
     assert 0 < len(eval_ids) < len(ids)
     timesteps = split.assign_timesteps(eval_ids, cfg.timesteps_list)
-    dofn = MakeRecord(cfg)
+    assert set(timesteps.values()) == {100, 200}
+    splitter, eval_maker = SplitRecords(cfg), MakeEvalRecord(cfg)
     for sid in ids:
         tensors = {
             "latents": np.ones((4, 1, 2, 2), np.float32),
             "encoder_hidden_states": np.zeros((3, 5), np.float32),
         }
         item = {"source_id": sid, "caption": "c", "tensors": tensors}
-        (out,) = dofn.process(item, timesteps)
+        (out,) = splitter.process(item)
         assert out.tag == split.assign_split(sid, 0.5, 0)
-        shapes = {name: value.shape for name, value in tensors.items()}
-        key, serialized = out.value
+        if out.tag == "eval":
+            assert out.value is item
+            (pair,) = eval_maker.process(item, timesteps)
+        else:
+            pair = out.value
+        key, serialized = pair
         assert key == sid
+        shapes = {name: value.shape for name, value in tensors.items()}
         parsed = records.parse_example(
             tf.constant(serialized), shapes, with_timesteps=out.tag == "eval"
         )
