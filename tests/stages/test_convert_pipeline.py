@@ -211,7 +211,10 @@ def test_record_dofns_route_by_split_and_add_eval_timesteps():
 # ---------------------------------------------------------------------------- tier 3: graph
 
 
-def test_graph_on_test_pipeline(shapes_dir, encoder_config):
+@pytest.mark.parametrize("large_model", [False, True], ids=["encode_batches", "run_inference"])
+def test_graph_on_test_pipeline(shapes_dir, encoder_config, direct, large_model):
+    """Both encoding paths: the records of each split, the dropped rows, and the empty
+    caption's text tensors (the direct encoder's, no latents)."""
     from apache_beam.options.pipeline_options import PipelineOptions
     from apache_beam.testing.test_pipeline import TestPipeline
     from apache_beam.testing.util import assert_that, equal_to
@@ -252,8 +255,22 @@ def test_graph_on_test_pipeline(shapes_dir, encoder_config):
             dataset_config=dataset_config,
             media_config=MediaConfig(height=HEIGHT, width=WIDTH),
             split_config=split_cfg,
-            handler=EncoderHandler(encoder_config, ComputeConfig()),
+            handler=EncoderHandler(
+                dataclasses.replace(encoder_config, large_model=large_model), ComputeConfig()
+            ),
         )
+        _, embeddings = direct
+        expected_empty = embeddings("")
+
+        def check_empty(items):
+            (item,) = items
+            assert item["source_id"] == records.EMPTY_PROMPT_ID and item["caption"] == ""
+            assert set(item["tensors"]) == {"encoder_hidden_states"}
+            np.testing.assert_allclose(
+                item["tensors"]["encoder_hidden_states"], expected_empty, atol=1e-6
+            )
+
+        assert_that(outputs["empty_prompt"], check_empty, label="CheckEmptyPrompt")
         for name in ("train", "eval"):
             assert_that(
                 outputs[name] | f"Ids{name}" >> __import__("apache_beam").Map(ids_of),
