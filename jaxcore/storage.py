@@ -81,7 +81,8 @@ def read_bytes(uri: str) -> bytes:
     try:
         if is_gcs(uri):
             return _blob(uri).download_as_bytes()
-        return Path(uri).read_bytes()
+        with open(uri, "rb") as file:  # (not pathlib: convert reads every media file here)
+            return file.read()
     except FileNotFoundError:
         raise StorageError(f"{uri} does not exist") from None
     except Exception as err:
