@@ -126,7 +126,9 @@ def _load_text_encoders(directory: Path, compute: ComputeConfig, mesh=None) -> d
     }
 
 
-def _load_vae(directory: Path, compute: ComputeConfig, mesh=None, rules=None):
+def _load_vae(
+    directory: Path, compute: ComputeConfig, mesh=None, rules=None, encoder_only: bool = False
+):
     try:
         return autoencoder_kl.load_autoencoder_kl(
             directory / "vae",
@@ -135,6 +137,7 @@ def _load_vae(directory: Path, compute: ComputeConfig, mesh=None, rules=None):
             attention=compute.attention,
             mesh=mesh,
             rules=rules,
+            encoder_only=encoder_only,
         )
     except autoencoder_kl.AutoencoderKLConfigError as err:
         raise FamilyError(f"{directory / 'vae'}: {err}") from None
@@ -154,7 +157,7 @@ class FluxEncoders(Encoders):
         self.batch_size = batch_size
         self.max_sequence_length = max_sequence_length
         started = time.perf_counter()
-        self.vae, self.vae_params = _load_vae(directory, compute)
+        self.vae, self.vae_params = _load_vae(directory, compute, encoder_only=True)
         self.text = _load_text_encoders(directory, compute)
         log.info("loaded Flux encoders from %s in %.1fs", directory, time.perf_counter() - started)
 

@@ -185,9 +185,17 @@ def _load_text_encoders(directory: Path, compute: ComputeConfig, xl: bool) -> di
     return out
 
 
-def _load_vae(directory: Path, config: autoencoder_kl.AutoencoderKLConfig, compute, mesh, rules):
+def _load_vae(
+    directory: Path,
+    config: autoencoder_kl.AutoencoderKLConfig,
+    compute,
+    mesh,
+    rules,
+    encoder_only: bool = False,
+):
     """The VAE, in float32 when its config says ``force_upcast`` (diffusers' flag for VAEs that
-    overflow in half precision), else in the compute dtypes."""
+    overflow in half precision), else in the compute dtypes; ``encoder_only``: see
+    :func:`~jaxcore.models.autoencoder_kl.load_autoencoder_kl`."""
     dtype = jnp.float32 if config.force_upcast else compute.dtype
     param_dtype = jnp.float32 if config.force_upcast else compute.param_dtype
     try:
@@ -198,6 +206,7 @@ def _load_vae(directory: Path, config: autoencoder_kl.AutoencoderKLConfig, compu
             attention=compute.attention,
             mesh=mesh,
             rules=rules,
+            encoder_only=encoder_only,
         )
     except autoencoder_kl.AutoencoderKLConfigError as err:
         raise FamilyError(f"{directory / 'vae'}: {err}") from None
@@ -282,7 +291,9 @@ class SDEncoders(Encoders):
         self.batch_size = batch_size
         self.xl = is_xl(configs)
         self.vae_config = configs["vae"]
-        self.vae, self.vae_params = _load_vae(directory, self.vae_config, compute, None, None)
+        self.vae, self.vae_params = _load_vae(
+            directory, self.vae_config, compute, None, None, encoder_only=True
+        )
         self.text = _load_text_encoders(directory, compute, self.xl)
         self.variant = SDVariant(xl=self.xl)
 

@@ -711,17 +711,23 @@ def denormalize_latents(z: jax.Array, config: AutoencoderKLConfig) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 
 
-def abstract_params(module: AutoencoderKL) -> dict:
+# diffusers AutoencoderKL keys only decoding reads
+DECODER_PREFIXES = ("decoder.", "post_quant_conv.")
+
+
+def abstract_params(module: AutoencoderKL, *, encoder_only: bool = False) -> dict:
     """The ``params`` collection as boxed ShapeDtypeStructs (nn.Partitioned kept), no allocation.
 
-    Traces one image of one latent pixel (``s x s``), which creates every layer.
+    Traces one image of one latent pixel (``s x s``), which creates every layer (with
+    ``encoder_only``, through ``encode``: the encoder's and quant_conv's alone).
     """
     s = module.config.spatial_compression
     shape = (1, module.config.in_channels, s, s)
     shapes_only = module.clone(mesh=None)  # parameters do not depend on the mesh
+    method = "encode" if encoder_only else None
 
     def init(rng):
-        return shapes_only.init(rng, jnp.zeros(shape, jnp.float32))
+        return shapes_only.init(rng, jnp.zeros(shape, jnp.float32), method=method)
 
     return weights.shapes_of_init(init)["params"]
 
@@ -768,11 +774,14 @@ def load_autoencoder_kl(
     attention: str = "dot_product",
     mesh: jax.sharding.Mesh | None = None,
     rules=None,
+    encoder_only: bool = False,
 ) -> tuple[AutoencoderKL, dict]:
     """Load a diffusers ``AutoencoderKL`` directory (config.json + safetensors).
 
     Returns ``(module, params)``: activations in ``dtype``, parameters cast to ``param_dtype``
     and, with a mesh, placed by the logical ``rules`` (replicated under the default rules).
+    ``encoder_only``: read the encoder's parameters alone (convert); the decoder's keys are
+    left unread and the module cannot decode.
     Raises WeightsError naming missing/unexpected keys or the parameter path and diffusers key
     whose shapes disagree (pickle-only directories are refused), and AutoencoderKLConfigError
     naming a config key it cannot represent.
@@ -781,9 +790,15 @@ def load_autoencoder_kl(
     module = AutoencoderKL(
         config, dtype=dtype, param_dtype=param_dtype, attention=attention, mesh=mesh
     )
-    boxed = abstract_params(module)
+    boxed = abstract_params(module, encoder_only=encoder_only)
     params = weights.load_placed(
-        directory, _weight_map_for(boxed), boxed, mesh=mesh, rules=rules, dtype=param_dtype
+        directory,
+        _weight_map_for(boxed),
+        boxed,
+        mesh=mesh,
+        rules=rules,
+        dtype=param_dtype,
+        ignore_unused=DECODER_PREFIXES if encoder_only else (),
     )
     return module, params
 

@@ -455,6 +455,31 @@ def test_config_checkpoint_disagreement_names_the_key(vaes, tmp_path):
         akl.load_autoencoder_kl(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["sd", "flux"])  # with and without the quant convs
+def test_encoder_only_load_reads_the_encoder_alone_and_encodes_the_same(vaes, name, tmp_path):
+    ref = vaes(name)
+    module, params = akl.load_autoencoder_kl(ref.directory, encoder_only=True)
+    expected = {"encoder", "quant_conv"} if name == "sd" else {"encoder"}
+    assert set(params) == expected and set(ref.params) > expected
+    for part in params:
+        jax.tree.map(np.testing.assert_array_equal, params[part], ref.params[part])
+    images = jnp.asarray(_images(IMAGE_SHAPES[name], seed=4))
+    got = akl.encode(module, params, images)
+    np.testing.assert_array_equal(got.mean, akl.encode(ref.module, ref.params, images).mean)
+    # decoder keys are not read (a broken one loads); an encoder key is still checked
+    state = weights.SafetensorsReader(ref.directory).as_dict()
+    state["decoder.conv_out.weight"] = np.zeros((1, 1, 1, 1), np.float32)
+    weights.save_safetensors(state, tmp_path / "diffusion_pytorch_model.safetensors")
+    _copy_config(ref.directory, tmp_path)
+    akl.load_autoencoder_kl(tmp_path, encoder_only=True)
+    with pytest.raises(weights.WeightsError, match=r"decoder\.conv_out\.weight"):
+        akl.load_autoencoder_kl(tmp_path)
+    del state["encoder.conv_in.weight"]
+    weights.save_safetensors(state, tmp_path / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(weights.WeightsError, match=r"encoder\.conv_in\.weight"):
+        akl.load_autoencoder_kl(tmp_path, encoder_only=True)
+
+
 def test_pickle_only_directory_is_refused(vaes, tmp_path):
     ref = vaes("sd")
     ref.model.save_pretrained(tmp_path, safe_serialization=False)

@@ -62,7 +62,10 @@ def _array(root: Path, name: str) -> np.ndarray:
     return np.load(io.BytesIO(storage.read_bytes(str(root / "outputs" / f"{name}.npy"))))
 
 
-@pytest.mark.parametrize("scheduler", [None, "euler_ancestral"])
+# the ancestral sampler's stage run (14 s) is slow-tier; tests/jaxcore checks its steps
+@pytest.mark.parametrize(
+    "scheduler", [None, pytest.param("euler_ancestral", marks=pytest.mark.slow)]
+)
 def test_sdxl_prompt_file_renders_as_the_library_does(sdxl_dir, tmp_path, scheduler):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(line) + "\n" for line in LINES))

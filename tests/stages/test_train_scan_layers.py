@@ -144,6 +144,7 @@ def _operations(program: str) -> int:
     return sum(1 for line in program.splitlines() if re.match(r"\s*%\S+ = ", line))
 
 
+@pytest.mark.slow  # 22 s (four lowerings); the compile_layers bench measures the same growth
 def test_scanned_train_step_is_the_same_program_at_any_depth(tmp_path):
     """With scan_layers the whole step (forward, backward, clipping, AdamW) has as many
     operations at 6 blocks as at 2; unrolled it grows with every block (the control)."""
