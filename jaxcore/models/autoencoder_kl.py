@@ -66,7 +66,7 @@ from jaxcore.attention import attention as attention_fn
 from jaxcore.config import config_json_kwargs
 from jaxcore.kernels import cpu_gemm
 from jaxcore.models.layers import gelu_erf, silu
-from jaxcore.models.wan_vae import LOGVAR_RANGE, DiagonalGaussian
+from jaxcore.models.wan_vae import DECODER_PREFIXES, LOGVAR_RANGE, DiagonalGaussian
 
 Dtype = Any
 
@@ -709,10 +709,6 @@ def denormalize_latents(z: jax.Array, config: AutoencoderKLConfig) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 # Weights
 # ----------------------------------------------------------------------------------------------
-
-
-# diffusers AutoencoderKL keys only decoding reads
-DECODER_PREFIXES = ("decoder.", "post_quant_conv.")
 
 
 def abstract_params(module: AutoencoderKL, *, encoder_only: bool = False) -> dict:

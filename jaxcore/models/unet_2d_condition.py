@@ -594,11 +594,6 @@ def _constrain_image(x_bhwc: jax.Array) -> jax.Array:
     return sharding.constrain(x_bhwc, _IMAGE)
 
 
-def _dense_no_bias(features: int, axes, name: str, dtype: Dtype, param_dtype: Dtype):
-    """torch ``Linear(bias=False)`` with a logically named kernel (the attention q/k/v)."""
-    return Dense(features, axes, dtype=dtype, param_dtype=param_dtype, use_bias=False, name=name)
-
-
 def _conv1x1(features: int, name: str, kw: dict) -> Conv2d:
     return Conv2d(features, (1, 1), padding=((0, 0), (0, 0)), name=name, **kw)
 
@@ -714,7 +709,10 @@ class Attention(nn.Module):
 
     def _project(self, name: str, x, axes):
         inner = self.heads * self.head_dim
-        y = _dense_no_bias(inner, ("embed", "heads"), name, self.dtype, self.param_dtype)(x)
+        # torch Linear(bias=False)
+        y = Dense(
+            inner, ("embed", "heads"), self.dtype, self.param_dtype, use_bias=False, name=name
+        )(x)
         return sharding.constrain(y.reshape(*y.shape[:2], self.heads, self.head_dim), axes)
 
     @nn.compact

@@ -1114,7 +1114,7 @@ def _create_encoder_parameters(module: WanVAE, video_chunk: jax.Array, latent_fr
     return module.encode_chunk(video_chunk, False)
 
 
-# diffusers AutoencoderKLWan keys only decoding reads
+# the keys only decoding reads, in diffusers' AutoencoderKLWan and AutoencoderKL alike
 DECODER_PREFIXES = ("decoder.", "post_quant_conv.")
 
 
