@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import html
 import os
+import threading
 from pathlib import Path
 
 import jax
@@ -54,6 +55,20 @@ def prompt_clean(text: str) -> str:
     return regex.sub(r"\s+", " ", text).strip()
 
 
+# A transformers fast tokenizer keeps its truncation / padding settings on the shared backend
+# object and sets them on every call (transformers#47085): two threads tokenizing at different
+# lengths at once got each other's (255 of 2,400 calls padded to the wrong length, 8 threads),
+# and other versions raise "Already borrowed". Convert's encoder threads, a multi-threaded
+# DirectRunner and generate's text encoding share tokenizers, so every call takes this lock.
+_TOKENIZER_LOCK = threading.Lock()
+
+
+def call_tokenizer(tokenizer, texts: list[str], **kwargs):
+    """``tokenizer(texts, **kwargs)``, one call at a time in this process (see above)."""
+    with _TOKENIZER_LOCK:
+        return tokenizer(texts, **kwargs)
+
+
 def tokenize_prompts(
     tokenizer, prompts: list[str], max_sequence_length: int = 512
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -62,7 +77,8 @@ def tokenize_prompts(
         raise TypeError("prompts must be a list of strings")
     if max_sequence_length < 1:
         raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
-    encoded = tokenizer(
+    encoded = call_tokenizer(
+        tokenizer,
         [prompt_clean(p) for p in prompts],
         padding="max_length",
         max_length=max_sequence_length,

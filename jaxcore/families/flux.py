@@ -41,6 +41,7 @@ from jaxcore.families.base import (
     read_scheduler_config,
 )
 from jaxcore.models import autoencoder_kl, clip_text, flux_transformer, t5
+from jaxcore.text import call_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ def load_tokenizer(directory: Path):
 
 def _token_ids(tokenizer, prompts: Sequence[str], max_length: int) -> np.ndarray:
     """FluxPipeline's tokenization: pad to ``max_length``, truncate, int32 ids [B, max_length]."""
-    encoded = tokenizer(
+    encoded = call_tokenizer(
+        tokenizer,
         list(prompts),
         padding="max_length",
         max_length=max_length,

@@ -65,6 +65,7 @@ from jaxcore.families.base import (
 from jaxcore.families.flux import load_tokenizer
 from jaxcore.models import autoencoder_kl, clip_text
 from jaxcore.models import unet_2d_condition as unet
+from jaxcore.text import call_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,13 @@ def _token_ids(tokenizer, prompts: Sequence[str], max_position_embeddings: int) 
             f"tokenizer model_max_length {length} exceeds the text encoder's "
             f"max_position_embeddings {max_position_embeddings}"
         )
-    encoded = tokenizer(
-        list(prompts), padding="max_length", max_length=length, truncation=True, return_tensors="np"
+    encoded = call_tokenizer(
+        tokenizer,
+        list(prompts),
+        padding="max_length",
+        max_length=length,
+        truncation=True,
+        return_tensors="np",
     )
     return np.asarray(encoded["input_ids"], np.int32)
 

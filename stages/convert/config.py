@@ -98,6 +98,10 @@ class EncoderConfig:
     max_sequence_length: int = 512
     batch_size: int = 4  # every encoder call is padded to this, so nothing recompiles
     large_model: bool = False  # share one model copy across the worker's processes
+    # encoder calls in flight per worker process; null: 2 on CPU (one call of a small encoder
+    # keeps only ~1.6 of two cores busy), 1 on an accelerator (a second call would hold a
+    # second batch's activations)
+    encode_threads: int | None = None
 
     def __post_init__(self):
         if not self.pretrained_model_name_or_path:
@@ -106,6 +110,8 @@ class EncoderConfig:
             raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.encode_threads is not None and self.encode_threads < 1:
+            raise ValueError(f"encode_threads must be >= 1 or null, got {self.encode_threads}")
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,15 @@ class EncoderHandler:
     def load_model(self) -> Encoders:
         return load_encoders(self._config, self._compute)
 
+    def encode_threads(self) -> int:
+        """Encoder calls in flight at once in a worker process (``encoder.encode_threads``);
+        by default 2 where JAX computes on the CPU, else 1. Ask after the model loaded."""
+        if self._config.encode_threads is not None:
+            return self._config.encode_threads
+        import jax
+
+        return 2 if jax.default_backend() == "cpu" else 1
+
     def run_inference(
         self, batch: Sequence[dict], model: Encoders, inference_args: dict | None = None
     ) -> Iterable[dict]:

@@ -31,6 +31,7 @@ from stages.convert.pipeline import (
     needs_spreading,
     pipeline_options,
     plan_shards,
+    prompt_state_sampler,
     read_counters,
     records_counter,
     staged_files,
@@ -267,7 +268,7 @@ def _run_pipeline(
     write_outputs(outputs, output_dir, plan, config.split.split_seed)
     # SIGTERM stops the job at once: its work folders are never a finished artifact
     result = None
-    with Preemption("convert", immediate=True) as preemption:
+    with Preemption("convert", immediate=True) as preemption, prompt_state_sampler(config.beam):
         try:
             result = pipeline.run()  # the DirectRunner runs the job here
             result.wait_until_finish()  # a remote runner's job runs here

@@ -213,3 +213,28 @@ def test_prompts_must_be_a_list(tokenizer_dir):
     tokenizer = text.load_tokenizer(tokenizer_dir)
     with pytest.raises(TypeError, match="list of strings"):
         text.tokenize_prompts(tokenizer, "a red circle", MAX_LEN)
+
+
+def test_threads_sharing_a_tokenizer_get_their_own_lengths(tokenizer_dir):
+    """A fast tokenizer keeps truncation / padding on its shared backend; without the lock in
+    call_tokenizer, threads tokenizing at different lengths got each other's (about one call
+    in ten padded to another thread's length here)."""
+    import threading
+
+    tokenizer = text.load_tokenizer(tokenizer_dir)
+    jobs = [([f"a red circle number {i} " * (50 + i % 5)] * 16, 8 + i % 24) for i in range(200)]
+    expected = [text.tokenize_prompts(tokenizer, prompts, length) for prompts, length in jobs]
+    got = [None] * len(jobs)
+
+    def work(first: int):
+        for i in range(first, len(jobs), 8):
+            got[i] = text.tokenize_prompts(tokenizer, *jobs[i])
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for (ids, mask), (want_ids, want_mask) in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_array_equal(mask, want_mask)

@@ -6,6 +6,7 @@ process, full encode batches, and a default job that never imports TensorFlow or
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +99,40 @@ def test_quick_split_inference_gives_the_same_dataset(tmp_path, monkeypatch):
     assert datasets.load.get_data_patterns.__module__ == "datasets.data_files"  # restored
 
 
+def test_quick_origin_metadata_answers_what_datasets_does(tmp_path):
+    """One os.stat a file gives datasets' own tuples (fsspec's mtime, a symlink followed to its
+    target); a list holding anything but plain absolute paths goes to datasets' function."""
+    import os
+
+    from datasets import data_files as df
+
+    original = df._get_origin_metadata
+    target = tmp_path / "target.png"
+    target.write_bytes(b"x")
+    os.utime(target, (1_700_000_000.25, 1_700_000_000.25))
+    (tmp_path / "plain.png").write_bytes(b"y")
+    (tmp_path / "link.png").symlink_to(target)
+    local = [str(tmp_path / name) for name in ("plain.png", "link.png", "target.png")]
+    mixed = [*local[:1], f"file://{target}"]
+    expected = {tuple(paths): original(paths) for paths in (local, mixed)}
+    assert expected[tuple(local)][1] == expected[tuple(local)][2]  # the link's is its target's
+    with source._quick_origin_metadata():
+        assert df._get_origin_metadata is not original
+        for paths in (local, mixed):
+            assert df._get_origin_metadata(paths) == expected[tuple(paths)]
+    assert df._get_origin_metadata is original
+
+
+def test_quick_paths_give_the_same_dataset_as_datasets_own(tmp_path, monkeypatch):
+    folder = synthetic.make_shapes_dataset(tmp_path / "shapes", num_items=5, height=8, width=8)
+    config = DatasetConfig(source=str(folder))
+    quick = source.load_source(config)
+    monkeypatch.setattr(source, "_only_catch_all", lambda root: False)
+    monkeypatch.setattr(source, "_quick_origin_metadata", contextlib.nullcontext)
+    slow = source.load_source(config)
+    assert quick._fingerprint == slow._fingerprint and quick[:] == slow[:]
+
+
 @pytest.mark.parametrize(
     "relative", ["train/a.png", "img_val.png", "Test/x.png", "data/train-00000-of-00001.png"]
 )
@@ -169,9 +204,11 @@ def test_encode_batches_pads_captions_and_counts_batches():
     assert [float(o["tensors"]["encoder_hidden_states"][0, 0]) for o in out] == [2, 4, 6]
 
 
-def test_encode_batches_encode_on_their_own_thread_a_few_batches_behind():
-    """process() queues a batch for the encoder thread and returns those more than
-    ENCODE_AHEAD behind; finish_bundle() the rest, in order, in the global window."""
+@pytest.mark.parametrize("encode_threads", [None, 1, 3])
+def test_encode_batches_encode_on_their_own_thread_a_few_batches_behind(encode_threads):
+    """process() queues a batch for the encoder threads and returns those more than
+    ENCODE_AHEAD (or the thread count) behind; finish_bundle() the rest, in order, in the
+    global window. By default two threads on the CPU."""
     import threading
 
     from apache_beam.transforms.window import GlobalWindow
@@ -188,25 +225,37 @@ def test_encode_batches_encode_on_their_own_thread_a_few_batches_behind():
             threads.append(threading.get_ident())
             return super().encode_media(videos)
 
-    handler = EncoderHandler(
-        EncoderConfig(pretrained_model_name_or_path="x", batch_size=2), ComputeConfig()
+    config = EncoderConfig(
+        pretrained_model_name_or_path="x", batch_size=2, encode_threads=encode_threads
     )
+    handler = EncoderHandler(config, ComputeConfig())
+    threads_wanted = encode_threads or 2  # jax computes on the CPU here
+    assert handler.encode_threads() == threads_wanted
+    ahead = max(pipeline.ENCODE_AHEAD, threads_wanted)
     dofn = pipeline.EncodeBatches(handler)
     dofn._model = Model()
     batches = [
         [{"source_id": f"b{b}i{i}", "caption": "c", "video": np.ones((3, 1, 2, 2))} for i in (0, 1)]
-        for b in range(pipeline.ENCODE_AHEAD + 3)
+        for b in range(ahead + 5)
     ]
     for _ in range(2):  # two bundles on one DoFn instance
         dofn.start_bundle()
         returned = [[o["source_id"] for o in dofn.process(batch)] for batch in batches]
-        assert returned[: pipeline.ENCODE_AHEAD] == [[]] * pipeline.ENCODE_AHEAD
+        assert returned[:ahead] == [[]] * ahead and all(returned[ahead:])
         rest = list(dofn.finish_bundle())
         assert all(wv.windows == (GlobalWindow(),) for wv in rest)
         ids = [sid for r in returned for sid in r] + [wv.value["source_id"] for wv in rest]
         assert ids == [item["source_id"] for batch in batches for item in batch]
     dofn.teardown()
     assert threads and threading.get_ident() not in threads
+    assert len(set(threads)) <= threads_wanted
+
+
+def test_encode_threads_must_be_positive():
+    from stages.convert.config import EncoderConfig
+
+    with pytest.raises(ValueError, match="encode_threads must be >= 1"):
+        EncoderConfig(pretrained_model_name_or_path="x", encode_threads=0)
 
 
 def test_an_encoder_error_fails_the_bundle():
@@ -280,3 +329,32 @@ assert not bad, bad
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / records.shard_name("train", 0, 1)).stat().st_size > 0
+
+
+def _sampling_period(_):
+    from apache_beam.runners.worker import statesampler
+
+    return statesampler.get_current_tracker().sampling_period_ms
+
+
+@pytest.mark.parametrize("runner", ["DirectRunner", "PortableRunner"])
+def test_a_direct_runner_job_samples_state_promptly_and_restores_beams_sampler(runner):
+    """Bundles of a job run under prompt_state_sampler end within STATE_SAMPLING_PERIOD_MS of
+    their work (Beam's own sampler waits up to 200 ms); other runners keep Beam's."""
+    import apache_beam as beam
+    from apache_beam.runners.worker import statesampler
+    from apache_beam.testing.util import assert_that, equal_to
+
+    from stages.convert import pipeline
+    from stages.convert.config import BeamConfig
+
+    local = BeamConfig()
+    options = pipeline.pipeline_options(local, job_name="sampler-test")
+    expected = pipeline.STATE_SAMPLING_PERIOD_MS if runner == "DirectRunner" else 200
+    original = statesampler.StateSampler
+    with pipeline.prompt_state_sampler(BeamConfig(runner=runner)):
+        job = beam.Pipeline(runner=pipeline.local_runner(local, options), options=options)
+        periods = job | beam.Create([1, 2]) | beam.Map(_sampling_period)
+        assert_that(periods, equal_to([expected, expected]))
+        job.run().wait_until_finish()
+    assert statesampler.StateSampler is original

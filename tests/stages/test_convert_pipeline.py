@@ -486,10 +486,13 @@ def test_two_runs_write_byte_identical_shards(tmp_path, shapes_dir, encoder_dir)
     """Shards are contiguous runs of a hash order of the ids, records serialised
     deterministically: the same source and config give the same bytes, whatever order the
     runner processed them in (so two trainings on two conversions are the same training):
-    here one worker thread (rows not reshuffled) vs the DirectRunner's multi-process mode
-    (2 worker processes, rows reshuffled)."""
+    here one worker thread with one encoder thread (rows not reshuffled) vs the DirectRunner's
+    multi-process mode (2 worker processes, rows reshuffled, each with 2 encoder threads)."""
     outs = [tmp_path / "a", tmp_path / "b"]
-    modes = [{}, {"direct_num_workers": 2, "direct_running_mode": "multi_processing"}]
+    modes = [
+        {"encode_threads": 1},
+        {"direct_num_workers": 2, "direct_running_mode": "multi_processing"},
+    ]
     for out, mode in zip(outs, modes, strict=True):
         args = _overrides(shapes_dir, encoder_dir, str(out), **mode)
         assert main(["convert", CONFIG, *args]) == 0
