@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export NO_GCE_CHECK ?= true
 
-.PHONY: install demo test test-slow test-all lint format bench clean xpk-venv tpu-libs
+.PHONY: install demo test test-slow test-all lint format bench clean xpk-venv tpu-libs maxdiffusion-venv
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,3 +52,16 @@ tpu-libs: $(STAMP)
 # xpk pins its own dependencies, so it lives in its own venv (used by `difforge deploy target=xpk`).
 xpk-venv:
 	test -x .venv-xpk/bin/xpk || ($(PYTHON) -m venv .venv-xpk && .venv-xpk/bin/pip install -q xpk==1.16.0)
+
+# MaxDiffusion, the JAX peer bench/vs_maxdiffusion.py times: not on PyPI and Python >= 3.12, so a
+# venv of its own; MAXDIFFUSION_SRC is the src folder of a maxdiffusion checkout. These are the
+# packages its Wan transformer's imports need (jax pinned to ours: one compiler on both sides).
+PYTHON312 ?= python3.12
+maxdiffusion-venv: $(STAMP)
+	test -n "$(MAXDIFFUSION_SRC)" || (echo "set MAXDIFFUSION_SRC=<maxdiffusion checkout>/src" >&2; exit 2)
+	test -x .venv-maxdiffusion/bin/python || $(PYTHON312) -m venv .venv-maxdiffusion
+	.venv-maxdiffusion/bin/pip install -q "jax[cpu]==$$($(PY) -c 'import jax; print(jax.__version__)')" \
+		flax packaging huggingface_hub pillow requests einops tensorboardX google-cloud-storage \
+		aqtp chex torch
+	@echo "then: DIFFORGE_MAXDIFFUSION_PYTHON=$(CURDIR)/.venv-maxdiffusion/bin/python" \
+		"DIFFORGE_MAXDIFFUSION_SRC=$(MAXDIFFUSION_SRC) make bench"

@@ -100,6 +100,27 @@ def _train_rows(results: list[dict]) -> list[str]:
     return rows
 
 
+def _maxdiffusion_rows(results: list[dict]) -> list[str]:
+    """difforge against MaxDiffusion's Wan transformer (bench/vs_maxdiffusion.py), where it ran."""
+    rows = []
+    for bench, label, goal in (
+        ("maxdiffusion_forward", "Wan DiT forward vs MaxDiffusion", 1.3),
+        ("maxdiffusion_train", "training step vs MaxDiffusion's forward + backward", 1.2),
+    ):
+        for case in ("S", "M"):
+            ours = _find(results, bench, case, "difforge")
+            theirs = _find(results, bench, case, "maxdiffusion")
+            if ours is None or theirs is None:
+                continue
+            what = "fwd + bwd + AdamW" if bench == "maxdiffusion_train" else "flash"
+            theirs_what = "fwd + bwd" if bench == "maxdiffusion_train" else "`dot_product`"
+            rows.append(
+                f"| {label}, {case} | {_time(ours)} ({what}) | MaxDiffusion (JAX) "
+                f"{_time(theirs)} ({theirs_what}) | {_verdict(_ratio(ours, theirs), goal)} |"
+            )
+    return rows
+
+
 def _vae_rows(results: list[dict]) -> list[str]:
     rows = []
     for case in ("wan-5x64x64", "wan-9x128x128"):
@@ -196,6 +217,7 @@ def table(run: dict) -> str:
     lines += _forward_rows(results, "flux_forward", "Flux DiT forward")
     lines += _forward_rows(results, "unet_forward", "SD UNet forward", ("SD2-half", "SDXL-half"))
     lines += _train_rows(results)
+    lines += _maxdiffusion_rows(results)
     lines += _vae_rows(results)
     lines += _other_rows(results)
     return "\n".join(lines)

@@ -49,6 +49,7 @@ BENCHMARKS = {
     "compile_layers": "bench.compile_layers",
     "memory": "bench.memory",
     "tpu_compile": "bench.tpu_compile",
+    "maxdiffusion": "bench.vs_maxdiffusion",
 }
 GOALS = {
     "transformer_forward": "difforge >= 1.0x diffusers eager and torch.compile (fp32, S and M); "
@@ -67,6 +68,8 @@ GOALS = {
     "memory_load": "peak RSS growth < 1.3 x weight bytes",
     "memory_attention": "flash temp memory grows linearly (exponent ~1)",
     "tpu_compile": "every config fits its TPU slice's HBM (5% headroom), known without a TPU",
+    "maxdiffusion": "forward >= 1.3x MaxDiffusion's; train step >= 1.2x its forward + backward "
+    "(S and M, fp32; needs a MaxDiffusion checkout, see bench/vs_maxdiffusion.py)",
 }
 
 

@@ -9,7 +9,7 @@ import pytest
 from bench import run as bench_run
 from bench.common import BenchContext, check_record, timed_record, value_record
 
-FAST = ("matmul", "transformer", "flux", "unet", "vae")
+FAST = ("matmul", "transformer", "flux", "unet", "vae", "maxdiffusion")
 SLOW = (
     "train_step",
     "generate",
