@@ -136,51 +136,33 @@ def run_case(ctx: BenchContext, case: ForwardCase, python: str, src: str) -> lis
         )
     finally:
         worker.close()
-    common = {"items": tokens, "item_unit": "video tokens"}
     ready = worker.ready
+    # (bench, impl, times key, flops, first call, what it is)
+    rows = (
+        ("maxdiffusion_forward", "difforge", "forward", forward_flops, forward_first,
+         {"attention": "flash"}),
+        ("maxdiffusion_forward", "maxdiffusion", "maxdiffusion_forward", forward_flops,
+         ready["forward_first_call_s"], {"attention": "dot_product", "scan_layers": True}),
+        ("maxdiffusion_train", "difforge", "step", step_flops, step_first,
+         {"what": "forward + backward + AdamW (the train stage's step)"}),
+        ("maxdiffusion_train", "maxdiffusion", "maxdiffusion_backward", step_flops,
+         ready["backward_first_call_s"],
+         {"what": "forward + backward (gradient of an MSE), no optimizer"}),
+    )  # fmt: skip
     return [
         timed_record(
-            "maxdiffusion_forward",
+            bench,
             case.name,
-            "difforge",
-            times["forward"],
-            flops=forward_flops,
-            first_call_s=forward_first,
-            attention="flash",
-            **common,
-        ),
-        timed_record(
-            "maxdiffusion_forward",
-            case.name,
-            "maxdiffusion",
-            times["maxdiffusion_forward"],
-            flops=forward_flops,
-            first_call_s=ready["forward_first_call_s"],
-            attention="dot_product",
-            scan_layers=True,
-            maxdiffusion_jax=ready["jax"],
-            **common,
-        ),
-        timed_record(
-            "maxdiffusion_train",
-            case.name,
-            "difforge",
-            times["step"],
-            flops=step_flops,
-            first_call_s=step_first,
-            what="forward + backward + AdamW (the train stage's step)",
-            **common,
-        ),
-        timed_record(
-            "maxdiffusion_train",
-            case.name,
-            "maxdiffusion",
-            times["maxdiffusion_backward"],
-            flops=step_flops,
-            first_call_s=ready["backward_first_call_s"],
-            what="forward + backward (gradient of an MSE), no optimizer",
-            **common,
-        ),
+            impl,
+            times[key],
+            flops=flops,
+            first_call_s=first,
+            items=tokens,
+            item_unit="video tokens",
+            **({"maxdiffusion_jax": ready["jax"]} if impl == "maxdiffusion" else {}),
+            **extra,
+        )
+        for bench, impl, key, flops, first, extra in rows
     ]
 
 
