@@ -103,19 +103,19 @@ def _train_rows(results: list[dict]) -> list[str]:
 def _maxdiffusion_rows(results: list[dict]) -> list[str]:
     """difforge against MaxDiffusion's Wan transformer (bench/vs_maxdiffusion.py), where it ran."""
     rows = []
-    for bench, label, goal in (
-        ("maxdiffusion_forward", "Wan DiT forward vs MaxDiffusion", 1.3),
-        ("maxdiffusion_train", "training step vs MaxDiffusion's forward + backward", 1.2),
-    ):
-        for case in ("S", "M"):
+    for bench, label, goal, cases, ours_what, theirs_what in (
+        ("maxdiffusion_forward", "Wan DiT forward vs MaxDiffusion", 1.3, ("S", "M", "S-bf16"),
+         "flash", "`dot_product`"),
+        ("maxdiffusion_train", "training step vs MaxDiffusion's forward + backward", 1.2,
+         ("S", "M", "S-bf16-mixed", "M-bf16-mixed"), "fwd + bwd + AdamW", "fwd + bwd"),
+    ):  # fmt: skip
+        for case in cases:
             ours = _find(results, bench, case, "difforge")
             theirs = _find(results, bench, case, "maxdiffusion")
             if ours is None or theirs is None:
                 continue
-            what = "fwd + bwd + AdamW" if bench == "maxdiffusion_train" else "flash"
-            theirs_what = "fwd + bwd" if bench == "maxdiffusion_train" else "`dot_product`"
             rows.append(
-                f"| {label}, {case} | {_time(ours)} ({what}) | MaxDiffusion (JAX) "
+                f"| {label}, {case} | {_time(ours)} ({ours_what}) | MaxDiffusion (JAX) "
                 f"{_time(theirs)} ({theirs_what}) | {_verdict(_ratio(ours, theirs), goal)} |"
             )
     return rows

@@ -1,18 +1,19 @@
 """Benchmark: difforge against MaxDiffusion's Wan transformer (JAX), in turn call by call.
 
-Cases S and M (``bench.transformer``'s shapes; float32): the forward (difforge's default flash
-attention against MaxDiffusion's ``dot_product``, its CPU attention: its flash is a TPU
-kernel) and the training step (difforge's whole train step, forward + backward + AdamW,
-against MaxDiffusion's forward + backward alone, the issue's comparison).
+``bench.transformer``'s shapes S and M. Forward: float32 at S and M and bfloat16 (weights and
+activations) at S, difforge's default flash attention against MaxDiffusion's ``dot_product``
+(its ``flash`` setting runs that too below its ``flash_min_seq_length`` of 4,096 tokens).
+Training: difforge's whole train step (forward + backward + AdamW) against MaxDiffusion's
+forward + backward alone, the issue's comparison, float32 and bf16-mixed (float32 weights,
+bfloat16 activations: MaxDiffusion's ``weights_dtype`` / ``activations_dtype``) at S and M.
 
 MaxDiffusion is not on PyPI and needs Python >= 3.12, so it runs in an interpreter of its own
 as a subprocess (``bench/maxdiffusion_worker.py``): set ``DIFFORGE_MAXDIFFUSION_PYTHON`` to
-that interpreter (with jax, flax and MaxDiffusion's other imports installed) and
-``DIFFORGE_MAXDIFFUSION_SRC`` to its ``src`` folder. Without them every row says
-``skipped``. The worker answers one call at a time over a pipe, so its calls interleave with
-ours (:func:`bench.common.interleaved_times`); a round trip adds well under a millisecond.
-Weights are random on both sides (the same architecture and shapes, so the same FLOPs); the
-outputs are not compared.
+that interpreter (``make maxdiffusion-venv``) and ``DIFFORGE_MAXDIFFUSION_SRC`` to its ``src``
+folder. Without them every row says ``skipped``. The worker answers one call at a time over a
+pipe, so its calls interleave with ours (:func:`bench.common.interleaved_times`); a round trip
+adds well under a millisecond. Weights are random on both sides (the same architecture and
+shapes, so the same FLOPs); the outputs are not compared.
 """
 
 from __future__ import annotations
@@ -24,24 +25,58 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from bench.common import BenchContext, block, interleaved_times, timed_record, value_record
-from bench.train_step import _difforge_step, _step_flops_and_tokens
-from bench.transformer import BENCH_M, BENCH_S, TINY, ForwardCase, make_inputs, video_tokens
+from bench.train_step import BENCH_M_MIXED, BENCH_S_MIXED, _difforge_step, _step_flops_and_tokens
+from bench.transformer import (
+    BENCH_M,
+    BENCH_S,
+    BENCH_S_BF16,
+    TINY,
+    ForwardCase,
+    make_inputs,
+    video_tokens,
+)
 from jaxcore.models import wan_transformer as wan
 
 BENCH = "maxdiffusion"
+FORWARD, TRAIN = "forward", "train"
 PYTHON_ENV = "DIFFORGE_MAXDIFFUSION_PYTHON"
 SRC_ENV = "DIFFORGE_MAXDIFFUSION_SRC"
 SKIPPED = f"skipped: set {PYTHON_ENV} and {SRC_ENV} (MaxDiffusion is not on PyPI)"
 WORKER = Path(__file__).resolve().parent / "maxdiffusion_worker.py"
-CASES = {"smoke": (TINY,), "quick": (BENCH_S,), "full": (BENCH_S, BENCH_M)}
+CASES = {
+    "smoke": ((TINY, FORWARD), (TINY, TRAIN)),
+    "quick": ((BENCH_S, FORWARD), (BENCH_S, TRAIN)),
+    "full": (
+        (BENCH_S, FORWARD),
+        (BENCH_M, FORWARD),
+        (BENCH_S_BF16, FORWARD),
+        (BENCH_S, TRAIN),
+        (BENCH_M, TRAIN),
+        (BENCH_S_MIXED, TRAIN),
+        (BENCH_M_MIXED, TRAIN),
+    ),
+}
 
 
-def worker_case(case: ForwardCase) -> dict:
-    """The WanModel keyword arguments and inputs of ``case`` (same architecture as ours)."""
+def dtypes(case: ForwardCase, mode: str) -> tuple[str, str]:
+    """(activations, weights) dtype names: a bfloat16 forward case is bf16 throughout, a
+    bfloat16 train case keeps float32 weights (the train stage's mixed precision)."""
+    if case.dtype == "float32":
+        return "float32", "float32"
+    return case.dtype, (case.dtype if mode == FORWARD else "float32")
+
+
+def worker_case(case: ForwardCase, mode: str) -> dict:
+    """The WanModel keyword arguments, inputs and call of ``case`` (our architecture)."""
     config = case.config()
+    activations, weights = dtypes(case, mode)
     return {
+        "mode": mode,
+        "dtype": activations,
+        "weights_dtype": weights,
         "config": {
             "patch_size": list(config.patch_size),
             "num_attention_heads": config.num_attention_heads,
@@ -67,11 +102,11 @@ def worker_case(case: ForwardCase) -> dict:
 class Worker:
     """MaxDiffusion's model in its subprocess; ``call("forward")`` runs one call there."""
 
-    def __init__(self, python: str, src: str, case: ForwardCase):
+    def __init__(self, python: str, src: str, case: ForwardCase, mode: str):
         env = {**os.environ, "PYTHONPATH": src, "JAX_PLATFORMS": "cpu"}
         self._process = subprocess.Popen(
             # -P: not this folder first on the path (it holds modules named like MaxDiffusion's)
-            [python, "-P", str(WORKER), json.dumps(worker_case(case))],
+            [python, "-P", str(WORKER), json.dumps(worker_case(case, mode))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -83,11 +118,11 @@ class Worker:
             raise RuntimeError(f"the MaxDiffusion worker did not start (got {line!r})")
         self.ready = json.loads(line.removeprefix("ready "))
 
-    def call(self, command: str) -> None:
-        self._process.stdin.write(command + "\n")
+    def call(self) -> None:
+        self._process.stdin.write("call\n")
         self._process.stdin.flush()
         if self._process.stdout.readline().strip() != "done":
-            raise RuntimeError(f"the MaxDiffusion worker failed a {command} call")
+            raise RuntimeError("the MaxDiffusion worker failed a call")
 
     def close(self) -> None:
         if self._process.poll() is None:
@@ -101,69 +136,63 @@ class Worker:
 
 def _difforge_forward(case: ForwardCase):
     config = case.config()
-    module, params = wan.init_wan_transformer(config, jax.random.key(0), attention="flash")
+    kind = jnp.dtype(case.dtype)
+    module, params = wan.init_wan_transformer(
+        config, jax.random.key(0), dtype=kind, param_dtype=kind, attention="flash"
+    )
     latents, timestep, text = make_inputs(config, case)
-    forward = jax.jit(lambda p, x, t, c: module.apply({"params": p}, x, t, c))
+    forward = jax.jit(
+        lambda p, x, t, c: module.apply({"params": p}, x.astype(kind), t, c.astype(kind))
+    )
     return lambda: block(forward(params, latents, timestep, text))
 
 
-def run_case(ctx: BenchContext, case: ForwardCase, python: str, src: str) -> list[dict]:
+def run_case(ctx: BenchContext, case: ForwardCase, mode: str, python: str, src: str) -> list[dict]:
+    """The MaxDiffusion record of ``case`` in ``mode``, with ours (timed in turn with it) under
+    ``difforge``; ratios are added by ``bench.run`` (``vs_difforge``)."""
     config = case.config()
     tokens = video_tokens(config, case.latent_shape)
-    forward_flops = wan.flops_per_forward(
-        config, case.latent_shape[0], tokens // case.latent_shape[0], case.text_tokens
-    )
-    step_flops, _ = _step_flops_and_tokens(case)
-    worker = Worker(python, src, case)
+    if mode == FORWARD:
+        flops = wan.flops_per_forward(
+            config, case.latent_shape[0], tokens // case.latent_shape[0], case.text_tokens
+        )
+    else:
+        flops, _ = _step_flops_and_tokens(case)
+    worker = Worker(python, src, case, mode)
     try:
-        ours_forward = _difforge_forward(case)
+        ours = _difforge_forward(case) if mode == FORWARD else _difforge_step(case)[0]
         started = time.perf_counter()
-        ours_forward()
-        forward_first = time.perf_counter() - started
-        ours_step, _ = _difforge_step(case)
-        started = time.perf_counter()
-        ours_step()
-        step_first = time.perf_counter() - started
+        ours()
+        first = time.perf_counter() - started
         times = interleaved_times(
-            {
-                "forward": ours_forward,
-                "maxdiffusion_forward": lambda: worker.call("forward"),
-                "step": ours_step,
-                "maxdiffusion_backward": lambda: worker.call("backward"),
-            },
-            reps=ctx.reps,
-            warmup=ctx.warmup,
+            {"difforge": ours, "maxdiffusion": worker.call}, reps=ctx.reps, warmup=ctx.warmup
         )
     finally:
         worker.close()
-    ready = worker.ready
-    # (bench, impl, times key, flops, first call, what it is)
-    rows = (
-        ("maxdiffusion_forward", "difforge", "forward", forward_flops, forward_first,
-         {"attention": "flash"}),
-        ("maxdiffusion_forward", "maxdiffusion", "maxdiffusion_forward", forward_flops,
-         ready["forward_first_call_s"], {"attention": "dot_product", "scan_layers": True}),
-        ("maxdiffusion_train", "difforge", "step", step_flops, step_first,
-         {"what": "forward + backward + AdamW (the train stage's step)"}),
-        ("maxdiffusion_train", "maxdiffusion", "maxdiffusion_backward", step_flops,
-         ready["backward_first_call_s"],
-         {"what": "forward + backward (gradient of an MSE), no optimizer"}),
-    )  # fmt: skip
+    bench = f"maxdiffusion_{mode}"
+    activations, weights = dtypes(case, mode)
+    what = {
+        FORWARD: ("flash attention", "dot_product attention, scan_layers"),
+        TRAIN: ("forward + backward + AdamW (the train stage's step)", "forward + backward"),
+    }[mode]
+    common = {
+        "flops": flops,
+        "items": tokens,
+        "item_unit": "video tokens",
+        "activations_dtype": activations,
+        "weights_dtype": weights,
+    }
     return [
         timed_record(
-            bench,
-            case.name,
-            impl,
-            times[key],
-            flops=flops,
-            first_call_s=first,
-            items=tokens,
-            item_unit="video tokens",
-            **({"maxdiffusion_jax": ready["jax"]} if impl == "maxdiffusion" else {}),
-            **extra,
-        )
-        for bench, impl, key, flops, first, extra in rows
-    ]
+            bench, case.name, "difforge", times["difforge"], first_call_s=first, what=what[0],
+            **common,
+        ),
+        timed_record(
+            bench, case.name, "maxdiffusion", times["maxdiffusion"],
+            first_call_s=worker.ready["first_call_s"], what=what[1],
+            maxdiffusion_jax=worker.ready["jax"], **common,
+        ),
+    ]  # fmt: skip
 
 
 def run(ctx: BenchContext) -> list[dict]:
@@ -171,7 +200,10 @@ def run(ctx: BenchContext) -> list[dict]:
     cases = CASES[ctx.profile]
     if not python or not src:
         return [
-            value_record(BENCH, case.name, "maxdiffusion", float("nan"), "skipped", skipped=SKIPPED)
-            for case in cases
-        ]
-    return [record for case in cases for record in run_case(ctx, case, python, src)]
+            value_record(
+                BENCH, f"{case.name} {mode}", "maxdiffusion", float("nan"), "skipped",
+                skipped=SKIPPED,
+            )
+            for case, mode in cases
+        ]  # fmt: skip
+    return [record for case, mode in cases for record in run_case(ctx, case, mode, python, src)]

@@ -45,13 +45,13 @@ def test_maxdiffusion_rows_judge_against_their_own_goals():
         "results": [
             record("maxdiffusion_forward", "S", "difforge", 0.5),
             record("maxdiffusion_forward", "S", "maxdiffusion", 0.6),  # 1.2x: under 1.3x
-            record("maxdiffusion_train", "M", "difforge", 2.0),
-            record("maxdiffusion_train", "M", "maxdiffusion", 2.5),  # 1.25x: over 1.2x
+            record("maxdiffusion_train", "M-bf16-mixed", "difforge", 2.0),
+            record("maxdiffusion_train", "M-bf16-mixed", "maxdiffusion", 2.5),  # 1.25x: over 1.2x
         ]
     }
     lines = readme.table(run).splitlines()
     forward = next(line for line in lines if "forward vs MaxDiffusion, S" in line)
     assert "1.20x (**not met**)" in forward and "`dot_product`" in forward
-    train = next(line for line in lines if "forward + backward, M" in line)
+    train = next(line for line in lines if "forward + backward, M-bf16-mixed" in line)
     assert "1.25x (met)" in train and "fwd + bwd + AdamW" in train
     assert not any("MaxDiffusion, M" in line or "backward, S" in line for line in lines)
