@@ -100,7 +100,7 @@ def worker_case(case: ForwardCase, mode: str) -> dict:
 
 
 class Worker:
-    """MaxDiffusion's model in its subprocess; ``call("forward")`` runs one call there."""
+    """MaxDiffusion's model in its subprocess; ``call()`` runs one call of its mode there."""
 
     def __init__(self, python: str, src: str, case: ForwardCase, mode: str):
         env = {**os.environ, "PYTHONPATH": src, "JAX_PLATFORMS": "cpu"}
@@ -148,8 +148,8 @@ def _difforge_forward(case: ForwardCase):
 
 
 def run_case(ctx: BenchContext, case: ForwardCase, mode: str, python: str, src: str) -> list[dict]:
-    """The MaxDiffusion record of ``case`` in ``mode``, with ours (timed in turn with it) under
-    ``difforge``; ratios are added by ``bench.run`` (``vs_difforge``)."""
+    """Two records of ``case`` in ``mode``, ``difforge`` and ``maxdiffusion``, timed in turn;
+    ``bench.run`` adds the ratio (``vs_difforge``)."""
     config = case.config()
     tokens = video_tokens(config, case.latent_shape)
     if mode == FORWARD:

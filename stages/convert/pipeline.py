@@ -43,6 +43,7 @@ from stages.common import records
 from stages.convert import media, split, tfrecord
 from stages.convert.config import BeamConfig, DatasetConfig, MediaConfig, SplitConfig
 from stages.convert.encode import EncoderHandler, EncoderPlan
+from stages.convert.patching import replaced
 
 log = logging.getLogger(__name__)
 
@@ -601,12 +602,8 @@ def prompt_state_sampler(beam_config: BeamConfig):
                 prefix, counter_factory, min(sampling_period_ms, STATE_SAMPLING_PERIOD_MS)
             )
 
-    statesampler.StateSampler = PromptStateSampler
-    try:
+    with replaced(statesampler, "StateSampler", PromptStateSampler):
         yield
-    finally:
-        if statesampler.StateSampler is PromptStateSampler:
-            statesampler.StateSampler = original
 
 
 def staged_files(pipeline: beam.Pipeline) -> list[str]:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from stages.common.errors import StageInputError
 from stages.convert.config import DatasetConfig
+from stages.convert.patching import replaced
 
 log = logging.getLogger(__name__)
 
@@ -136,12 +137,8 @@ def _quick_split_inference(root: Path):
             }
         return original(base_path, download_config=download_config)
 
-    hf_load.get_data_patterns = get_data_patterns
-    try:
+    with replaced(hf_load, "get_data_patterns", get_data_patterns):
         yield
-    finally:
-        if hf_load.get_data_patterns is get_data_patterns:
-            hf_load.get_data_patterns = original
 
 
 def _is_plain_local_path(data_file) -> bool:
@@ -177,12 +174,8 @@ def _quick_origin_metadata():
             return original(data_files, download_config=download_config, max_workers=max_workers)
         return [(str(os.stat(f).st_mtime),) for f in data_files]
 
-    df._get_origin_metadata = get_origin_metadata
-    try:
+    with replaced(df, "_get_origin_metadata", get_origin_metadata):
         yield
-    finally:
-        if df._get_origin_metadata is get_origin_metadata:
-            df._get_origin_metadata = original
 
 
 def _generate_artifact(source: str):

@@ -358,3 +358,17 @@ def test_a_direct_runner_job_samples_state_promptly_and_restores_beams_sampler(r
         assert_that(periods, equal_to([expected, expected]))
         job.run().wait_until_finish()
     assert statesampler.StateSampler is original
+
+
+def test_replaced_restores_the_original_unless_replaced_again():
+    import types
+
+    from stages.convert.patching import replaced
+
+    owner = types.SimpleNamespace(f="original")
+    with replaced(owner, "f", "ours"):
+        assert owner.f == "ours"
+    assert owner.f == "original"
+    with replaced(owner, "f", "ours"):
+        owner.f = "someone else's"
+    assert owner.f == "someone else's"
