@@ -69,7 +69,8 @@ GOALS = {
     "memory_attention": "flash temp memory grows linearly (exponent ~1)",
     "tpu_compile": "every config fits its TPU slice's HBM (5% headroom), known without a TPU",
     "maxdiffusion": "forward >= 1.3x MaxDiffusion's; train step >= 1.2x its forward + backward "
-    "(S and M, fp32; needs a MaxDiffusion checkout, see bench/vs_maxdiffusion.py)",
+    "(S and M, fp32); VAE encode / decode >= 1.0x (needs a MaxDiffusion checkout, see "
+    "bench/vs_maxdiffusion.py)",
 }
 
 

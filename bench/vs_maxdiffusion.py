@@ -1,4 +1,5 @@
-"""Benchmark: difforge against MaxDiffusion's Wan transformer (JAX), in turn call by call.
+"""Benchmark: difforge against MaxDiffusion's Wan transformer and Wan VAE (JAX), in turn call
+by call.
 
 ``bench.transformer``'s shapes S and M. Forward: float32 at S and M and bfloat16 (weights and
 activations) at S, difforge's default flash attention against MaxDiffusion's ``dot_product``
@@ -6,6 +7,9 @@ activations) at S, difforge's default flash attention against MaxDiffusion's ``d
 Training: difforge's whole train step (forward + backward + AdamW) against MaxDiffusion's
 forward + backward alone, the issue's comparison, float32 and bf16-mixed (float32 weights,
 bfloat16 activations: MaxDiffusion's ``weights_dtype`` / ``activations_dtype``) at S and M.
+VAE: ``bench.vae``'s cases, encode and decode in float32, each side through its own chunked
+encode / decode with its frame cache (the same chunks on both sides: the first frame, then 4
+per encoder call; one latent frame per decoder call).
 
 MaxDiffusion is not on PyPI and needs Python >= 3.12, so it runs in an interpreter of its own
 as a subprocess (``bench/maxdiffusion_worker.py``): set ``DIFFORGE_MAXDIFFUSION_PYTHON`` to
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bench.common import BenchContext, block, interleaved_times, timed_record, value_record
 from bench.train_step import BENCH_M_MIXED, BENCH_S_MIXED, _difforge_step, _step_flops_and_tokens
@@ -38,10 +43,14 @@ from bench.transformer import (
     make_inputs,
     video_tokens,
 )
+from bench.vae import CASES as VAE_CASES
+from bench.vae import VAECase
 from jaxcore.models import wan_transformer as wan
+from jaxcore.models import wan_vae
 
 BENCH = "maxdiffusion"
 FORWARD, TRAIN = "forward", "train"
+ENCODE, DECODE = "encode", "decode"  # the VAE's modes
 PYTHON_ENV = "DIFFORGE_MAXDIFFUSION_PYTHON"
 SRC_ENV = "DIFFORGE_MAXDIFFUSION_SRC"
 SKIPPED = f"skipped: set {PYTHON_ENV} and {SRC_ENV} (MaxDiffusion is not on PyPI)"
@@ -59,6 +68,8 @@ CASES = {
         (BENCH_M_MIXED, TRAIN),
     ),
 }
+for _profile, _vae_cases in VAE_CASES.items():
+    CASES[_profile] += tuple((case, mode) for case in _vae_cases for mode in (ENCODE, DECODE))
 
 
 def dtypes(case: ForwardCase, mode: str) -> tuple[str, str]:
@@ -69,8 +80,10 @@ def dtypes(case: ForwardCase, mode: str) -> tuple[str, str]:
     return case.dtype, (case.dtype if mode == FORWARD else "float32")
 
 
-def worker_case(case: ForwardCase, mode: str) -> dict:
-    """The WanModel keyword arguments, inputs and call of ``case`` (our architecture)."""
+def worker_case(case: ForwardCase | VAECase, mode: str) -> dict:
+    """What the worker builds and calls for ``case`` in ``mode`` (our architecture)."""
+    if mode in (ENCODE, DECODE):
+        return vae_worker_case(case, mode)
     config = case.config()
     activations, weights = dtypes(case, mode)
     return {
@@ -99,10 +112,30 @@ def worker_case(case: ForwardCase, mode: str) -> dict:
     }
 
 
+def vae_worker_case(case: VAECase, mode: str) -> dict:
+    """The AutoencoderKLWan keyword arguments and video shape of ``case`` (float32)."""
+    config = case.config()
+    names = (
+        "base_dim", "z_dim", "dim_mult", "num_res_blocks", "attn_scales",
+        "temperal_downsample", "dropout", "latents_mean", "latents_std",
+    )  # fmt: skip
+    if config.is_residual or config.decoder_base_dim is not None or config.patch_size:
+        raise ValueError(f"{case.name}: MaxDiffusion's AutoencoderKLWan is the Wan 2.1 VAE only")
+    return {
+        "mode": mode,
+        "dtype": "float32",
+        "config": {
+            name: list(value) if isinstance(value, tuple) else value
+            for name, value in ((name, getattr(config, name)) for name in names)
+        },
+        "video_shape": list(case.video_shape),
+    }
+
+
 class Worker:
     """MaxDiffusion's model in its subprocess; ``call()`` runs one call of its mode there."""
 
-    def __init__(self, python: str, src: str, case: ForwardCase, mode: str):
+    def __init__(self, python: str, src: str, case: ForwardCase | VAECase, mode: str):
         env = {**os.environ, "PYTHONPATH": src, "JAX_PLATFORMS": "cpu"}
         self._process = subprocess.Popen(
             # -P: not this folder first on the path (it holds modules named like MaxDiffusion's)
@@ -147,9 +180,53 @@ def _difforge_forward(case: ForwardCase):
     return lambda: block(forward(params, latents, timestep, text))
 
 
+def _difforge_vae(case: VAECase, mode: str):
+    """Our Wan VAE (random weights) encoding ``case``'s video, or decoding latents of the
+    shape it encodes to: a no-argument call."""
+    module, params = wan_vae.init_wan_vae(case.config(), jax.random.key(0))
+    rng = np.random.default_rng(0)
+    video = jnp.asarray(rng.uniform(-1, 1, case.video_shape).astype(np.float32))
+    if mode == ENCODE:
+        return lambda: block(wan_vae.encode(module, params, video).mean)
+    z_shape = jax.eval_shape(lambda v: wan_vae.encode(module, params, v).mean, video).shape
+    z = jnp.asarray(rng.standard_normal(z_shape, dtype=np.float32))
+    return lambda: block(wan_vae.decode(module, params, z))
+
+
+def run_vae_case(ctx: BenchContext, case: VAECase, mode: str, python: str, src: str) -> list[dict]:
+    """Two records of the VAE ``case`` in ``mode`` (encode or decode), timed in turn."""
+    worker = Worker(python, src, case, mode)
+    try:
+        ours = _difforge_vae(case, mode)
+        started = time.perf_counter()
+        ours()
+        first = time.perf_counter() - started
+        times = interleaved_times(
+            {"difforge": ours, "maxdiffusion": worker.call}, reps=ctx.reps, warmup=ctx.warmup
+        )
+    finally:
+        worker.close()
+    bench = f"maxdiffusion_vae_{mode}"
+    common = {
+        "items": case.video_shape[0] * case.video_shape[2],
+        "item_unit": "frames",
+        "pixels": int(np.prod(case.video_shape[2:])),
+    }
+    return [
+        timed_record(bench, case.name, "difforge", times["difforge"], first_call_s=first, **common),
+        timed_record(
+            bench, case.name, "maxdiffusion", times["maxdiffusion"],
+            first_call_s=worker.ready["first_call_s"], maxdiffusion_jax=worker.ready["jax"],
+            **common,
+        ),
+    ]  # fmt: skip
+
+
 def run_case(ctx: BenchContext, case: ForwardCase, mode: str, python: str, src: str) -> list[dict]:
     """Two records of ``case`` in ``mode``, ``difforge`` and ``maxdiffusion``, timed in turn;
     ``bench.run`` adds the ratio (``vs_difforge``)."""
+    if mode in (ENCODE, DECODE):
+        return run_vae_case(ctx, case, mode, python, src)
     config = case.config()
     tokens = video_tokens(config, case.latent_shape)
     if mode == FORWARD:
