@@ -30,15 +30,22 @@ import numpy as np
 import regex
 
 from jaxcore.models.umt5 import UMT5Encoder
+from jaxcore.weights import WeightsError
+
+
+class TokenizerNotFoundError(WeightsError, FileNotFoundError):
+    """A tokenizer directory that does not exist: a model directory's fault, reported by the
+    CLI as a user error (a :class:`~jaxcore.weights.WeightsError`), and a FileNotFoundError."""
 
 
 def load_tokenizer(directory: str | os.PathLike):
-    """``AutoTokenizer`` from a local directory only; never runs code shipped with it."""
+    """``AutoTokenizer`` from a local directory only; never runs code shipped with it. Every
+    family's tokenizers load here."""
     from transformers import AutoTokenizer
 
     path = Path(directory)
     if not path.is_dir():
-        raise FileNotFoundError(f"tokenizer directory {path} does not exist")
+        raise TokenizerNotFoundError(f"tokenizer directory {path} does not exist")
     return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
 
 

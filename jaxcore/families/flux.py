@@ -41,7 +41,7 @@ from jaxcore.families.base import (
     read_scheduler_config,
 )
 from jaxcore.models import autoencoder_kl, clip_text, flux_transformer, t5
-from jaxcore.text import call_tokenizer
+from jaxcore.text import call_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +53,6 @@ DEFAULT_SAMPLE_SIZE = 128  # FluxPipeline.default_sample_size (in latent pixels)
 
 
 # --- prompt encoding ----------------------------------------------------------------------------
-
-
-def load_tokenizer(directory: Path):
-    """``AutoTokenizer`` from a local directory only; never runs code shipped with it."""
-    from transformers import AutoTokenizer
-
-    if not directory.is_dir():
-        raise FamilyError(f"tokenizer directory {directory} does not exist")
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
 
 
 def _token_ids(tokenizer, prompts: Sequence[str], max_length: int) -> np.ndarray:

@@ -62,10 +62,9 @@ from jaxcore.families.base import (
     read_model_index,
     read_scheduler_config,
 )
-from jaxcore.families.flux import load_tokenizer
 from jaxcore.models import autoencoder_kl, clip_text
 from jaxcore.models import unet_2d_condition as unet
-from jaxcore.text import call_tokenizer
+from jaxcore.text import call_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 

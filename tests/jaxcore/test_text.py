@@ -104,8 +104,13 @@ def test_tiny_tokenizer_rejects_small_vocab(tmp_path):
 
 
 def test_load_tokenizer_missing_directory(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no_such_dir"):
+    from pipelines.cli import user_error_types
+
+    with pytest.raises(FileNotFoundError, match="no_such_dir") as raised:
         text.load_tokenizer(tmp_path / "no_such_dir")
+    # every family's tokenizers load here: the CLI reports a missing one as the user's error,
+    # one line naming the folder, not a traceback
+    assert isinstance(raised.value, user_error_types())
 
 
 def test_prompt_clean_matches_diffusers():
