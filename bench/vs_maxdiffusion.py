@@ -193,19 +193,27 @@ def _difforge_vae(case: VAECase, mode: str):
     return lambda: block(wan_vae.decode(module, params, z))
 
 
-def run_vae_case(ctx: BenchContext, case: VAECase, mode: str, python: str, src: str) -> list[dict]:
-    """Two records of the VAE ``case`` in ``mode`` (encode or decode), timed in turn."""
-    worker = Worker(python, src, case, mode)
+def _timed_in_turn(ctx: BenchContext, ours, worker: Worker) -> tuple[dict, float]:
+    """({"difforge": times, "maxdiffusion": times}, our first call's seconds): ``ours()`` builds
+    our no-argument call (inside the ``try``, so that a failure there closes the worker too),
+    which runs once, then both are timed in turn; the worker is closed either way."""
     try:
-        ours = _difforge_vae(case, mode)
+        call = ours()
         started = time.perf_counter()
-        ours()
+        call()
         first = time.perf_counter() - started
         times = interleaved_times(
-            {"difforge": ours, "maxdiffusion": worker.call}, reps=ctx.reps, warmup=ctx.warmup
+            {"difforge": call, "maxdiffusion": worker.call}, reps=ctx.reps, warmup=ctx.warmup
         )
     finally:
         worker.close()
+    return times, first
+
+
+def run_vae_case(ctx: BenchContext, case: VAECase, mode: str, python: str, src: str) -> list[dict]:
+    """Two records of the VAE ``case`` in ``mode`` (encode or decode), timed in turn."""
+    worker = Worker(python, src, case, mode)
+    times, first = _timed_in_turn(ctx, lambda: _difforge_vae(case, mode), worker)
     bench = f"maxdiffusion_vae_{mode}"
     common = {
         "items": case.video_shape[0] * case.video_shape[2],
@@ -236,16 +244,8 @@ def run_case(ctx: BenchContext, case: ForwardCase, mode: str, python: str, src: 
     else:
         flops, _ = _step_flops_and_tokens(case)
     worker = Worker(python, src, case, mode)
-    try:
-        ours = _difforge_forward(case) if mode == FORWARD else _difforge_step(case)[0]
-        started = time.perf_counter()
-        ours()
-        first = time.perf_counter() - started
-        times = interleaved_times(
-            {"difforge": ours, "maxdiffusion": worker.call}, reps=ctx.reps, warmup=ctx.warmup
-        )
-    finally:
-        worker.close()
+    ours = (lambda: _difforge_forward(case)) if mode == FORWARD else lambda: _difforge_step(case)[0]
+    times, first = _timed_in_turn(ctx, ours, worker)
     bench = f"maxdiffusion_{mode}"
     activations, weights = dtypes(case, mode)
     what = {

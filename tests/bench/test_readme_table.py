@@ -56,7 +56,7 @@ def test_maxdiffusion_rows_judge_against_their_own_goals():
     assert "1.20x (**not met**)" in forward and "`dot_product`" in forward
     train = next(line for line in lines if "forward + backward, M-bf16-mixed" in line)
     assert "1.25x (met)" in train and "fwd + bwd + AdamW" in train
-    vae = next(line for line in lines if "VAE 5x64x64 decode vs MaxDiffusion" in line)
+    vae = next(line for line in lines if "VAE decode vs MaxDiffusion, wan-5x64x64" in line)
     assert "0.90x (**not met**)" in vae
     assert not any("MaxDiffusion, M" in line or "backward, S" in line for line in lines)
     assert not any("encode vs MaxDiffusion" in line for line in lines)
