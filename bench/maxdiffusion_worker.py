@@ -9,7 +9,8 @@ Runs under MaxDiffusion's own Python (it needs Python >= 3.12 and its own packag
   ``text_tokens`` the inputs; ``train`` is the forward and backward, the gradient of a mean
   squared error against a fixed target with respect to every weight;
 - ``encode`` or ``decode`` (the VAE): ``config`` holds AutoencoderKLWan keyword arguments,
-  ``video_shape`` the [B, 3, T, H, W] video that is encoded, or whose latents' shape is decoded;
+  ``video_shape`` the [B, 3, T, H, W] video that is encoded, ``latent_shape`` the
+  [B, z_dim, F, H', W'] latents that are decoded (difforge's, given: one shape on both sides);
   each call goes through the model's own ``encode`` / ``decode`` with its frame cache, as its
   Wan pipeline calls them (their default chunks: the first frame, then 4 frames per encoder
   call; one latent frame per decoder call, as difforge's and diffusers').
@@ -76,7 +77,6 @@ def vae_call(case: dict):
     devices = np.array(jax.devices()[:1]).reshape(1, 1)
     mesh = jax.sharding.Mesh(devices, ("redundant", "vae_spatial"))
     dtype = jnp.dtype(case["dtype"])
-    batch, _, frames, height, width = case["video_shape"]
     config = case["config"]
     rng = np.random.default_rng(0)
     with jax.set_mesh(mesh):
@@ -92,10 +92,8 @@ def vae_call(case: dict):
             return vae.encode(inputs, cache, return_dict=False)[0].mean
 
     else:
-        down = 2 ** (len(config["dim_mult"]) - 1)
-        latent_frames = 1 + (frames - 1) // 2 ** sum(config["temperal_downsample"])
-        z_shape = (batch, config["z_dim"], latent_frames, height // down, width // down)
-        inputs = jnp.asarray(rng.standard_normal(z_shape, dtype=np.float32), dtype)
+        latents = rng.standard_normal(case["latent_shape"], dtype=np.float32)
+        inputs = jnp.asarray(latents, dtype)
 
         def run():
             return vae.decode(inputs, cache, return_dict=False)[0]

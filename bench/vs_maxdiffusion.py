@@ -45,6 +45,7 @@ from bench.transformer import (
 )
 from bench.vae import CASES as VAE_CASES
 from bench.vae import VAECase
+from jaxcore import families
 from jaxcore.models import wan_transformer as wan
 from jaxcore.models import wan_vae
 
@@ -112,8 +113,17 @@ def worker_case(case: ForwardCase | VAECase, mode: str) -> dict:
     }
 
 
+def vae_latent_shape(case: VAECase) -> tuple[int, ...]:
+    """[B, z_dim, F, H, W] of the latents ``case``'s video encodes to (the Wan family's
+    ``latent_shape``): what both sides decode."""
+    batch, _, frames, height, width = case.video_shape
+    configs = {"vae": case.config()}
+    return (batch, *families.get("wan").latent_shape(configs, height, width, frames))
+
+
 def vae_worker_case(case: VAECase, mode: str) -> dict:
-    """The AutoencoderKLWan keyword arguments and video shape of ``case`` (float32)."""
+    """The AutoencoderKLWan keyword arguments, video shape and latent shape of ``case``
+    (float32)."""
     config = case.config()
     names = (
         "base_dim", "z_dim", "dim_mult", "num_res_blocks", "attn_scales",
@@ -129,6 +139,7 @@ def vae_worker_case(case: VAECase, mode: str) -> dict:
             for name, value in ((name, getattr(config, name)) for name in names)
         },
         "video_shape": list(case.video_shape),
+        "latent_shape": list(vae_latent_shape(case)),
     }
 
 
@@ -188,8 +199,7 @@ def _difforge_vae(case: VAECase, mode: str):
     video = jnp.asarray(rng.uniform(-1, 1, case.video_shape).astype(np.float32))
     if mode == ENCODE:
         return lambda: block(wan_vae.encode(module, params, video).mean)
-    z_shape = jax.eval_shape(lambda v: wan_vae.encode(module, params, v).mean, video).shape
-    z = jnp.asarray(rng.standard_normal(z_shape, dtype=np.float32))
+    z = jnp.asarray(rng.standard_normal(vae_latent_shape(case), dtype=np.float32))
     return lambda: block(wan_vae.decode(module, params, z))
 
 
