@@ -12,8 +12,10 @@ report that does not fit, with the bytes the compiler asked for.
 
 libtpu comes with the ``tpu`` extra (``pip install -e ".[tpu]"``) or, kept out of the
 everyday environment so that ``import jax`` never probes for TPU chips, as a folder of its own
-(``pip install --no-deps --target .venv/tpu-libs libtpu==<the version jax's tpu extra pins>``,
-inside the git-ignored venv folder but not on its path):
+(``make tpu-libs``: ``pip install --no-deps --target .venv/tpu-libs libtpu==<the version jax's
+tpu extra pins>``, inside the git-ignored venv folder but not on its path: 0.0.50 for the
+tested jax 0.12.0.1; where the index lacks the pin, as it lacks 0.12.1's 0.0.53, the newest
+release before it, said on stderr):
 :func:`libtpu_path` finds either, and only :func:`Topology.devices` loads it.
 
 The programs are the project's own: the generate loop here is :func:`jaxcore.sampling.
@@ -59,7 +61,7 @@ LOCAL_LIBTPU = (
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 INSTALL_HINT = (
     'install the tpu extra (pip install -e ".[tpu]"), or libtpu alone, off the venv path: '
-    "pip install --no-deps --target .venv/tpu-libs libtpu==0.0.42.1"
+    "make tpu-libs"
 )
 
 
@@ -164,6 +166,18 @@ def libtpu_path() -> str | None:
     except ImportError:
         pass
     return str(LOCAL_LIBTPU) if LOCAL_LIBTPU.is_file() else None
+
+
+def libtpu_pin() -> str:
+    """The libtpu release jax's ``tpu`` extra pins (``0.0.50`` for jax 0.12.0.1), from jax's own
+    package metadata: the compiler this jax was released with."""
+    from importlib import metadata
+
+    for requirement in metadata.requires("jax") or ():
+        found = re.match(r"libtpu\s*==\s*([0-9.]+?)(?:\.\*)?\s*;.*extra\s*==\s*.tpu.", requirement)
+        if found:
+            return found.group(1)
+    raise LibtpuMissing(f"jax {jax.__version__}'s metadata pins no libtpu for its tpu extra")
 
 
 def libtpu_available() -> bool:

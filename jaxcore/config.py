@@ -21,11 +21,9 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
-
-T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -119,7 +117,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
 
 
-def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+def from_dict[T](cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     """Build dataclass ``cls`` from a mapping, recursively, with named errors."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
@@ -256,7 +254,9 @@ def _deep_copy(data: Any) -> Any:
     return data
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+def load_config[T](
+    cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()
+) -> T:
     """YAML file (optional) + overrides -> validated ``cls``.
 
     A config class, or the class of any nested section, may define
