@@ -3,7 +3,7 @@
 PYTHON ?=
 VENV := .venv
 # The jax every test and benchmark here runs on. Not 0.12.1: its jaxlib runs XLA CPU's bf16
-# products 5.7x slower (2048^2, bf16 in / f32 out: 280 against 1,587 GFLOP/s on this 2-core
+# products ~5x slower (bf16 in / f32 out, 2048^2: 280 against 1,526-1,596 GFLOP/s on this 2-core
 # AMX host; 0.12.0 and 0.11.2 run them at ~1,500), and its tpu extra pins a libtpu (0.0.53)
 # the package index does not have; 0.12.0.1 pins 0.0.50, which it has.
 JAX_VERSION := 0.12.0.1

@@ -5,7 +5,7 @@ from setuptools import find_packages, setup
 BASE = [
     # The supported range: jax 0.12 on Python 3.12, what TPU images and MaxDiffusion run. Every
     # benchmark and parity figure is measured on 0.12.0.1 (the Makefile's JAX_VERSION: 0.12.1's
-    # jaxlib runs CPU bf16 products 5.7x slower); an environment that already has any 0.12.x
+    # jaxlib runs CPU bf16 products ~5x slower); an environment that already has any 0.12.x
     # keeps it (tests/foundation/test_packaging.py). A minor release changes XLA's kernels and
     # compile behaviour, so the next one is a decision, not an upgrade. The lower bounds of flax,
     # optax and orbax are the releases tested with it.

@@ -8,7 +8,13 @@ denominator ``l`` and an unnormalised accumulator ``acc`` are kept per query, so
 Per platform:
 - GPU: ``jax.nn.dot_product_attention(implementation="cudnn")`` when cuDNN accepts the shapes and
   dtypes (bf16/fp16, head dim a multiple of 8); otherwise the chunked XLA path below.
-- TPU: the Pallas splash kernel (``jax.experimental.pallas.ops.tpu.splash_attention``).
+- TPU: jax's Pallas splash kernel (``jax.experimental.pallas.ops.tpu.splash_attention``),
+  chosen over tokamax's on jax 0.12 by what the TPU compiler reports (``python -m
+  bench.tpu_splash``, README "Platform"): both compile for v5p and v6e, ours needs less HBM
+  (one Wan 14B 720p chip's forward + backward: 0.77 against 1.08 GiB of temporaries with
+  tokamax's three-step dq reduction, 54 GiB with its default, which does not fit a v6e chip),
+  libtpu's cost model sees inside neither (tokamax's time is the FLOPs it declares, at ~85-96%
+  of peak), and tokamax would add qwix, xprof and their dependencies.
 - CPU and every fallback: blockwise online softmax over query and key blocks with
   FlashAttention-2's backward written out (:mod:`jaxcore.kernels.blockwise`). The
   online-softmax pieces below (:func:`update_state`, :func:`attend_kv_blocks`) serve ring

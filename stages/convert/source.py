@@ -62,7 +62,7 @@ def _load_local(path: Path, config: DatasetConfig):
                     )
                 loaded = loaded[config.dataset_split]
             return loaded
-        with _quick_split_inference(path), _quick_origin_metadata():
+        with _quick_split_inference(path):
             return datasets.load_dataset(str(path), split=config.dataset_split)
     builder = FILE_BUILDERS.get(path.suffix.lower())
     if builder is None:
@@ -70,8 +70,7 @@ def _load_local(path: Path, config: DatasetConfig):
             f"source {config.source}: cannot read a {path.suffix or 'suffix-less'} file; "
             f"use a folder or one of {sorted(FILE_BUILDERS)}"
         )
-    with _quick_origin_metadata():
-        return datasets.load_dataset(builder, data_files=str(path), split=config.dataset_split)
+    return datasets.load_dataset(builder, data_files=str(path), split=config.dataset_split)
 
 
 # Substrings of every file pattern `datasets` tries before its catch-all ("**" -> train):
@@ -138,43 +137,6 @@ def _quick_split_inference(root: Path):
         return original(base_path, download_config=download_config)
 
     with replaced(hf_load, "get_data_patterns", get_data_patterns):
-        yield
-
-
-def _is_plain_local_path(data_file) -> bool:
-    return (
-        isinstance(data_file, str)
-        and os.path.isabs(data_file)
-        and "://" not in data_file
-        and "::" not in data_file
-    )
-
-
-@contextlib.contextmanager
-def _quick_origin_metadata():
-    """``datasets`` fingerprints a dataset's data files by their origin metadata; a local
-    file's is ``(str(mtime),)``, from fsspec's ``info`` (symlinks followed). It asks for them on
-    a pool of 16 threads, two fsspec lookups a file, all holding the GIL: 0.057 s of the 0.125 s
-    that opening a folder of 1,200 images took. For plain absolute local paths (what it
-    resolves a local folder to) this answers the same tuples from one ``os.stat`` a file; any
-    other list (a URL, an ``fsspec`` chain) goes to datasets' own function. A datasets version
-    whose function has another signature keeps its own for every call."""
-    import inspect
-
-    from datasets import data_files as df
-
-    original = getattr(df, "_get_origin_metadata", None)
-    expected = ["data_files", "download_config", "max_workers"]
-    if original is None or list(inspect.signature(original).parameters) != expected:
-        yield
-        return
-
-    def get_origin_metadata(data_files, download_config=None, max_workers=None):
-        if not all(_is_plain_local_path(f) for f in data_files):
-            return original(data_files, download_config=download_config, max_workers=max_workers)
-        return [(str(os.stat(f).st_mtime),) for f in data_files]
-
-    with replaced(df, "_get_origin_metadata", get_origin_metadata):
         yield
 
 

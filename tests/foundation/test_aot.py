@@ -368,3 +368,19 @@ def _only_step(cfg):
 
     steps = load_pipeline_spec(deploy._pipeline(cfg))
     return steps, steps[0]
+
+
+@needs_libtpu
+def test_tpu_splash_bench_compiles_our_kernel_for_a_chip(monkeypatch):
+    """bench.tpu_splash: jax's splash kernel compiles for one v5p chip, forward + backward, and
+    the cost model does not see inside it (its FLOPs are far under the attention's)."""
+    from bench import tpu_splash
+
+    monkeypatch.setitem(tpu_splash.CASES, "tiny", (1_000, 2, 128))
+    # the suite's "highest" matmul precision (conftest) is one Mosaic's bf16 products refuse
+    with jax.default_matmul_precision("default"):
+        record = tpu_splash.compile_case("jax_splash", "v5p-8", "tiny")
+    assert record["compiles"], record.get("error")
+    assert record["tokens"] == 1_024  # padded to the 512 block
+    assert record["temp_gib"] < 0.1 and record["argument_gib"] > 0
+    assert record["xla_flops"] < 0.1 * record["attention_flops"]

@@ -73,3 +73,26 @@ def test_overrides_may_follow_flags(capsys):
     )
     with pytest.raises(SystemExit):
         cli.main([*argv, "--no-such-flag"])
+
+
+@pytest.mark.parametrize(
+    ("jaxlib_version", "accelerator", "warned"),
+    [("0.12.1", False, True), ("0.12.1", True, False), ("0.12.0.1", False, False)],
+)
+def test_a_jaxlib_with_slow_cpu_products_is_named_once(
+    monkeypatch, caplog, jaxlib_version, accelerator, warned
+):
+    import jaxlib
+
+    from jaxcore import host_memory
+
+    monkeypatch.setattr(jaxlib, "__version__", jaxlib_version)
+    monkeypatch.setattr(host_memory, "accelerator_present", lambda: accelerator)
+    with caplog.at_level("WARNING", logger="difforge"):
+        cli.warn_about_slow_cpu_jaxlib()
+    lines = [r.getMessage() for r in caplog.records if r.name == "difforge"]
+    assert len(lines) == int(warned)
+    if warned:
+        assert (
+            "jaxlib 0.12.1" in lines[0] and "pip install jax==0.12.0.1 jaxlib==0.12.0.1" in lines[0]
+        )

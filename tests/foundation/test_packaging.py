@@ -11,7 +11,6 @@ from pathlib import Path
 
 import jax
 import jaxlib
-import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,10 +63,10 @@ def test_find_python_names_a_3_12_interpreter_or_says_what_to_install(tmp_path):
     assert missing.stderr.count("\n") == 1 and "Python 3.12" in missing.stderr
 
 
-@pytest.mark.slow
 def test_installing_difforge_keeps_the_environments_jax():
     """What ``pip install -e .`` would do in this environment (jax 0.12.x already installed):
-    install nothing of jax's, nor any other version of a package jax brings."""
+    install nothing of jax's, nor any other version of a package jax brings. (The build runs
+    without isolation: setuptools is in the environment, torch brings it.)"""
     report = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-"]
         + ["--no-build-isolation", "-e", str(ROOT)],

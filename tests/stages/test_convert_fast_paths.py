@@ -6,7 +6,6 @@ process, full encode batches, and a default job that never imports TensorFlow or
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -99,36 +98,11 @@ def test_quick_split_inference_gives_the_same_dataset(tmp_path, monkeypatch):
     assert datasets.load.get_data_patterns.__module__ == "datasets.data_files"  # restored
 
 
-def test_quick_origin_metadata_answers_what_datasets_does(tmp_path):
-    """One os.stat a file gives datasets' own tuples (fsspec's mtime, a symlink followed to its
-    target); a list holding anything but plain absolute paths goes to datasets' function."""
-    import os
-
-    from datasets import data_files as df
-
-    original = df._get_origin_metadata
-    target = tmp_path / "target.png"
-    target.write_bytes(b"x")
-    os.utime(target, (1_700_000_000.25, 1_700_000_000.25))
-    (tmp_path / "plain.png").write_bytes(b"y")
-    (tmp_path / "link.png").symlink_to(target)
-    local = [str(tmp_path / name) for name in ("plain.png", "link.png", "target.png")]
-    mixed = [*local[:1], f"file://{target}"]
-    expected = {tuple(paths): original(paths) for paths in (local, mixed)}
-    assert expected[tuple(local)][1] == expected[tuple(local)][2]  # the link's is its target's
-    with source._quick_origin_metadata():
-        assert df._get_origin_metadata is not original
-        for paths in (local, mixed):
-            assert df._get_origin_metadata(paths) == expected[tuple(paths)]
-    assert df._get_origin_metadata is original
-
-
 def test_quick_paths_give_the_same_dataset_as_datasets_own(tmp_path, monkeypatch):
     folder = synthetic.make_shapes_dataset(tmp_path / "shapes", num_items=5, height=8, width=8)
     config = DatasetConfig(source=str(folder))
     quick = source.load_source(config)
     monkeypatch.setattr(source, "_only_catch_all", lambda root: False)
-    monkeypatch.setattr(source, "_quick_origin_metadata", contextlib.nullcontext)
     slow = source.load_source(config)
     assert quick._fingerprint == slow._fingerprint and quick[:] == slow[:]
 
