@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from stages.common.subprocesses import allow_fork_exec_under_jax
+
 # Drop reasons: each becomes a Beam Metrics counter and a manifest entry.
 MISSING_MEDIA = "missing_media"
 UNDECODABLE_MEDIA = "undecodable_media"
@@ -100,6 +102,8 @@ def _try_decode_image(data: bytes) -> np.ndarray | None:
 def _decode_video(data: bytes, name: str) -> Clip:
     """Decode every frame with imageio's ffmpeg plugin (through a temp file: ffmpeg seeks)."""
     import imageio.v2 as imageio
+
+    allow_fork_exec_under_jax()  # ffmpeg is a child process
 
     suffix = os.path.splitext(name)[1] or ".mp4"
     with tempfile.NamedTemporaryFile(suffix=suffix) as tmp:

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxcore import storage
+from stages.common.subprocesses import allow_fork_exec_under_jax
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ def encode_png(frame_hwc: np.ndarray) -> bytes:
 def encode_mp4(frames_fhwc: np.ndarray, fps: int) -> bytes:
     """H.264 MP4 through imageio's ffmpeg (bundled by imageio-ffmpeg), via a temp file."""
     import imageio.v2 as imageio
+
+    allow_fork_exec_under_jax()  # ffmpeg is a child process
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "video.mp4")
