@@ -4,8 +4,8 @@ For every (bench, case) both runs measured, difforge's median in each, the ratio
 (A / B: > 1 means B is faster) and, where the run timed a reference in the same script
 (diffusers or PyTorch eager, diffusers' WanPipeline), difforge's ratio to it in each run
 (reference / difforge), which does not drift with the machine between the runs. Used for the
-platform comparison (jax 0.10.2 against 0.12.1: ``bench/results/jax-0.10.2.json`` and
-``latest.json``) and for switching one mechanism off.
+platform comparison (``bench/results/platform/``: jax 0.10.2 against 0.12.0.1 and 0.12.1) and
+for switching one mechanism off (``python -m bench.ablate``).
 """
 
 from __future__ import annotations
