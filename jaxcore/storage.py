@@ -201,6 +201,7 @@ class FileInfo:
     path: str  # relative to the listed root, '/'-separated
     size: int
     generation: int | None = None  # GCS: the object's generation (new on every write)
+    checksum: str | None = None  # GCS: as :func:`checksum` gives it, free with the listing
 
 
 def list_files(uri: str) -> list[FileInfo]:
@@ -211,7 +212,9 @@ def list_files(uri: str) -> list[FileInfo]:
         prefix = prefix.rstrip("/") + "/" if prefix else ""
         for blob in _client().list_blobs(bucket, prefix=prefix):
             name = blob.name[len(prefix) :]
-            out.append(FileInfo(name, int(blob.size or 0), int(blob.generation or 0)))
+            out.append(
+                FileInfo(name, int(blob.size or 0), int(blob.generation or 0), _blob_checksum(blob))
+            )
     else:
         root = Path(uri)
         if root.is_dir():
@@ -221,14 +224,30 @@ def list_files(uri: str) -> list[FileInfo]:
     return sorted(out, key=lambda f: f.path)
 
 
-def checksum(uri: str) -> str:
-    """``md5:<base64>`` of the object's bytes (the form GCS reports natively)."""
+def _blob_checksum(blob) -> str:
+    if blob.md5_hash:
+        return f"md5:{blob.md5_hash}"
+    return f"crc32c:{blob.crc32c}"  # composite objects carry no md5
+
+
+def checksum(uri: str, kind: str = "md5") -> str:
+    """``md5:<base64>`` of the object's bytes (the form GCS reports natively).
+
+    GCS gives the object's own (``crc32c:`` for a composite object, which carries no md5)
+    without a download; a local file is hashed as ``kind`` asks ("md5" or "crc32c"), so a
+    file copied down from a composite object can be compared with what its listing said."""
     if is_gcs(uri):
         blob = _blob(uri)
         blob.reload()
-        if blob.md5_hash:
-            return f"md5:{blob.md5_hash}"
-        return f"crc32c:{blob.crc32c}"  # composite objects carry no md5
+        return _blob_checksum(blob)
+    if kind == "crc32c":
+        import google_crc32c
+
+        crc = google_crc32c.Checksum()
+        with open(uri, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                crc.update(chunk)
+        return "crc32c:" + base64.b64encode(crc.digest()).decode()
     digest = hashlib.md5(usedforsecurity=False)
     with open(uri, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -22,7 +22,14 @@ import orbax.checkpoint as ocp
 from flax import linen as nn
 
 from jaxcore import families, sharding, storage
-from jaxcore.artifacts import ArtifactError, Manifest, open_artifact, read_manifest
+from jaxcore.artifacts import (
+    ArtifactError,
+    Manifest,
+    check_files,
+    open_artifact,
+    read_manifest,
+    relocate,
+)
 from jaxcore.compute import ComputeConfig
 from stages.common.errors import StageInputError
 
@@ -155,8 +162,9 @@ def resolve_checkpoint_source(uri: str, which: str) -> CheckpointSource:
     manifest = read_manifest(uri)
     if manifest is None:
         open_artifact(uri, "train")  # raises, naming the missing manifest
+    check_files(manifest)
     if manifest.stage == "evaluate":
-        train = open_artifact(manifest.summary["train_artifact"], "train")
+        train = open_artifact(relocate(manifest, manifest.summary["train_artifact"]), "train")
         if which == "best":
             step = int(manifest.summary["best_checkpoint_step"])
             resolve_init_step(train, str(step))  # the checkpoint must still exist
@@ -257,7 +265,8 @@ def _restore_base(train: Manifest, family, module, compute: ComputeConfig, mesh)
         )
         return params
     if kind == "train_artifact":
-        parent = CheckpointSource(open_artifact(origin["path"], "train"), int(origin["step"]), {})
+        parent_uri = relocate(train, origin["path"])
+        parent = CheckpointSource(open_artifact(parent_uri, "train"), int(origin["step"]), {})
         return restore_denoiser(parent, compute, mesh)[2]
     raise StageInputError(f"{train.uri}: cannot rebuild the LoRA's base model from {origin}")
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxcore import sharding, storage
+from jaxcore import artifacts, sharding, storage
 from jaxcore.artifacts import Manifest
 from jaxcore.families import TensorSpec
 from stages.common import records
@@ -87,10 +87,14 @@ def empty_prompt(manifest: Manifest) -> dict[str, np.ndarray]:
 
 def split_shards(manifest: Manifest, split: str) -> list[dict]:
     """Every shard one split of a convert artifact reads, ``{"uri", "size", "checksum"}``:
-    those an incremental convert inherited from its base (``base_shards``, absolute URIs),
-    then its own (``shards``, paths in the artifact)."""
+    those an incremental convert inherited from its base (``base_shards``, absolute URIs,
+    read from a copy of the base moved together with this artifact when there is one), then
+    its own (``shards``, paths in the artifact)."""
     info = (manifest.summary.get("splits") or {}).get(split) or {}
     out = [dict(entry) for entry in info.get("base_shards") or ()]
+    moved = artifacts.relocate_files(manifest, [entry["uri"] for entry in out])
+    for entry, uri in zip(out, moved, strict=True):
+        entry["uri"] = uri
     listed = {f["path"]: f for f in manifest.files}
     for rel in info.get("shards") or ():
         entry = listed.get(rel)

@@ -147,7 +147,10 @@ def _generate_artifact(source: str):
     if not (storage.is_gcs(source) or Path(source).is_dir()):
         return None
     manifest = artifacts.read_manifest(source)
-    return manifest if manifest is not None and manifest.stage == "generate" else None
+    if manifest is None or manifest.stage != "generate":
+        return None
+    artifacts.check_files(manifest)
+    return manifest
 
 
 def _load_renders(manifest, config: DatasetConfig):

@@ -91,6 +91,7 @@ def checkpoint_artifact(source: str) -> Manifest | None:
     manifest = artifacts.read_manifest(source)
     if manifest is None:
         return None
+    artifacts.check_files(manifest)
     if manifest.stage not in ("train", "evaluate"):
         raise StageInputError(
             f"pretrained_model_name_or_path {source} is a {manifest.stage!r} artifact; "

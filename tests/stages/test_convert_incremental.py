@@ -4,6 +4,7 @@ more, then nothing new, then some removed; train/evaluate's reader sees the unio
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -166,3 +167,28 @@ def test_a_base_with_other_settings_or_a_missing_base_is_refused(tmp_path, encod
     assert _convert(folder, encoder_dir, tmp_path / "c", base=str(base), id_column="null") == 2
     assert "stable ids" in capsys.readouterr().err
     assert not any((tmp_path / n / "manifest.json").exists() for n in "abc")
+
+
+def test_a_copied_folder_of_daily_artifacts_reads_the_copy(tmp_path, encoder_dir):
+    """``cp -r`` of a folder holding a base, its incremental successor and the LATEST pointer,
+    the original removed: the copy's pointer opens the copied successor, whose inherited base
+    shards are read from the copied base; every record as before."""
+    folder = _plain_imagefolder(tmp_path / "imgs", NAMES[:8])
+    daily = tmp_path / "daily"
+    assert _convert(folder, encoder_dir, daily / "day1") == 0
+    _plain_imagefolder(folder, NAMES[:10])
+    pointer = str(daily / "LATEST")
+    assert (
+        _convert(folder, encoder_dir, daily / "day2", base=str(daily / "day1"), latest=pointer) == 0
+    )
+    before = {k: v[records.LATENTS].tobytes() for k, v in _union(pointer).items()}
+
+    moved = tmp_path / "bucket-in-the-tpu-region" / "daily"
+    shutil.copytree(daily, moved)
+    shutil.rmtree(daily)
+    manifest = open_artifact(str(moved / "LATEST"), "convert")
+    assert manifest.uri == str(moved / "day2")
+    shards = [s for split in records.SPLITS for s in data.split_spec(manifest, split).shards]
+    assert shards and all(s.startswith(str(moved)) for s in shards)
+    after = {k: v[records.LATENTS].tobytes() for k, v in _union(str(moved / "LATEST")).items()}
+    assert after == before

@@ -8,6 +8,7 @@ tests need no training run.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -185,3 +186,35 @@ def test_missing_data_manifest_is_a_one_line_error(artifacts, tmp_path, capsys):
     )
     assert rc == 2
     assert "manifest.json" in capsys.readouterr().err
+
+
+def test_a_copied_run_folder_reads_its_own_checkpoints(artifacts, tmp_path):
+    """Train and evaluate artifacts copied together (``gsutil cp -r runs gs://other/``), the
+    originals gone: the copied evaluation's best checkpoint is restored from the copied train
+    artifact, with the same parameters."""
+    from jaxcore.compute import ComputeConfig
+
+    data_uri, train_uri = artifacts
+    runs = tmp_path / "runs"
+    shutil.copytree(train_uri, runs / "train")
+    args = [
+        "evaluate",
+        str(EVAL_YML),
+        f"checkpoints={runs / 'train'}",
+        f"data={data_uri}",
+        f"output_dir={runs / 'evaluate'}",
+        "-q",
+    ]
+    assert main(args) == 0
+    mesh = sharding.make_mesh(sharding.MeshConfig(), jax.devices()[:1])
+    source = checkpointing.resolve_checkpoint_source(str(runs / "evaluate"), "best")
+    *_, before = checkpointing.restore_denoiser(source, ComputeConfig(), mesh)
+
+    moved = tmp_path / "other-bucket" / "runs"
+    shutil.copytree(runs, moved)
+    shutil.rmtree(runs)
+    source = checkpointing.resolve_checkpoint_source(str(moved / "evaluate"), "best")
+    assert source.train.uri == str(moved / "train")
+    *_, after = checkpointing.restore_denoiser(source, ComputeConfig(), mesh)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
