@@ -83,22 +83,70 @@ def conv3d(w: np.ndarray) -> np.ndarray:
 
 
 def _read_header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise WeightsError(f"{path}: not a safetensors file (shorter than its header)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100_000_000:
-            raise WeightsError(f"{path}: not a safetensors file (header length {n})")
-        try:
+    """The header and the data's start, once the ``safetensors`` library has validated the
+    file: a JSON header, known dtypes, each tensor's offsets the size its dtype and shape
+    give, no overlaps or gaps, and the data ending exactly at the end of the file (so a
+    truncated download is refused here, not met as a reshape error on first use)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise WeightsError(f"{path}: not a safetensors file (shorter than its header)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(100_000_000, size - 8):
+                raise WeightsError(
+                    f"{path}: not a safetensors file (header length {n}, file {size} bytes)"
+                )
             header = json.loads(f.read(n))
-        except json.JSONDecodeError as err:
-            raise WeightsError(f"{path}: corrupt safetensors header: {err}") from None
+        if not isinstance(header, dict):
+            raise WeightsError(f"{path}: corrupt safetensors header: not a JSON object")
+        with safe_open(path, framework="numpy"):
+            pass
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise WeightsError(f"{path}: corrupt safetensors header: {err}") from None
+    except SafetensorError as err:
+        raise WeightsError(f"{path}: {_explain(err, header, size - 8 - n)}") from None
+    except OSError as err:
+        raise WeightsError(f"{path}: cannot read: {err}") from None
+    for key, info in header.items():
+        if key != "__metadata__" and info.get("dtype") not in _DTYPES:
+            raise WeightsError(f"{path}: tensor {key!r} has unsupported dtype {info.get('dtype')}")
     return header, 8 + n
 
 
+def _explain(err: Exception, header: dict, data_bytes: int) -> str:
+    """The library's reason; with the sizes when the tensors tile a data block that ends
+    elsewhere than the file does (a truncated or padded file)."""
+    spans = sorted(
+        tuple(info["data_offsets"])
+        for key, info in header.items()
+        if key != "__metadata__"
+        and isinstance(info, dict)
+        and isinstance(info.get("data_offsets"), list)
+        and len(info["data_offsets"]) == 2
+    )
+    tiled = bool(spans) and spans[0][0] == 0
+    tiled = tiled and all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    wanted = spans[-1][1] if tiled else None
+    if wanted is not None and wanted != data_bytes:
+        state = (
+            "truncated (an interrupted download or copy?)"
+            if wanted > data_bytes
+            else "longer than its header describes"
+        )
+        return (
+            f"the header describes {wanted} bytes of tensor data, the file holds {data_bytes}: "
+            f"the file is {state}. Download or copy it again."
+        )
+    return f"invalid safetensors file: {err}"
+
+
 class SafetensorsFile:
-    """One memory-mapped .safetensors file; tensors are zero-copy numpy views."""
+    """One memory-mapped .safetensors file, validated on open; tensors are zero-copy numpy
+    views (``safetensors``' own numpy reader copies, and knows no bfloat16)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -129,9 +177,7 @@ class SafetensorsFile:
 
     def get(self, key: str) -> np.ndarray:
         info = self.header[key]
-        dtype = _DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise WeightsError(f"{self.path}: tensor {key!r} has unsupported dtype {info['dtype']}")
+        dtype = _DTYPES[info["dtype"]]
         if self._mmap is None:
             self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
         start, end = info["data_offsets"]
@@ -160,11 +206,14 @@ class SafetensorsReader:
         index_files = sorted(self.directory.glob("*.safetensors.index.json"))
         opened = {p.name: SafetensorsFile(p) for p in files}
         if index_files:
-            index = json.loads(index_files[0].read_text())
-            for key, fname in index.get("weight_map", {}).items():
+            for key, fname in _weight_map(index_files[0]).items():
                 if fname not in opened:
                     raise WeightsError(
                         f"{index_files[0]}: shard {fname} (holding {key!r}) is missing"
+                    )
+                if key not in opened[fname].header:
+                    raise WeightsError(
+                        f"{index_files[0]}: {key!r} is mapped to {fname}, which does not hold it"
                     )
                 self._key_to_file[key] = opened[fname]
         for f in opened.values():
@@ -193,6 +242,20 @@ class SafetensorsReader:
 
     def as_dict(self) -> dict[str, np.ndarray]:
         return {k: self.get(k) for k in self.keys()}
+
+
+def _weight_map(index_file: Path) -> dict[str, str]:
+    """A sharded checkpoint's ``weight_map`` (tensor name -> shard file name)."""
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WeightsError(f"{index_file}: not a readable JSON index: {err}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise WeightsError(f"{index_file}: no 'weight_map' of tensor names to shard file names")
+    return weight_map
 
 
 def read_config(directory: str | os.PathLike, name: str = "config.json") -> dict:
@@ -265,18 +328,16 @@ def load_params(
     unexpected = sorted(k for k in source_keys - used if not (ignore and k.startswith(ignore)))
     problems = []
     if no_rule:
-        problems.append(f"parameters with no source key in the weight map: {no_rule}")
+        problems.append(f"parameters with no source key in the weight map: {_few(no_rule)}")
     if stale_rule:
-        problems.append(f"weight map names parameters the model does not have: {stale_rule}")
+        problems.append(f"weight map names parameters the model does not have: {_few(stale_rule)}")
     if missing:
-        problems.append(f"missing keys in the checkpoint: {missing}")
+        problems.append(f"missing keys in the checkpoint: {_few(missing)}")
     if unexpected:
-        problems.append(f"unexpected keys in the checkpoint: {unexpected}")
+        problems.append(f"unexpected keys in the checkpoint: {_few(unexpected)}")
+    where = getattr(reader, "directory", "the given state dict")
     if problems:
-        where = getattr(reader, "directory", "the given state dict")
-        raise WeightsError(
-            f"weights at {where} do not match the model:\n  " + "\n  ".join(problems)
-        )
+        raise WeightsError(f"weights at {where} do not match the model: " + "; ".join(problems))
 
     mismatched = []
     placed: dict[ParamPath, jax.Array] = {}
@@ -298,8 +359,17 @@ def load_params(
         if hasattr(reader, "release"):
             reader.release(src)
     if mismatched:
-        raise WeightsError("shape mismatch:\n  " + "\n  ".join(mismatched))
+        raise WeightsError(
+            f"weights at {where} do not match the model its config describes (shape mismatch: "
+            f"{_few(mismatched)}); were they saved with this config.json?"
+        )
     return _unflatten(placed)
+
+
+def _few(items: list[str], shown: int = 4) -> str:
+    """The first few of a list, on one line, with how many more there are."""
+    text = "; ".join(items[:shown])
+    return f"{text}; and {len(items) - shown} more" if len(items) > shown else text
 
 
 def load_placed(

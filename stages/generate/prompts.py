@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterable
 
@@ -215,6 +216,8 @@ def _check_type(value, field: str, where: str):
     if field in FIELDS_FLOAT:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise StageInputError(f"{where}: {field} must be a number, got {value!r}")
+        if not math.isfinite(value):  # JSON's NaN / Infinity extensions
+            raise StageInputError(f"{where}: {field} must be a finite number, got {value!r}")
         return float(value)
     if not isinstance(value, str):
         raise StageInputError(f"{where}: {field} must be a string, got {value!r}")

@@ -115,6 +115,67 @@ def check_latent_files(specs: Sequence[PromptSpec], latent_shape: Callable) -> N
             read_latents(spec, latent_shape(spec.height, spec.width, spec.num_frames))
 
 
+def available_host_bytes() -> int | None:
+    """What this host can still allocate (``MemAvailable``), None where that is unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def device_bytes_limit() -> int | None:
+    """One local accelerator's memory (``bytes_limit``); None on a CPU (its memory is the
+    host's)."""
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None
+
+
+def render_bytes_floor(spec: PromptSpec, latent_shape: Callable) -> tuple[int, int]:
+    """(device, host) bytes one render of ``spec`` cannot do without: the latents with the
+    noise and the prediction beside them, and the decoded frames (float32 on the device; on
+    the host, with their 8-bit copy). A lower bound: weights and activations come on top."""
+    latents = 4 * math.prod(latent_shape(spec.height, spec.width, spec.num_frames))
+    pixels = spec.height * spec.width * spec.num_frames * 3
+    return 3 * latents + 4 * pixels, 4 * pixels + pixels
+
+
+def check_memory(
+    specs: Sequence[PromptSpec],
+    latent_shape: Callable,
+    prompt_file: str,
+    host_bytes: int | None = None,
+    device_bytes: int | None = None,
+) -> None:
+    """Before loading the model: refuse a line whose render cannot fit this machine even
+    without weights or activations, naming the line and the memory it would need."""
+    host_bytes = available_host_bytes() if host_bytes is None else host_bytes
+    device_bytes = device_bytes_limit() if device_bytes is None else device_bytes
+    gib = 1 << 30
+    for spec in specs:
+        on_device, on_host = render_bytes_floor(spec, latent_shape)
+        where = f"{prompt_file} line {spec.line} (id {spec.id!r})"
+        size = f"{spec.height}x{spec.width}, {spec.num_frames} frame(s)"
+        if device_bytes and on_device > device_bytes:
+            raise StageInputError(
+                f"{where}: a {size} render needs at least {on_device / gib:,.1f} GiB on one "
+                f"device (latents and decoded frames alone), which has {device_bytes / gib:,.1f} "
+                "GiB; lower height, width or num_frames"
+            )
+        if host_bytes and on_host > host_bytes:
+            raise StageInputError(
+                f"{where}: a {size} render needs at least {on_host / gib:,.1f} GiB of host "
+                f"memory (its decoded frames alone), and {host_bytes / gib:,.1f} GiB is "
+                "available; lower height, width or num_frames"
+            )
+
+
 def read_image(uri: str, where: str):
     """A conditioning image file (local or gs://) as (PIL image, fully decoded; its bytes)."""
     from PIL import Image, UnidentifiedImageError

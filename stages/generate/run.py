@@ -114,6 +114,7 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
         return done
 
     render.check_latent_files(specs, source.latent_shape)  # also before any rendering
+    render.check_memory(specs, source.latent_shape, config.prompt_file)
     image_sha = render.check_image_files(specs)
     mesh = make_mesh(config.mesh)
     pipe = model.load(source, config.compute, mesh)

@@ -75,6 +75,11 @@ def test_wrong_type_and_missing(tmp_path):
         load_config(Job, None, ["output_dir=x", "optim.betas=[1,2,3]"])
     with pytest.raises(ConfigError, match=r"steps: expected an integer, got True"):
         from_dict(Job, {"output_dir": "x", "steps": True})
+    for given in ("nan", ".nan", ".inf", "-.inf", "inf"):
+        with pytest.raises(ConfigError, match=r"^optim.learning_rate: expected a finite number"):
+            load_config(Job, None, ["output_dir=x", f"optim.learning_rate={given}"])
+    with pytest.raises(ConfigError, match=r"^optim.betas\[1\]: expected a finite number"):
+        load_config(Job, None, ["output_dir=x", "optim.betas=[0.9, .nan]"])
 
 
 def test_ambiguous_bare_key():

@@ -194,6 +194,18 @@ def test_missing_key_is_named(tiny_checkpoint, tmp_path):
         wt.load_wan_transformer(tmp_path / "bad")
 
 
+def test_a_half_copied_weights_file_is_named_before_loading(tiny_checkpoint, tmp_path):
+    """Half a diffusion_pytorch_model.safetensors (an interrupted download) is refused naming
+    the file, not met as a reshape error inside the loader."""
+    (tmp_path / "config.json").write_text((tiny_checkpoint / "config.json").read_text())
+    raw = (tiny_checkpoint / "diffusion_pytorch_model.safetensors").read_bytes()
+    (tmp_path / "diffusion_pytorch_model.safetensors").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(
+        weights.WeightsError, match="diffusion_pytorch_model.safetensors: .*truncated"
+    ):
+        wt.load_wan_transformer(tmp_path)
+
+
 def test_pickle_only_directory_is_refused(tiny_checkpoint, tmp_path):
     (tmp_path / "config.json").write_text((tiny_checkpoint / "config.json").read_text())
     torch.save({"x": torch.zeros(1)}, tmp_path / "diffusion_pytorch_model.bin")

@@ -174,6 +174,63 @@ def test_bad_prompt_file_fails_before_loading_the_model(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_line_too_big_for_the_machine_is_refused_before_loading(
+    tiny_dir, tmp_path, capsys, monkeypatch
+):
+    """65536x65536 at 81 frames (the issue's line: numpy's 'Unable to allocate 246. GiB' once
+    the model had loaded) is refused up front, naming the line and the memory it needs."""
+    from stages.generate import model
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(model, "load", no_load)
+    prompts = tmp_path / "big.jsonl"
+    prompts.write_text(
+        '{"prompt": "fine"}\n'
+        '{"prompt": "huge", "height": 65536, "width": 65536, "num_frames": 81}\n'
+    )
+    out = tmp_path / "run"
+    assert _generate(tiny_dir, str(prompts), str(out)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert (
+        "big.jsonl line 2 (id '00001'): a 65536x65536, 81 frame(s) render needs at least" in err[0]
+    )
+    assert "GiB of host memory" in err[0] or "GiB on one device" in err[0]
+    assert not (out / "manifest.json").exists()
+
+
+def test_the_memory_floor_counts_latents_and_frames(tiny_dir):
+    """The floor is what a render cannot do without; it refuses only what cannot fit."""
+    from jaxcore.config import load_config
+    from stages.common.errors import StageInputError
+    from stages.generate import model, render
+    from stages.generate.config import GenerateConfig, SamplingSection
+    from stages.generate.prompts import parse_prompts
+
+    defaults = SamplingSection(num_inference_steps=2, guidance_scale=4.0)
+    config = load_config(
+        GenerateConfig,
+        REPO / "configs/stages/generate.yml",
+        [f"pretrained_model_name_or_path={tiny_dir}", "prompt_file=p.txt", "output_dir=o"],
+    )
+    source = model.describe(config)
+    line = '{"prompt": "x", "height": 64, "width": 32, "num_frames": 5}'
+    spec = parse_prompts("p.jsonl", [line], defaults)[0]
+    latent = source.latent_shape(64, 32, 5)
+    on_device, on_host = render.render_bytes_floor(spec, source.latent_shape)
+    assert on_device == 3 * 4 * int(np.prod(latent)) + 4 * 64 * 32 * 5 * 3
+    assert on_host == 5 * 64 * 32 * 5 * 3
+    render.check_memory(
+        [spec], source.latent_shape, "p.jsonl", host_bytes=on_host, device_bytes=on_device
+    )
+    with pytest.raises(StageInputError, match="p.jsonl line 1 .* GiB of host memory"):
+        render.check_memory([spec], source.latent_shape, "p.jsonl", host_bytes=on_host - 1)
+    with pytest.raises(StageInputError, match="p.jsonl line 1 .* GiB on one device"):
+        render.check_memory([spec], source.latent_shape, "p.jsonl", device_bytes=on_device - 1)
+
+
 def _render(pipe, specs, batch_size: int) -> dict[str, np.ndarray]:
     from stages.generate import render
 

@@ -58,6 +58,8 @@ def test_jsonl_fields_override_defaults():
         ('{"negative_prompt": "x"}', "missing field 'prompt'"),
         ('{"prompt": "x", "original_size": [64]}', "original_size must be two integers"),
         ('{"prompt": "x", "target_size": [8, -1]}', "target_size must not be negative"),
+        ('{"prompt": "x", "guidance_scale": NaN}', "guidance_scale must be a finite number"),
+        ('{"prompt": "x", "flow_shift": -Infinity}', "flow_shift must be a finite number"),
     ],
 )
 def test_bad_line_is_named_before_rendering(bad_line, message):
