@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export NO_GCE_CHECK ?= true
 
-.PHONY: install demo test test-slow test-all lint format bench clean xpk-venv tpu-libs maxdiffusion-venv
+.PHONY: install demo test test-slow test-faults test-all lint format bench clean xpk-venv tpu-libs maxdiffusion-venv
 
 $(STAMP): setup.py
 	@# a .venv from before the move to Python 3.12 (jax 0.10 on 3.11) cannot hold jax 0.12
@@ -37,6 +37,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# fuzzed bad input (prompt files, YAML, overrides, model files, LoRA files): prints the counts
+test-faults: $(STAMP)
+	$(PY) -m pytest -q -s -m slow tests/faults
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ""
