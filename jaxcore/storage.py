@@ -10,6 +10,10 @@ Guarantees:
 - :func:`checksum` is ``md5:<base64>`` on both backends (GCS reports it without a download).
 - :func:`local_copy` serves a cached file only while its object has the generation it was
   downloaded at; downloads ask for that generation and are checksum-verified.
+- Transient GCS errors (429, 5xx, dropped connections, timeouts) are retried with exponential
+  backoff (:data:`RETRY`). Every write names the generation it replaces
+  (``if_generation_match``), so a retry never overwrites what another writer put there; a
+  retry that finds its own earlier attempt landed (the response was lost) takes it as done.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import base64
 import contextlib
 import functools
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -31,6 +36,30 @@ GCS_PREFIX = "gs://"
 
 class StorageError(OSError):
     """An I/O failure naming the URI."""
+
+
+def _named_errors(fn):
+    """GCS failures that retries did not mend (a permanent 403, a deadline past) as a
+    :class:`StorageError` naming the URI (the function's ``uri`` argument)."""
+    position = list(inspect.signature(fn).parameters).index("uri")
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        uri = kwargs.get("uri", args[position] if len(args) > position else "?")
+        try:
+            return fn(*args, **kwargs)
+        except StorageError:
+            raise
+        except Exception as err:
+            module = type(err).__module__
+            if not module.startswith(("google.", "requests", "urllib3")):
+                raise
+            code = getattr(err, "code", None)
+            what = f"GCS said {int(code)}" if code else type(err).__name__
+            message = getattr(err, "message", None) or str(err)
+            raise StorageError(f"{uri}: {what}: {message.splitlines()[0][:200]}") from None
+
+    return wrapper
 
 
 def is_gcs(uri: str) -> bool:
@@ -71,16 +100,18 @@ def _blob(uri: str):
     return _client().bucket(bucket).blob(name)
 
 
+@_named_errors
 def exists(uri: str) -> bool:
     if is_gcs(uri):
         return _blob(uri).exists()
     return Path(uri).exists()
 
 
+@_named_errors
 def read_bytes(uri: str) -> bytes:
     try:
         if is_gcs(uri):
-            return _blob(uri).download_as_bytes()
+            return _blob(uri).download_as_bytes(retry=_retry())
         with open(uri, "rb") as file:  # (not pathlib: convert reads every media file here)
             return file.read()
     except FileNotFoundError:
@@ -99,10 +130,51 @@ def _local_tmp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
 
 
+@functools.lru_cache(maxsize=1)
+def _retry():
+    """google-cloud-storage's own retry (429, 5xx, connection errors, timeouts), sooner."""
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    return DEFAULT_RETRY.with_delay(initial=0.25, maximum=16.0, multiplier=2.0)
+
+
+def _generation(blob) -> int:
+    """The object's current generation; 0 when it does not exist (what a create matches)."""
+    from google.api_core.exceptions import NotFound
+
+    try:
+        blob.reload(retry=_retry())
+    except NotFound:
+        return 0
+    return int(blob.generation or 0)
+
+
+def _holds(uri: str, data: bytes) -> bool:
+    """Whether the object at ``uri`` now holds exactly ``data``."""
+    try:
+        return read_bytes(uri) == data
+    except StorageError:
+        return False
+
+
+def _upload_over(uri: str, data: bytes, generation: int) -> bool:
+    """Upload ``data`` in place of ``generation`` (0: create). False when the object has
+    moved on without this write; a retry that finds its own lost attempt landed is True."""
+    from google.api_core.exceptions import PreconditionFailed
+
+    try:
+        _blob(uri).upload_from_string(data, if_generation_match=generation, retry=_retry())
+    except PreconditionFailed:
+        return _holds(uri, data)
+    return True
+
+
+@_named_errors
 def write_bytes(uri: str, data: bytes) -> None:
     """Atomic write (local: temp file + rename; GCS: a single-object upload is atomic)."""
     if is_gcs(uri):
-        _blob(uri).upload_from_string(data)
+        if not _upload_over(uri, data, _generation(_blob(uri))):
+            raise StorageError(f"{uri} was replaced by another writer while this one wrote it")
         return
     path = Path(uri)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,6 +194,7 @@ def write_text(uri: str, text: str) -> None:
 MAX_COMPOSE_COMPONENTS = 1000
 
 
+@_named_errors
 def append_text(uri: str, text: str) -> None:
     """Add ``text`` at the end of a file, creating it (not atomic: a crash may leave a torn
     last line, which readers of append-only logs skip).
@@ -136,32 +209,44 @@ def append_text(uri: str, text: str) -> None:
         with open(path, "a", encoding="utf-8") as f:
             f.write(text)
         return
+    from google.api_core.exceptions import PreconditionFailed
+
+    data = text.encode("utf-8")
     blob = _blob(uri)
-    if not blob.exists():
-        blob.upload_from_string(text.encode("utf-8"))
-        return
-    blob.reload()
-    if (blob.component_count or 1) >= MAX_COMPOSE_COMPONENTS:
-        blob.upload_from_string(blob.download_as_bytes() + text.encode("utf-8"))
+    generation = _generation(blob)
+    if generation == 0 or (blob.component_count or 1) >= MAX_COMPOSE_COMPONENTS:
+        old = blob.download_as_bytes(retry=_retry()) if generation else b""
+        if not _upload_over(uri, old + data, generation):
+            raise StorageError(f"{uri} was appended to by another writer at the same time")
         return
     part = _blob(f"{uri}.append-{uuid.uuid4().hex[:8]}")
-    part.upload_from_string(text.encode("utf-8"))
+    part.upload_from_string(data, if_generation_match=0, retry=_retry())
     try:
         # a fresh handle as the destination: the request must not carry the old checksums
-        _blob(uri).compose([blob, part], if_generation_match=blob.generation)
+        _blob(uri).compose([blob, part], if_generation_match=generation, retry=_retry())
+    except PreconditionFailed:
+        # a retry of a compose that landed (its response lost) finds the object one append on
+        now = _blob(uri)
+        now.reload(retry=_retry())
+        landed = now.size == blob.size + len(data) and read_bytes(uri).endswith(data)
+        if not landed:
+            raise StorageError(
+                f"{uri} was appended to by another writer at the same time"
+            ) from None
     finally:
-        part.delete()
+        part.delete(retry=_retry())
 
 
+@_named_errors
 def create_exclusive(uri: str, data: bytes) -> bool:
     """Create ``uri`` with ``data`` only if it does not exist yet. True if this call created it."""
     if is_gcs(uri):
         from google.api_core.exceptions import PreconditionFailed
 
         try:
-            _blob(uri).upload_from_string(data, if_generation_match=0)
-        except PreconditionFailed:
-            return False
+            _blob(uri).upload_from_string(data, if_generation_match=0, retry=_retry())
+        except PreconditionFailed:  # another writer's, or this call's own retried attempt
+            return _holds(uri, data)
         return True
     path = Path(uri)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,16 +262,18 @@ def create_exclusive(uri: str, data: bytes) -> bool:
         tmp.unlink(missing_ok=True)
 
 
+@_named_errors
 def delete(uri: str) -> None:
     if is_gcs(uri):
         from google.api_core.exceptions import NotFound
 
         with contextlib.suppress(NotFound):
-            _blob(uri).delete()
+            _blob(uri).delete(retry=_retry())
         return
     Path(uri).unlink(missing_ok=True)
 
 
+@_named_errors
 def delete_tree(uri: str) -> None:
     if is_gcs(uri):
         bucket, prefix = split_gcs(uri)
@@ -204,13 +291,14 @@ class FileInfo:
     checksum: str | None = None  # GCS: as :func:`checksum` gives it, free with the listing
 
 
+@_named_errors
 def list_files(uri: str) -> list[FileInfo]:
     """Every file below ``uri`` (recursive), sorted, with sizes. Temp files are skipped."""
     out = []
     if is_gcs(uri):
         bucket, prefix = split_gcs(uri)
         prefix = prefix.rstrip("/") + "/" if prefix else ""
-        for blob in _client().list_blobs(bucket, prefix=prefix):
+        for blob in _client().list_blobs(bucket, prefix=prefix, retry=_retry()):
             name = blob.name[len(prefix) :]
             out.append(
                 FileInfo(name, int(blob.size or 0), int(blob.generation or 0), _blob_checksum(blob))
@@ -230,6 +318,7 @@ def _blob_checksum(blob) -> str:
     return f"crc32c:{blob.crc32c}"  # composite objects carry no md5
 
 
+@_named_errors
 def checksum(uri: str, kind: str = "md5") -> str:
     """``md5:<base64>`` of the object's bytes (the form GCS reports natively).
 
@@ -255,9 +344,22 @@ def checksum(uri: str, kind: str = "md5") -> str:
     return "md5:" + base64.b64encode(digest.digest()).decode()
 
 
+@_named_errors
 def upload_file(local_path: str | os.PathLike, uri: str) -> None:
+    """Copy a local file to ``uri`` (atomic, as :func:`write_bytes`)."""
     if is_gcs(uri):
-        _blob(uri).upload_from_filename(str(local_path))
+        from google.api_core.exceptions import PreconditionFailed
+
+        generation = _generation(_blob(uri))
+        try:
+            _blob(uri).upload_from_filename(
+                str(local_path), if_generation_match=generation, retry=_retry()
+            )
+        except PreconditionFailed:  # landed on an earlier attempt, or another writer's
+            if checksum(uri) != checksum(str(local_path)):
+                raise StorageError(
+                    f"{uri} was replaced by another writer while this one wrote it"
+                ) from None
         return
     dest = Path(uri)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -276,6 +378,7 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+@_named_errors
 def local_copy(uri: str) -> Path:
     """A local directory/file for ``uri``: itself when local, else a cached download.
 
