@@ -308,21 +308,30 @@ class Pipeline:
         rows = self._encode_texts(texts, max_sequence_length)
         return {name: np.stack([rows[t][name] for t in texts]) for name in rows[texts[0]]}
 
-    def prefetch_prompts(self, prompts: Sequence[str], max_sequence_length: int) -> None:
-        """Encode the texts not encoded recently, :data:`ENCODE_BATCH` per encoder call, so the
+    def prefetch_prompts(
+        self, prompts: Sequence[str], max_sequence_length: int, *, fresh: bool = False
+    ) -> None:
+        """Encode the texts not encoded recently (``fresh``: all of them, in one set of calls
+        whatever was encoded before), :data:`ENCODE_BATCH` per encoder call, so the
         :meth:`encode_prompts` calls that follow find them (a bulk render encodes the prompts
-        of its next batches together: one read of the encoders' weights for many prompts)."""
-        self._encode_texts(list(prompts), max_sequence_length)
+        of its next batches together: one read of the encoders' weights for many prompts).
+
+        A row's float rounding depends on the texts encoded beside it, so ``fresh`` makes a
+        row depend only on the given texts: a resumed render encodes as an uninterrupted one."""
+        self._encode_texts(list(prompts), max_sequence_length, fresh=fresh)
 
     def missing_encodings(self, prompts: Sequence[str], max_sequence_length: int) -> list[str]:
         """The distinct texts among ``prompts`` without a recent encoding, in order."""
         return [t for t in dict.fromkeys(prompts) if (t, max_sequence_length) not in self.encodings]
 
-    def _encode_texts(self, texts: list[str], max_sequence_length: int) -> dict[str, dict]:
-        """text -> its encoded row for every distinct text, encoding the missing ones."""
+    def _encode_texts(
+        self, texts: list[str], max_sequence_length: int, fresh: bool = False
+    ) -> dict[str, dict]:
+        """text -> its encoded row for every distinct text, encoding the missing ones (all of
+        them when ``fresh``)."""
         rows, missing = {}, []
         for text in dict.fromkeys(texts):
-            row = self.encodings.get((text, max_sequence_length))
+            row = None if fresh else self.encodings.get((text, max_sequence_length))
             if row is None:
                 missing.append(text)
             else:

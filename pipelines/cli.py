@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib
 import logging
 import os
@@ -162,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# OS errors that name a condition of the machine (its disk, a quota, permissions), reported
+# as one line like a user's error
+MACHINE_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EMFILE}
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from jaxcore.host_memory import keep_freed_host_memory, reexec_with_tcmalloc
 
@@ -209,6 +217,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             kwargs["from_stage"] = args.from_stage
         manifest = run(config, **kwargs)
     except errors as err:
+        print(f"difforge {args.stage}: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if err.errno not in MACHINE_ERRNOS:
+            raise
+        # a full disk, a quota, a read-only or forbidden folder: the machine's, not a bug;
+        # what finished is kept (artifacts commit last), so a rerun resumes once it is mended
         print(f"difforge {args.stage}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

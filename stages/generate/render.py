@@ -12,9 +12,11 @@
 - The device work of batch k+1 is dispatched before the host waits for batch k, and encoding /
   uploading runs in a writer thread pool, so host and device work overlap.
 - The prompts of the next batches are text-encoded together, up to
-  :data:`jaxcore.pipeline.ENCODE_BATCH` texts per encoder call (:func:`_prefetch_texts`): a text
+  :data:`jaxcore.pipeline.ENCODE_BATCH` texts per encoder call (:func:`encode_groups`): a text
   encoder at small batch is bound by reading its weights, so one call for many prompts costs
-  about what one prompt did. A repeated negative prompt is encoded once.
+  about what one prompt did. A repeated negative prompt is encoded once per group. The groups
+  follow from the whole plan, so a resumed run (which skips finished batches and re-renders a
+  partly finished one whole) gives every prompt the same bytes as an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -267,23 +269,30 @@ def _batch_texts(pipe, batch: Batch) -> list[str]:
     return texts
 
 
-def _prefetch_texts(pipe, batches: Sequence[Batch], start: int, max_sequence_length: int) -> int:
-    """Encode the texts of ``batches[start:]`` not encoded yet, together: batch ``start``'s and
-    those of the batches after it while the texts stay within ``ENCODE_BATCH``. Returns the
-    index of the first batch not covered."""
+def encode_groups(pipe, batches: Sequence[Batch]) -> list[range]:
+    """The batches whose texts are encoded together, consecutive from the first: each group
+    adds batches while its distinct texts stay within ``ENCODE_BATCH`` (one batch at least).
+
+    A function of the whole plan alone (not of what was encoded before), so a resumed run that
+    starts inside a group encodes that group's texts exactly as an uninterrupted run did, and
+    its rows round the same way."""
     from jaxcore.pipeline import ENCODE_BATCH
 
-    missing: list[str] = []
-    end = start
-    while end < len(batches):
-        texts = pipe.missing_encodings(_batch_texts(pipe, batches[end]), max_sequence_length)
-        more = [t for t in texts if t not in missing]
-        if end > start and len(missing) + len(more) > ENCODE_BATCH:
-            break
-        missing += more
-        end += 1
-    pipe.prefetch_prompts(missing, max_sequence_length)
-    return end
+    groups, start, texts = [], 0, {}
+    for index, batch in enumerate(batches):
+        more = dict.fromkeys(_batch_texts(pipe, batch))
+        if index > start and len(texts | more) > ENCODE_BATCH:
+            groups.append(range(start, index))
+            start, texts = index, {}
+        texts |= more
+    if start < len(batches):
+        groups.append(range(start, len(batches)))
+    return groups
+
+
+def _encode_group(pipe, batches: Sequence[Batch], group: range, max_sequence_length: int):
+    texts = [t for i in group for t in _batch_texts(pipe, batches[i])]
+    pipe.prefetch_prompts(texts, max_sequence_length, fresh=True)
 
 
 def _dispatch(
@@ -399,11 +408,14 @@ def render_batches(
     lora_strict: bool = True,
     stop: Callable[[], bool] | None = None,
     cache=None,
+    skip: Callable[[Batch], bool] | None = None,
 ) -> list[dict]:
     """Render every batch; ``on_result(spec, video_fhwc, seconds, batch_size, extra)`` runs in
     the writer pool for each real prompt of this process (``extra``: step-cache counters and
     the dense render, see :func:`_row_extras`). Returns the records it produced.
-    ``stop()`` true: no further batch starts (the one in flight and its files finish)."""
+    ``stop()`` true: no further batch starts (the one in flight and its files finish).
+    ``skip(batch)`` true: the batch is not rendered (a resumed run's finished batches); it
+    still counts in the grouping of texts to encode, as in the run that rendered it."""
     futures: list[Future] = []
     with ThreadPoolExecutor(max_workers=writer_threads) as pool:
 
@@ -426,12 +438,16 @@ def render_batches(
                 futures.append(future)
 
         pending: _InFlight | None = None
-        encoded_until = 0  # batches[:encoded_until] have their texts encoded
+        groups = encode_groups(pipe, batches)
+        encoded = None  # the group whose texts are encoded
         for index, batch in enumerate(batches):
+            if skip is not None and skip(batch):
+                continue
             if stop is not None and stop():
                 break
-            if index >= encoded_until:
-                encoded_until = _prefetch_texts(pipe, batches, index, max_sequence_length)
+            if encoded is None or index not in encoded:
+                encoded = next(g for g in groups if index in g)
+                _encode_group(pipe, batches, encoded, max_sequence_length)
             current = _dispatch(pipe, batch, scheduler, max_sequence_length, lora_strict, cache)
             if pending is not None:
                 collect(pending)

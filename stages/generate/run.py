@@ -160,11 +160,26 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
         )
 
     batch_size = render.global_batch_size(config.per_device_batch_size, pipe.batch_ways)
+    # The batches an uninterrupted run renders, less those wholly finished: a resumed run
+    # renders each prompt in the same batch as an uninterrupted one (the same bytes), and
+    # writes only the unfinished ones
+    pending = {s.name for s in todo}
     batches = render.plan_batches(
-        todo, batch_size, pipe.batch_ways, jax.process_index(), jax.process_count()
+        specs, batch_size, pipe.batch_ways, jax.process_index(), jax.process_count()
     )
+
+    def finished_batch(batch: render.Batch) -> bool:
+        return not any(spec.name in pending for spec in batch.specs)
+
+    rendered_before = write
+
+    def write(spec, video, seconds, batch_size, extra):  # noqa: F811 (wraps the one above)
+        if spec.name not in pending:
+            return finished[spec.name]  # re-rendered for its batch's sake only
+        return rendered_before(spec, video, seconds, batch_size, extra)
+
     started = time.perf_counter()
-    mine = sum(len(b.local_real()) for b in batches)
+    mine = sum(len(b.local_real()) for b in batches if not finished_batch(b))
     with (
         Preemption("generate") as preemption,
         tqdm(total=mine, unit="prompt", desc="generate", disable=None) as progress,
@@ -180,6 +195,7 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
             lora_strict=config.model.lora_strict,
             stop=lambda: preemption.requested,
             cache=cache if config.cache.enabled else None,
+            skip=finished_batch,
         )
     if preemption.requested:
         raise Preempted(

@@ -422,8 +422,11 @@ def save(run: Run, step: int, force: bool = False) -> None:
         "step": step,
         "eval_history": run.eval_history,
     }
-    checkpoints.save(run.mngr, step, params, opt, meta, force=force)
+    # the metrics of the steps up to this checkpoint are made durable first: a run stopped
+    # between the two resumes from the previous checkpoint and redoes (rewrites) those rows,
+    # where the other order would lose them for good
     run.log_book.flush()
+    checkpoints.save(run.mngr, step, params, opt, meta, force=force)
 
 
 def log_step(run: Run, done: int, m: dict, seconds: float) -> None:

@@ -28,7 +28,7 @@ from pipelines import cli
 from pipelines.demo.tiny import build_tiny_wan_pipeline
 from stages.generate.prompts import KNOWN_FIELDS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
 REPO = Path(__file__).resolve().parents[2]
 GENERATE_YML = REPO / "configs/stages/generate.yml"
