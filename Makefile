@@ -38,7 +38,7 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow and not faults"
 
-# faults injected into every stage, and fuzzed bad input: prints the counts (~40 min)
+# faults injected into every stage, and fuzzed bad input: prints the counts (~20 min)
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -s -m faults tests/faults
 

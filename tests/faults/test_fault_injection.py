@@ -1,5 +1,6 @@
-"""Faults on purpose, counted: seeded faults at random points of a stage's run, on a local
-folder and on gs:// (the local GCS server), each followed by what an operator does (rerun).
+"""Faults on purpose, counted: seeded faults at random points of a stage's run (convert,
+train, evaluate, generate, a ``difforge run`` chain), on a local folder and on gs:// (the local
+GCS server), each followed by what an operator does (rerun).
 
 Kinds (points are the stage's storage writes, chosen by the seed):
 - ``crash``: the process dies at that write (an exception no handler catches, raised in
