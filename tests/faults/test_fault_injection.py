@@ -27,7 +27,6 @@ import os
 import random
 import shutil
 import signal
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +42,7 @@ from pipelines import cli
 from pipelines.demo.tiny import build_tiny_wan_pipeline
 from stages.common import checkpoints as checkpointing
 from stages.common.preemption import Preemption
+from tests.support import gcs_faults
 from tests.support.convert_artifacts import TinyDataConfig, write_convert_artifact
 from tests.support.wan_variants import write_one_layer_wan_yaml
 
@@ -95,16 +95,6 @@ class Injector:
                 os.kill(os.getpid(), signal.SIGTERM)
             else:  # outside the stage's SIGTERM handling this test process would die
                 self.fired = False
-
-
-def _server_faults(server: str, *rules: dict) -> None:
-    body = json.dumps({"rules": list(rules)}).encode()
-    request = urllib.request.Request(f"{server}/_faults", data=body, method="POST")
-    urllib.request.urlopen(request, timeout=10).read()
-
-
-def _injected_so_far(server: str) -> int:
-    return json.loads(urllib.request.urlopen(f"{server}/_faults", timeout=10).read())["injected"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -196,12 +186,12 @@ def _fault_campaign(stage: Stage, root: str, server: str | None, count: int, cap
                         "count": 10**9,
                         "status": 403,
                     }
-                _server_faults(server, rule)
+                gcs_faults.arm(server, rule)
                 try:
                     rc = _run(stage.call(out, False), capsys)
-                    injected = _injected_so_far(server) > 0
+                    injected = gcs_faults.injected(server) > 0
                 finally:
-                    _server_faults(server)
+                    gcs_faults.arm(server)
                 expected = (0,) if kind == "transient" else (2, 0)
             else:
                 mend = stage.corrupt(rng)

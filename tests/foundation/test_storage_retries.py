@@ -4,25 +4,13 @@ answered) and dropped connections (tests/support/gcs_server.py ``/_faults``)."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import pytest
 
 from jaxcore import storage
+from tests.support.gcs_faults import arm as faults
+from tests.support.gcs_faults import injected
 
 pytestmark = pytest.mark.gcs
-
-
-def faults(server: str, *rules: dict) -> None:
-    """Arm the server's fault rules (none: disarm)."""
-    body = json.dumps({"rules": list(rules)}).encode()
-    request = urllib.request.Request(f"{server}/_faults", data=body, method="POST")
-    urllib.request.urlopen(request, timeout=10).read()
-
-
-def injected(server: str) -> int:
-    return json.loads(urllib.request.urlopen(f"{server}/_faults", timeout=10).read())["injected"]
 
 
 @pytest.fixture
