@@ -130,7 +130,9 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     todo = [s for s in specs if finished.get(s.name, {}).get("fingerprint") != fingerprint(s)]
     log.info("generate: %d prompts, %d to render", len(specs), len(todo))
 
-    def write(spec: PromptSpec, video, seconds: float, batch_size: int, extra: dict) -> dict:
+    def write_outputs(
+        spec: PromptSpec, video, seconds: float, batch_size: int, extra: dict
+    ) -> dict:
         record = {
             "id": spec.id,
             "name": spec.name,
@@ -171,12 +173,10 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     def finished_batch(batch: render.Batch) -> bool:
         return not any(spec.name in pending for spec in batch.specs)
 
-    rendered_before = write
-
-    def write(spec, video, seconds, batch_size, extra):  # noqa: F811 (wraps the one above)
+    def write(spec: PromptSpec, video, seconds: float, batch_size: int, extra: dict) -> dict:
         if spec.name not in pending:
             return finished[spec.name]  # re-rendered for its batch's sake only
-        return rendered_before(spec, video, seconds, batch_size, extra)
+        return write_outputs(spec, video, seconds, batch_size, extra)
 
     started = time.perf_counter()
     mine = sum(len(b.local_real()) for b in batches if not finished_batch(b))
