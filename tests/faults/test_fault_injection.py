@@ -148,10 +148,16 @@ def _run(call, capsys) -> int | str:
 
 def _fault_campaign(stage: Stage, root: str, server: str | None, count: int, capsys, monkeypatch):
     """``count`` seeded faults, each in a fresh output folder, each run again until done."""
+    if server:
+        gcs_faults.count_requests(server)
     with monkeypatch.context() as m:  # the uninterrupted run, and how many writes it makes
         counter = Injector(m)
         assert stage.call(storage.join(root, "clean"), False)() == 0
     writes = counter.calls
+    requests = {}
+    if server:  # and how many GCS requests of each kind: transient faults land among them
+        requests = {k: n for k, n in gcs_faults.requests_seen(server).items() if n}
+        gcs_faults.arm(server)
     reference = stage.outputs(storage.join(root, "clean"))
     kinds = ["crash", "crash", "sigterm"] + (["corrupt_input"] if stage.corrupt else [])
     kinds += ["transient", "transient", "permanent"] if server else ["disk_full"]
@@ -168,7 +174,7 @@ def _fault_campaign(stage: Stage, root: str, server: str | None, count: int, cap
                 injected = injector.fired
                 expected = {"crash": ("crash",), "sigterm": (75, 0), "disk_full": (2,)}[kind]
             elif kind in ("transient", "permanent"):
-                op = rng.choice(["read", "write", "compose", "list", "metadata", "delete"])
+                op = rng.choice(sorted(requests))
                 if kind == "transient":
                     mode = rng.choice(
                         [
@@ -178,7 +184,8 @@ def _fault_campaign(stage: Stage, root: str, server: str | None, count: int, cap
                             {"mode": "drop"},
                         ]
                     )
-                    rule = {"op": op, "nth": rng.randint(1, 12), "count": rng.randint(1, 3), **mode}
+                    nth = rng.randint(1, requests[op])
+                    rule = {"op": op, "nth": nth, "count": rng.randint(1, 3), **mode}
                 else:
                     rule = {
                         "op": "write",
