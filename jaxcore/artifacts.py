@@ -297,18 +297,8 @@ def _cheap_checksum(uri: str, found: storage.FileInfo, expected: str | None) -> 
         return None
     if storage.is_gcs(uri):  # the copy has the other kind (e.g. a composite object)
         data = storage.read_bytes(uri)
-        return _bytes_checksum(data, kind)
+        return storage.bytes_checksum(data, kind)
     return storage.checksum(uri, kind)
-
-
-def _bytes_checksum(data: bytes, kind: str) -> str:
-    import base64
-
-    if kind == "crc32c":
-        import google_crc32c
-
-        return "crc32c:" + base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
-    return "md5:" + base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
 
 
 POINTER_KIND = "difforge-artifact-pointer"

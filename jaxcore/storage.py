@@ -329,19 +329,26 @@ def checksum(uri: str, kind: str = "md5") -> str:
         blob = _blob(uri)
         blob.reload()
         return _blob_checksum(blob)
+    hasher = _hasher(kind)
+    with open(uri, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            hasher.update(chunk)
+    return f"{kind}:" + base64.b64encode(hasher.digest()).decode()
+
+
+def bytes_checksum(data: bytes, kind: str = "md5") -> str:
+    """:func:`checksum` of bytes in memory."""
+    hasher = _hasher(kind)
+    hasher.update(data)
+    return f"{kind}:" + base64.b64encode(hasher.digest()).decode()
+
+
+def _hasher(kind: str):
     if kind == "crc32c":
         import google_crc32c
 
-        crc = google_crc32c.Checksum()
-        with open(uri, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                crc.update(chunk)
-        return "crc32c:" + base64.b64encode(crc.digest()).decode()
-    digest = hashlib.md5(usedforsecurity=False)
-    with open(uri, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return "md5:" + base64.b64encode(digest.digest()).decode()
+        return google_crc32c.Checksum()
+    return hashlib.md5(usedforsecurity=False)
 
 
 @_named_errors
