@@ -22,13 +22,23 @@ os.environ.setdefault("DIFFORGE_KEEP_HOST_MEMORY", "0")
 # of it sets its own environment)
 os.environ.setdefault("DIFFORGE_TCMALLOC", "0")
 
+import sys  # noqa: E402
+
+# PyPI's torch for Python 3.12 (the tests' oracle) brings triton, its GPU compiler, and
+# diffusers imports it through torch._dynamo. triton's libtriton.so bundles LLVM, and so does
+# TensorFlow (the TFRecord reader), which loads it with RTLD_GLOBAL: once TensorFlow is in the
+# process, libtriton's static constructors bind to TensorFlow's llvm::DebugCounter and the
+# process dies with a segfault (gdb: _GLOBAL__sub_I_PassBuilder.cpp in libtriton.so). The
+# oracle runs on the CPU and never needs triton, so the tests make it unimportable
+# (torch.utils._triton.has_triton_package then answers False).
+sys.modules.setdefault("triton", None)
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import socket  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
