@@ -27,6 +27,21 @@ Caveats of the figures: XLA's FLOP count covers a loop's body once (the generate
 ``fori_loop`` is one denoising step) and nothing inside custom kernels (Pallas splash
 attention on TPU); :attr:`FitReport.model_flops` is the analytic count of the whole call
 (the families' ``flops_per_forward``) beside it. Collectives inside a loop body count once too.
+
+The estimated time (:func:`estimate_seconds`) starts from libtpu's own cost-model time of the
+compiled program (``cost_analysis()["optimal_seconds"]``, per chip), which has the same
+caveats, and mends them:
+
+- loops: the program's time is multiplied by its :attr:`Program.repeats` (the generate loop:
+  its steps; the loop's body is nearly all of the program), and where the analytic FLOPs XLA
+  should see still exceed XLA's count times the repeats (blocks run as one ``lax.scan``,
+  ``compute.scan_layers``, counted once), by that ratio too: the uncounted iterations are
+  taken to run at the counted program's seconds per FLOP;
+- custom calls: when the program holds Mosaic kernels (splash attention), the attention's
+  analytic FLOPs (the families' ``attention_flops_per_forward``) are added at
+  ``attention_efficiency`` x the chip's bf16 peak (:data:`DEFAULT_ATTENTION_EFFICIENCY`).
+
+The implied MFU is the analytic FLOPs over (estimated seconds x chips x bf16 peak).
 """
 
 from __future__ import annotations
@@ -59,6 +74,17 @@ LOCAL_LIBTPU = (
     Path(__file__).resolve().parent.parent / ".venv" / "tpu-libs" / "libtpu" / "libtpu.so"
 )
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# Share of a chip's bf16 peak the splash attention kernel is taken to reach (its inside is
+# invisible to the cost model). An assumption, not a measurement: below the ~79-86% the cost
+# model itself gives a large bf16 GEMM (v5p 2048x8192x8192: 0.755 ms for 275 GFLOP; tpu7x
+# 32768^3: 996 TFLOP/s a device), for a kernel that also runs the softmax (exp, max, sums) on the
+# vector unit between its two products. `difforge fit attention_efficiency=...` sets another.
+DEFAULT_ATTENTION_EFFICIENCY = 0.5
+# Where the cost model fails on a program (it returns a negative time for some programs with
+# long splash kernels: the v6e 75,776-token attention of bench.tpu_splash, the Wan 14B 720p
+# generate loop on tpu7x-8), XLA's counted FLOPs are priced at this share of bf16 peak: the
+# cost model's own rate for a large bf16 GEMM (v5p 79%, tpu7x 86%, tests/foundation/test_fit.py)
+FALLBACK_XLA_EFFICIENCY = 0.8
 INSTALL_HINT = (
     'install the tpu extra (pip install -e ".[tpu]"), or libtpu alone, off the venv path: '
     "make tpu-libs"
@@ -93,6 +119,7 @@ class Topology:
     topology: str = ""
     chip_config: str = "default"
     chips_per_host: tuple[int, int, int] = (2, 2, 1)
+    peak_flops: float = 0.0  # bf16 FLOP/s of one device (0: unknown; CPU topologies)
 
     def devices(self, num_slices: int = 1) -> list:
         """The devices of ``num_slices`` such slices (TPU: compile-only; loads libtpu)."""
@@ -115,10 +142,16 @@ _V4_HBM = 32 * GIB  # TPU v4: 32 GiB HBM2
 _V5P_HBM = 95 * GIB  # TPU v5p: 95 GiB HBM2e
 _V5E_HBM = 16 * GIB  # TPU v5e: 16 GiB HBM2
 _V6E_HBM = 32 * GIB  # TPU v6e (Trillium): 32 GiB
+# TPU7x (Ironwood): 192 GiB HBM a chip, whose two TensorCores JAX sees as two devices of 96
+_V7X_HBM = 96 * GIB
+# bf16 peak of one device, the same pages: v4 275, v5p 459, v5e 197, v6e 918 TFLOP/s a chip
+# (megacore v4 / v5p: one device a chip); TPU7x 2,307 a chip, two devices
+_PEAK = {"v4": 275e12, "v5": 459e12, "v5e": 197e12, "v6e": 918e12, "tpu7x": 2307e12 / 2}
 
 
 def _tpu(name, topology, chips, hbm, chip_config="default", per_host=(2, 2, 1)) -> Topology:
-    return Topology(name, chips, hbm, "tpu", topology, chip_config, per_host)
+    peak = _PEAK[topology.partition(":")[0]]
+    return Topology(name, chips, hbm, "tpu", topology, chip_config, per_host, peak)
 
 
 # The slices `difforge deploy` knows (pipelines.deploy.TPU_SLICES), by the same names.
@@ -141,6 +174,10 @@ TOPOLOGIES: dict[str, Topology] = {
         _tpu("v6e-16", "v6e:4x4", 16, _V6E_HBM),
         _tpu("v6e-32", "v6e:4x8", 32, _V6E_HBM),
         _tpu("v6e-64", "v6e:8x8", 64, _V6E_HBM),
+        # TPU7x counts TensorCores as v5p does: tpu7x-8 is 4 chips (2x2x1), 8 devices
+        _tpu("tpu7x-8", "tpu7x:2x2x1", 8, _V7X_HBM),
+        _tpu("tpu7x-16", "tpu7x:2x2x2", 16, _V7X_HBM),
+        _tpu("tpu7x-32", "tpu7x:2x2x4", 32, _V7X_HBM),
     )
 }
 
@@ -239,6 +276,9 @@ class Program:
     """A jitted function and abstract arguments to lower it with, on ``mesh`` under ``rules``.
 
     ``model_flops``: the analytic FLOPs of one call over all chips (None: unknown);
+    ``attention_flops``: the part of them in self-attention scores and values (None: unknown);
+    ``repeats``: how often the program's loop runs its body (the generate loop: its steps;
+    the cost model counts the body once);
     ``details``: what the program is made of (shapes, batch, steps), for the report.
     """
 
@@ -249,6 +289,69 @@ class Program:
     rules: tuple = sharding.LOGICAL_AXIS_RULES
     model_flops: float | None = None
     details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    attention_flops: float | None = None
+    repeats: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The estimated time of one call (see the module docstring), per chip."""
+
+    seconds: float
+    xla_seconds: float  # the cost model's time, loops multiplied out
+    attention_seconds: float  # the custom-call attention at the stated efficiency
+    loop_scale: float  # the cost model's time was multiplied by this
+    mfu: float | None
+    note: str
+
+
+def estimate_seconds(
+    optimal_seconds: float,
+    *,
+    chips: int,
+    peak_flops: float,
+    xla_flops: float | None = None,
+    model_flops: float | None = None,
+    attention_flops: float | None = None,
+    repeats: int = 1,
+    custom_calls: int = 0,
+    attention_efficiency: float = DEFAULT_ATTENTION_EFFICIENCY,
+) -> Estimate:
+    """The step's estimated seconds from the cost model's ``optimal_seconds`` of the compiled
+    program (per chip): loops multiplied out and custom-call attention added (module
+    docstring). ``model_flops``/``attention_flops`` are analytic, over all ``chips``."""
+    if not 0 < attention_efficiency <= 1:
+        raise ValueError(f"attention_efficiency must be in (0, 1], got {attention_efficiency}")
+    notes = []
+    if not (math.isfinite(optimal_seconds) and optimal_seconds > 0):
+        if not (xla_flops and peak_flops):
+            raise ValueError(
+                f"the cost model's time is {optimal_seconds} and the FLOPs are unknown: no estimate"
+            )
+        notes.append(
+            f"the cost model returned {optimal_seconds:.3g} s for this program; XLA's FLOPs "
+            f"priced at {FALLBACK_XLA_EFFICIENCY:.0%} of bf16 peak instead"
+        )
+        optimal_seconds = xla_flops / (peak_flops * FALLBACK_XLA_EFFICIENCY)
+    hidden = attention_flops if custom_calls and attention_flops else 0.0
+    scale = float(repeats)
+    if xla_flops and model_flops:
+        # analytic FLOPs XLA should have counted, per chip, against what it counted x repeats
+        visible = (model_flops - hidden) / chips
+        if visible > xla_flops * repeats:
+            scale = visible / xla_flops
+            notes.append(f"loops counted once scaled by the FLOP ratio {scale:.1f}")
+    attention = 0.0
+    if custom_calls:
+        if attention_flops and peak_flops:
+            attention = attention_flops / chips / (peak_flops * attention_efficiency)
+            notes.append(f"custom-call attention at {attention_efficiency:.0%} of bf16 peak")
+        else:
+            notes.append(f"{custom_calls} custom call(s) not counted (their FLOPs are unknown)")
+    xla = optimal_seconds * scale
+    seconds = xla + attention
+    mfu = model_flops / (seconds * chips * peak_flops) if model_flops and peak_flops else None
+    return Estimate(seconds, xla, attention, scale, mfu, "; ".join(notes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +380,8 @@ class FitReport:
     xla_flops: float | None = None  # per chip, loop bodies once (see the module docstring)
     model_flops: float | None = None  # analytic, the whole call over all chips
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+    optimal_seconds: float | None = None  # libtpu's cost model, loop bodies once
+    estimate: Estimate | None = None
     lower_seconds: float = 0.0
     compile_seconds: float = 0.0
     error: str | None = None
@@ -290,8 +395,20 @@ class FitReport:
     def fits(self) -> bool:
         return self.compiled and self.total_bytes <= self.limit_bytes
 
+    @property
+    def est_seconds(self) -> float | None:
+        return None if self.estimate is None else self.estimate.seconds
+
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "fits": self.fits, "limit_bytes": self.limit_bytes}
+        """Everything, with the headline keys first (``difforge fit --json``)."""
+        headline = {
+            "fits": self.fits,
+            "hbm_gib_per_chip": self.total_bytes / GIB,
+            "hbm_limit_gib": self.limit_bytes / GIB,
+            "est_seconds": self.est_seconds,
+            "mfu_estimate": None if self.estimate is None else self.estimate.mfu,
+        }
+        return {**headline, **dataclasses.asdict(self), "limit_bytes": self.limit_bytes}
 
     def summary(self) -> str:
         """One line: program, topology, GiB per chip against the limit, TFLOPs, collectives."""
@@ -300,6 +417,9 @@ class FitReport:
         if self.model_flops:
             flops += f", {_flops(self.model_flops)} model"
         counts = ", ".join(f"{k} {v}" for k, v in self.collectives.items() if v) or "none"
+        if self.estimate is not None:
+            mfu = "" if self.estimate.mfu is None else f", MFU {self.estimate.mfu:.0%}"
+            flops += f"; est {_seconds(self.estimate.seconds)}{mfu}"
         return (
             f"{self.program} on {self.topology} (mesh {_mesh_text(self.mesh)}): "
             f"{self.total_bytes / GIB:.2f} GiB/chip of {self.limit_bytes / GIB:.2f} GiB "
@@ -330,6 +450,10 @@ class FitReport:
             f"{self.limit_bytes / GIB:.2f} GiB ({self.hbm_bytes / GIB:.0f} GiB HBM less "
             f"{self.headroom:.0%} headroom)" + (f"; {self.error}" if self.error else "")
         )
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
 def _flops(value: float) -> str:
@@ -369,17 +493,27 @@ def parse_out_of_memory(message: str) -> tuple[int, int] | None:
     return None
 
 
-def _xla_flops(compiled) -> float | None:
+def _cost(compiled, key: str) -> float | None:
+    """One figure of ``compiled.cost_analysis()`` (per chip), None where it has none."""
     analysis = compiled.cost_analysis()
     if isinstance(analysis, Sequence) and not isinstance(analysis, Mapping):
         analysis = analysis[0] if analysis else None
-    if not analysis or "flops" not in analysis:
+    if not analysis or key not in analysis:
         return None
-    return float(analysis["flops"])
+    return float(analysis[key])
+
+
+def count_custom_kernels(hlo_text: str) -> int:
+    """Mosaic (Pallas) kernels in a compiled TPU program: its splash attention."""
+    return hlo_text.count('custom_call_target="tpu_custom_call"')
 
 
 def compile_program(
-    program: Program, slice_: Topology, *, headroom: float = DEFAULT_HEADROOM
+    program: Program,
+    slice_: Topology,
+    *,
+    headroom: float = DEFAULT_HEADROOM,
+    attention_efficiency: float = DEFAULT_ATTENTION_EFFICIENCY,
 ) -> FitReport:
     """Lower and compile ``program`` for its mesh's devices; the report of what it needs."""
     started = time.perf_counter()
@@ -426,12 +560,30 @@ def compile_program(
         + kinds["temp_bytes"]
         + kinds["generated_code_bytes"]
     )
+    text = compiled.as_text()
+    xla_flops, optimal = _cost(compiled, "flops"), _cost(compiled, "optimal_seconds")
+    estimate = None
+    if optimal is not None and (optimal > 0 or (xla_flops and slice_.peak_flops)):
+        # TPU programs (XLA's CPU cost analysis has no time)
+        estimate = estimate_seconds(
+            optimal,
+            chips=int(program.mesh.size),
+            peak_flops=slice_.peak_flops,
+            xla_flops=xla_flops,
+            model_flops=program.model_flops,
+            attention_flops=program.attention_flops,
+            repeats=program.repeats,
+            custom_calls=count_custom_kernels(text),
+            attention_efficiency=attention_efficiency,
+        )
     return FitReport(
         **common,
         **kinds,
         total_bytes=total,
-        xla_flops=_xla_flops(compiled),
-        collectives=count_collectives(compiled.as_text()),
+        xla_flops=xla_flops,
+        collectives=count_collectives(text),
+        optimal_seconds=optimal,
+        estimate=estimate,
         compile_seconds=seconds,
     )
 
@@ -440,16 +592,20 @@ def report_table(reports: Sequence[FitReport]) -> str:
     """A markdown table of reports (one row each)."""
     lines = [
         "| program | topology | mesh | GiB/chip | limit GiB | fits | TFLOP/chip (XLA) | "
-        "collectives | compile s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "est. time | MFU est. | collectives | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
         flops = "" if r.xla_flops is None else f"{r.xla_flops / 1e12:.2f}"
         counts = ", ".join(f"{k} {v}" for k, v in r.collectives.items() if v)
+        est = mfu = ""
+        if r.estimate is not None:
+            est = _seconds(r.estimate.seconds)
+            mfu = "" if r.estimate.mfu is None else f"{r.estimate.mfu:.0%}"
         lines.append(
             f"| {r.program} | {r.topology} | {_mesh_text(r.mesh)} | {r.total_bytes / GIB:.2f} | "
-            f"{r.limit_bytes / GIB:.2f} | {'yes' if r.fits else 'NO'} | {flops} | {counts} | "
-            f"{r.compile_seconds:.0f} |"
+            f"{r.limit_bytes / GIB:.2f} | {'yes' if r.fits else 'NO'} | {flops} | {est} | "
+            f"{mfu} | {counts} | {r.compile_seconds:.0f} |"
         )
     return "\n".join(lines)
 
@@ -589,6 +745,7 @@ def generate_program(
     rows = batch * (2 if use_cfg else 1)
     shapes = {k: tuple(v.shape[1:]) for k, v in cond.items()}
     forward = family.flops_per_forward(module.config, rows, shape, shapes)
+    attention = family.attention_flops_per_forward(module.config, rows, shape, shapes)
     details = {
         "batch": batch,
         "size": [height, width, num_frames],
@@ -600,7 +757,15 @@ def generate_program(
         "attention": compute.attention,
     }
     return Program(
-        "generate_loop", fn, args, mesh, rules, float(num_inference_steps * forward), details
+        "generate_loop",
+        fn,
+        args,
+        mesh,
+        rules,
+        float(num_inference_steps * forward),
+        details,
+        attention_flops=None if attention is None else float(num_inference_steps * attention),
+        repeats=num_inference_steps,
     )
 
 

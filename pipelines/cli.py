@@ -1,6 +1,7 @@
 """The ``difforge`` command: one subcommand per stage, plus ``run`` for a whole pipeline.
 
     difforge <stage> [CONFIG.yml] [key=value ...] [--dry-run] [--force] [-v]
+    difforge fit train|generate [key=value ...] [--json]
 
 Each stage is registered by the import paths of its config dataclass and its ``run`` function,
 so ``difforge --help`` never imports JAX or TensorFlow. User errors (bad config, missing
@@ -18,6 +19,7 @@ import errno
 import importlib
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +69,11 @@ STAGES: dict[str, StageEntry] = {
         "pipelines.demo.run:DemoConfig",
         "pipelines.demo.run:run",
         "the CPU demo: shapes data -> convert -> train -> evaluate -> generate -> colour check",
+    ),
+    "fit": StageEntry(
+        "pipelines.fit:FitConfig",
+        "pipelines.fit:run",
+        "compile a train or generate step for a TPU slice: HBM per chip, fits, estimated time",
     ),
     "deploy": StageEntry(
         "pipelines.deploy:DeployConfig",
@@ -160,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-q", "--quiet", action="store_true")
         if name == "run":
             p.add_argument("--from", dest="from_stage", help="start the chain at this stage")
+        if name == "fit":
+            p.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 
@@ -189,9 +198,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A first positional of the form key=value is an override, not a config file.
     overrides = list(args.overrides) + late
     config_path = args.config
-    if config_path and "=" in config_path and not config_path.endswith((".yml", ".yaml")):
+    if config_path and re.match(r"[A-Za-z_][\w.]*=", config_path):
         overrides.insert(0, config_path)
         config_path = None
+    if args.stage == "fit":  # `difforge fit train|generate key=value ... [--json]`
+        if config_path in ("train", "generate"):
+            overrides.insert(0, f"stage={config_path}")
+            config_path = None
+        if args.json:
+            overrides.append("json=true")
     setup_logging(-1 if args.quiet else args.verbose)
     warn_about_slow_cpu_jaxlib()
     entry = STAGES[args.stage]

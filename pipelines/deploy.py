@@ -49,6 +49,10 @@ TPU_SLICES = {
     "v6e-16": ("tpu-v6e-slice", "4x4", 4, 4),
     "v6e-32": ("tpu-v6e-slice", "4x8", 8, 4),
     "v6e-64": ("tpu-v6e-slice", "8x8", 16, 4),
+    # TPU7x (Ironwood): named by TensorCores as v5p is, two a chip (tpu7x-8: 4 chips, 1 host)
+    "tpu7x-8": ("tpu7x", "2x2x1", 1, 4),
+    "tpu7x-16": ("tpu7x", "2x2x2", 2, 4),
+    "tpu7x-32": ("tpu7x", "2x2x4", 4, 4),
 }
 
 
@@ -526,7 +530,7 @@ def train_program(config, model: FitModel, mesh, features=None):
 
     from jaxcore import aot, sharding
     from jaxcore.layer_stack import LayerStack
-    from stages.common import checkpoints, objective
+    from stages.common import checkpoints, objective, records
     from stages.common.data import batch_sharding, replicated
     from stages.train import loop, trainer
     from stages.train.config import global_batch_size
@@ -597,13 +601,19 @@ def train_program(config, model: FitModel, mesh, features=None):
         "remat_policy": config.compute.remat_policy,
         "prior_preservation": prior,
     }
+    rows = batch * (2 if prior else 1)
+    shapes = {f.name: f.shape for f in features}
+    latent_shape = shapes.pop(records.LATENTS)
+    attention = family.attention_flops_per_forward(denoiser, rows, latent_shape, shapes)
     return aot.Program(
         "train_step",
         step.fn,
         args,
         mesh,
-        model_flops=loop.training_flops(built, features, batch * (2 if prior else 1)),
+        model_flops=loop.training_flops(built, features, rows),
         details=details,
+        # forward + backward: 3x the forward's, as the model FLOPs count it
+        attention_flops=None if attention is None else 3.0 * attention,
     )
 
 

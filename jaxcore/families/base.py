@@ -305,6 +305,14 @@ class Family(abc.ABC):
     def flops_per_forward(self, config, batch: int, latent_shape, conditioning_shapes) -> int:
         """Matmul FLOPs of one denoiser forward (for MFU); training is 3x this."""
 
+    def attention_flops_per_forward(
+        self, config, batch: int, latent_shape, conditioning_shapes
+    ) -> int | None:
+        """The part of :meth:`flops_per_forward` in the self-attention's scores and values
+        (QK^T and PV), which a TPU runs inside the splash kernel, where the compiler's cost
+        model does not see (:mod:`jaxcore.aot`); None: not known for this family."""
+        return None
+
     @abc.abstractmethod
     def tokens_per_example(self, config, latent_shape) -> int:
         """Sequence positions the denoiser processes per example (for tokens/s)."""

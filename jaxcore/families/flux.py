@@ -257,6 +257,11 @@ class FluxFamily(Family):
         image_tokens = self.tokens_per_example(config, latent_shape)
         return flux_transformer.flops_per_forward(config, batch, image_tokens, text_tokens)
 
+    def attention_flops_per_forward(self, config, batch, latent_shape, conditioning_shapes):
+        text_tokens = conditioning_shapes[TEXT][0]
+        image_tokens = self.tokens_per_example(config, latent_shape)
+        return flux_transformer.joint_attention_flops(config, batch, image_tokens, text_tokens)
+
     def tokens_per_example(self, config, latent_shape):
         _, h, w = latent_shape
         return (h // PACK) * (w // PACK)

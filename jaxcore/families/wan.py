@@ -500,6 +500,10 @@ class WanFamily(Family):
             config, batch, video_tokens, text_tokens, image_tokens=image_tokens
         )
 
+    def attention_flops_per_forward(self, config, batch, latent_shape, conditioning_shapes):
+        video_tokens = self.tokens_per_example(config, latent_shape)
+        return wan_transformer.self_attention_flops(config, batch, video_tokens)
+
     def tokens_per_example(self, config, latent_shape):
         _, f, h, w = latent_shape
         pt, ph, pw = config.patch_size

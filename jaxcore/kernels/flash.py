@@ -296,7 +296,12 @@ def splash_attention(
     def heads_first(x):
         return x.transpose(0, 2, 1, 3)
 
-    out = jax.vmap(kernel)(heads_first(q_padded), heads_first(k), heads_first(v), segment_ids)
+    # bf16 products accumulate in float32 exactly at the default precision, and Mosaic refuses
+    # the fp32 contract precision a "highest" jax_default_matmul_precision would ask for on
+    # bf16 operands ("Bad lhs type"); float32 inputs keep the caller's precision
+    precision = "default" if q.dtype == jnp.bfloat16 else jax.config.jax_default_matmul_precision
+    with jax.default_matmul_precision(precision):
+        out = jax.vmap(kernel)(heads_first(q_padded), heads_first(k), heads_first(v), segment_ids)
     return heads_first(out)[:, :lq].astype(q.dtype)
 
 

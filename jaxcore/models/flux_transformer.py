@@ -996,3 +996,12 @@ def flops_per_forward(
     embedders += 2 * (config.pooled_projection_dim * d + d * d)
     modulation = d * d * (24 * config.num_layers + 6 * config.num_single_layers + 4)
     return batch * (blocks + tokens + embedders + modulation)
+
+
+def joint_attention_flops(
+    config: FluxTransformerConfig, batch: int, image_tokens: int, text_tokens: int
+) -> int:
+    """The joint attention's scores and values of :func:`flops_per_forward` (4*n^2*D a block of
+    either kind, n = image + text tokens): the part the splash kernel runs on TPU."""
+    n = image_tokens + text_tokens
+    return batch * (config.num_layers + config.num_single_layers) * 4 * n * n * config.hidden_dim

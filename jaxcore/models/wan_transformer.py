@@ -922,3 +922,9 @@ def flops_per_forward(
     out_proj = 2 * 2 * s * d * d
     ffn = 2 * 2 * s * d * f
     return batch * config.num_layers * (self_attn + cross_attn + image_attn + out_proj + ffn)
+
+
+def self_attention_flops(config: WanTransformerConfig, batch: int, video_tokens: int) -> int:
+    """The self-attention's scores and values of :func:`flops_per_forward` (2*2*s^2*D a
+    block): the part the splash kernel runs on TPU."""
+    return batch * config.num_layers * 2 * 2 * video_tokens**2 * config.hidden_dim
