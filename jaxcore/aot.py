@@ -85,6 +85,9 @@ DEFAULT_ATTENTION_EFFICIENCY = 0.5
 # generate loop on tpu7x-8), XLA's counted FLOPs are priced at this share of bf16 peak: the
 # cost model's own rate for a large bf16 GEMM (v5p 79%, tpu7x 86%, tests/foundation/test_fit.py)
 FALLBACK_XLA_EFFICIENCY = 0.8
+# The analytic FLOPs must exceed XLA's count x repeats by this much before a loop counted once
+# is inferred (both counts leave out different small things: embeddings, norms, elementwise)
+LOOP_EVIDENCE = 1.1
 INSTALL_HINT = (
     'install the tpu extra (pip install -e ".[tpu]"), or libtpu alone, off the venv path: '
     "make tpu-libs"
@@ -170,6 +173,7 @@ TOPOLOGIES: dict[str, Topology] = {
         _tpu("v5litepod-8", "v5e:2x4", 8, _V5E_HBM, per_host=(2, 4, 1)),
         _tpu("v5litepod-16", "v5e:4x4", 16, _V5E_HBM),
         _tpu("v5litepod-32", "v5e:4x8", 32, _V5E_HBM),
+        _tpu("v6e-4", "v6e:2x2", 4, _V6E_HBM),
         _tpu("v6e-8", "v6e:2x4", 8, _V6E_HBM, per_host=(2, 4, 1)),
         _tpu("v6e-16", "v6e:4x4", 16, _V6E_HBM),
         _tpu("v6e-32", "v6e:4x8", 32, _V6E_HBM),
@@ -338,7 +342,7 @@ def estimate_seconds(
     if xla_flops and model_flops:
         # analytic FLOPs XLA should have counted, per chip, against what it counted x repeats
         visible = (model_flops - hidden) / chips
-        if visible > xla_flops * repeats:
+        if visible > xla_flops * repeats * LOOP_EVIDENCE:
             scale = visible / xla_flops
             notes.append(f"loops counted once scaled by the FLOP ratio {scale:.1f}")
     attention = 0.0

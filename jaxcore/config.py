@@ -134,7 +134,14 @@ def from_dict[T](cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     kwargs = {}
     for name, field in fields.items():
         if name in data:
-            kwargs[name] = _coerce(data[name], hints[name], f"{prefix}{name}")
+            value = data[name]
+            if isinstance(value, Mapping) and field.default_factory is not dataclasses.MISSING:
+                # a section whose default is not its class's (e.g. bf16 compute for TPU):
+                # the given keys change that default, they do not start from the class's
+                default = field.default_factory()
+                if dataclasses.is_dataclass(default):
+                    value = _merged(to_dict(default), value)
+            kwargs[name] = _coerce(value, hints[name], f"{prefix}{name}")
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError(f"missing required value {prefix}{name}")
     try:
@@ -143,6 +150,16 @@ def from_dict[T](cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {err}") from None
+
+
+def _merged(base: Mapping, given: Mapping) -> dict:
+    """``given`` over ``base``, nested mappings merged key by key."""
+    out = dict(base)
+    for key, value in given.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            value = _merged(out[key], value)
+        out[key] = value
+    return out
 
 
 def to_dict(cfg: Any) -> Any:

@@ -45,6 +45,7 @@ TPU_SLICES = {
     "v5litepod-8": ("tpu-v5-lite-podslice", "2x4", 1, 8),
     "v5litepod-16": ("tpu-v5-lite-podslice", "4x4", 4, 4),
     "v5litepod-32": ("tpu-v5-lite-podslice", "4x8", 8, 4),
+    "v6e-4": ("tpu-v6e-slice", "2x2", 1, 4),
     "v6e-8": ("tpu-v6e-slice", "2x4", 1, 8),
     "v6e-16": ("tpu-v6e-slice", "4x4", 4, 4),
     "v6e-32": ("tpu-v6e-slice", "4x8", 8, 4),

@@ -59,11 +59,12 @@ class FitConfig:
     attention_efficiency: float = 0.5  # jaxcore.aot.DEFAULT_ATTENTION_EFFICIENCY
     json: bool = False
     out: str = ""
-    # compiled for TPU: MaxDiffusion's TPU defaults, bf16 weights and activations (the stage
-    # configs' float32 defaults are the CPU's); compute.* / bare keys set others
+    # compiled for TPU: bf16 weights and activations as MaxDiffusion runs on TPU, and each
+    # block rematerialised in training (the stage configs' float32 / no-remat defaults are the
+    # CPU's); compute.* or bare keys (remat_policy=none) set others
     compute: ComputeConfig = dataclasses.field(
         default_factory=lambda: ComputeConfig(
-            weights_dtype="bfloat16", activations_dtype="bfloat16"
+            weights_dtype="bfloat16", activations_dtype="bfloat16", remat_policy="full"
         )
     )
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)

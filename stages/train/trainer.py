@@ -16,7 +16,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxcore import sharding
-from jaxcore.compute import CPU_TRAIN_STEP_OPTIONS, cpu_compiler_options
+from jaxcore.compute import train_step_compiler_options
 from stages.common import objective
 from stages.common.data import batch_sharding, replicated
 from stages.common.objective import ObjectiveSection
@@ -184,6 +184,6 @@ def make_train_step(
         ),
         out_shardings=(param_shardings, opt_shardings, rep),
         donate_argnums=(0, 1),
-        compiler_options=cpu_compiler_options(**CPU_TRAIN_STEP_OPTIONS),
+        compiler_options=train_step_compiler_options(mesh.devices.flat[0].platform),
     )
     return TrainStep(jitted, mesh)

@@ -135,3 +135,19 @@ def test_a_minus_one_mesh_axis_on_the_command_line_takes_over_the_yamls():
     both = load_config(TrainConfig, path, ["ici_fsdp_parallelism=-1", "ici_data_parallelism=-1"])
     with pytest.raises(ShardingError, match="only one of"):
         mesh_shape(both.mesh, 8)
+
+
+def test_an_override_changes_a_sections_own_default_not_its_classes():
+    @dataclasses.dataclass(frozen=True)
+    class Inner:
+        a: int = 1
+        b: int = 2
+
+    @dataclasses.dataclass(frozen=True)
+    class Outer:
+        inner: Inner = dataclasses.field(default_factory=lambda: Inner(b=20))
+
+    assert load_config(Outer, None, []).inner == Inner(1, 20)
+    # `a` given: `b` keeps the section's default (20), not Inner's (2)
+    assert load_config(Outer, None, ["inner.a=5"]).inner == Inner(5, 20)
+    assert load_config(Outer, None, ["a=5", "b=7"]).inner == Inner(5, 7)

@@ -25,6 +25,9 @@ def test_options_are_taken_here_and_refused_ones_fall_back():
     taken = compute.cpu_compiler_options(**compute.CPU_TRAIN_STEP_OPTIONS)
     assert taken == compute.CPU_TRAIN_STEP_OPTIONS
     assert compute.cpu_compiler_options(xla_cpu_no_such_option=True) is None
+    assert compute.train_step_compiler_options("cpu") == compute.CPU_TRAIN_STEP_OPTIONS
+    assert compute.train_step_compiler_options("tpu") == compute.TPU_TRAIN_STEP_OPTIONS
+    assert compute.train_step_compiler_options("gpu") is None
 
 
 def test_a_step_with_the_options_equals_one_without(tmp_path, monkeypatch):
@@ -32,7 +35,7 @@ def test_a_step_with_the_options_equals_one_without(tmp_path, monkeypatch):
     mesh = sharding.make_mesh(sharding.MeshConfig(), devices=jax.devices()[:1])
     host = train_steps.random_batch(FEATURES, rows=4, seed=3)
     with_options = train_steps.one_step(section, mesh, FEATURES, host, step=5)
-    monkeypatch.setattr(trainer, "CPU_TRAIN_STEP_OPTIONS", {})
+    monkeypatch.setattr(trainer, "train_step_compiler_options", lambda platform: None)
     without = train_steps.one_step(section, mesh, FEATURES, host, step=5)
     assert with_options[1] == pytest.approx(without[1], abs=1e-6)
     worst = max(
