@@ -148,7 +148,7 @@ def _fmt_value(record: dict) -> str:
     value, unit = record["value"], record["unit"]
     if unit == "bytes per chip":
         return f"{value / 2**30:.2f} GiB/chip"
-    if unit in ("skipped", "timed out"):  # tpu_compile rows that compiled nothing
+    if unit in ("skipped", "timed out", "unsupported"):  # tpu_compile rows that compiled nothing
         return unit
     if "bytes" in unit and unit != "x weight bytes":
         return f"{value / 2**20:.1f} MiB"
@@ -172,12 +172,19 @@ def _note(record: dict) -> str:
         notes.append(record["role"])
     if "fits" in record:  # tpu_compile
         notes.append(f"{'fits' if record['fits'] else 'DOES NOT FIT'} {record['slice']}")
+        if record.get("est_seconds"):
+            mfu = record.get("mfu_estimate")
+            notes.append(
+                f"est. {_fmt_seconds(record['est_seconds'])}" + (f" (MFU {mfu:.0%})" if mfu else "")
+            )
+        if record.get("maxdiffusion_published"):
+            notes.append(f"MaxDiffusion published {record['maxdiffusion_published']}")
         if record.get("xla_flops"):
             notes.append(f"{record['xla_flops'] / 1e12:.3g} TFLOP/chip (XLA)")
         counts = ", ".join(f"{k} {v}" for k, v in record.get("collectives", {}).items() if v)
         notes.append(f"collectives: {counts or 'none'}")
         notes.append(f"compile {record.get('compile_seconds', 0):.0f} s")
-    for key in ("skipped", "refusal", "timed_out_after_s"):
+    for key in ("skipped", "refusal", "timed_out_after_s", "unsupported"):
         if record.get(key):
             notes.append(f"{key}: {record[key]}")
     if record.get("error"):

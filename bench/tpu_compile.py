@@ -72,10 +72,14 @@ class Case:
     program: str  # "train" or "generate"
     topology: str  # a name of jaxcore.aot.TOPOLOGIES
     overrides: tuple[str, ...]
+    # a `difforge fit` row (its overrides are the command's), with MaxDiffusion's published
+    # wall time of the same configuration (its README) beside the estimate
+    published: str = ""
 
     @property
     def name(self) -> str:
-        return f"{self.model}/{self.program}/{self.topology}"
+        suffix = "/maxdiffusion-config" if self.published else ""
+        return f"{self.model}/{self.program}/{self.topology}{suffix}"
 
 
 def _cases(model, config, train, generate, topologies) -> list[Case]:
@@ -110,12 +114,98 @@ FULL = (
         SLICES,
     )
 )
+
+
+def _fit(model, config, program, topology, published, *overrides) -> Case:
+    return Case(model, config, program, topology, (f"stage={program}", *overrides), published)
+
+
+WAN_720P_81 = ("height=720", "width=1280", "num_frames=81")
+# MaxDiffusion's documented configurations (issue #46's table), as `difforge fit` commands with
+# its defaults for TPU (bf16, block remat in training)
+MAXDIFFUSION = (
+    _fit(
+        "wan2.1-14b",
+        "configs/models/wan2.1_t2v_14b.yml",
+        "train",
+        "v5p-8",
+        "~36.0 s/step (global batch 1 over 4 chips, host-offloaded remat)",
+        *WAN_720P_81,
+        "per_device_batch_size=0.25",
+        "ici_fsdp_parallelism=4",
+    ),
+    _fit(
+        "flux1-dev",
+        "configs/models/flux1_dev.yml",
+        "train",
+        "v5p-8",
+        "1.769 s/step",
+        "height=1024",
+        "width=1024",
+        "per_device_batch_size=2",
+        "ici_data_parallelism=1",
+        "ici_fsdp_parallelism=4",
+    ),
+    _fit(
+        "flux1-dev",
+        "configs/models/flux1_dev.yml",
+        "generate",
+        "v6e-4",
+        "5.5 s (28 steps, batch 4)",
+        "height=1024",
+        "width=1024",
+        "num_inference_steps=28",
+    ),
+    _fit(
+        "flux1-schnell",
+        "configs/models/flux1_schnell.yml",
+        "generate",
+        "v6e-4",
+        "0.8 s (4 steps, batch 4)",
+        "height=1024",
+        "width=1024",
+        "num_inference_steps=4",
+    ),
+    _fit(
+        "wan2.1-14b",
+        "configs/models/wan2.1_t2v_14b.yml",
+        "generate",
+        "tpu7x-8",
+        "249.3 s (50 steps)",
+        *WAN_720P_81,
+        "num_inference_steps=50",
+        "ici_data_parallelism=2",
+        "ici_context_parallelism=4",
+    ),
+    _fit(
+        "wan2.1-14b",
+        "configs/models/wan2.1_t2v_14b.yml",
+        "generate",
+        "tpu7x-16",
+        "127.1 s (50 steps)",
+        *WAN_720P_81,
+        "num_inference_steps=50",
+        "ici_data_parallelism=2",
+        "ici_context_parallelism=8",
+    ),
+    _fit(
+        "wan2.2-a14b",
+        "configs/models/wan2.2_t2v_a14b.yml",
+        "generate",
+        "tpu7x-8",
+        "194.4 s (40 steps)",
+        *WAN_720P_81,
+        "num_inference_steps=40",
+        "ici_data_parallelism=2",
+        "ici_context_parallelism=4",
+    ),
+)
 CASES = {
     "smoke": tuple(
         _cases("wan-tiny", "configs/models/wan_tiny.yml", TINY_TRAIN, TINY_GENERATE, ("v5p-8",))
     ),
     "quick": tuple(c for c in FULL if c.model == "wan2.1-1.3b" and c.topology == "v5p-8"),
-    "full": tuple(FULL),
+    "full": tuple(FULL) + MAXDIFFUSION,
 }
 # seconds a case may compile for (the 14B programs take the longest)
 TIMEOUT_S = {"smoke": 600, "quick": 1800, "full": 3600}
@@ -151,6 +241,19 @@ def compile_case(case: Case) -> dict:
     from jaxcore import aot
     from pipelines.deploy import fit_model, generate_program, train_program
 
+    if case.published:  # a `difforge fit` row: the command's own config and program
+        from jaxcore import families, sharding
+        from jaxcore.config import load_config
+        from pipelines import fit
+
+        cfg = load_config(fit.FitConfig, None, [f"model={case.model_config}", *case.overrides])
+        slice_ = aot.topology(case.topology)
+        mesh = aot.topology_mesh(slice_, cfg.mesh)
+        try:
+            program = fit.program(cfg, mesh)
+        except (sharding.ShardingError, families.FamilyError, ValueError) as err:
+            return {"unsupported": str(err)}  # a configuration difforge cannot build yet
+        return aot.compile_program(program, slice_).to_dict()
     config = stage_config(case)
     slice_ = aot.topology(case.topology)
     mesh = aot.topology_mesh(slice_, config.mesh)
@@ -188,8 +291,14 @@ def _run_subprocess(case: Case, timeout: float) -> dict:
 def record(case: Case, report: dict) -> dict:
     """The bench record of a case's report (or of its skip / timeout)."""
     base = {"model_config": case.model_config, "program": case.program, "slice": case.topology}
+    if case.published:
+        base["maxdiffusion_published"] = case.published
     if "skipped" in report:
         return value_record(BENCH, case.name, "difforge", float("nan"), "skipped", **base, **report)
+    if "unsupported" in report:
+        return value_record(
+            BENCH, case.name, "difforge", float("nan"), "unsupported", **base, **report
+        )
     if "timed_out_after_s" in report:
         return value_record(
             BENCH, case.name, "difforge", float("nan"), "timed out", **base, **report
