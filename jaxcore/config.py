@@ -135,10 +135,11 @@ def from_dict[T](cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     for name, field in fields.items():
         if name in data:
             value = data[name]
-            if isinstance(value, Mapping) and field.default_factory is not dataclasses.MISSING:
-                # a section whose default is not its class's (e.g. bf16 compute for TPU):
+            factory = field.default_factory
+            if isinstance(value, Mapping) and factory not in (dataclasses.MISSING, hints[name]):
+                # a section whose default is not its class's own (e.g. bf16 compute for TPU):
                 # the given keys change that default, they do not start from the class's
-                default = field.default_factory()
+                default = factory()
                 if dataclasses.is_dataclass(default):
                     value = _merged(to_dict(default), value)
             kwargs[name] = _coerce(value, hints[name], f"{prefix}{name}")
