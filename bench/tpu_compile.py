@@ -242,18 +242,16 @@ def compile_case(case: Case) -> dict:
     from pipelines.deploy import fit_model, generate_program, train_program
 
     if case.published:  # a `difforge fit` row: the command's own config and program
-        from jaxcore import families, sharding
-        from jaxcore.config import load_config
+        from jaxcore.config import ConfigError, load_config
         from pipelines import fit
 
-        cfg = load_config(fit.FitConfig, None, [f"model={case.model_config}", *case.overrides])
-        slice_ = aot.topology(case.topology)
-        mesh = aot.topology_mesh(slice_, cfg.mesh)
+        overrides = [f"model={case.model_config}", f"slice={case.topology}", *case.overrides]
+        cfg = load_config(fit.FitConfig, None, overrides)
         try:
-            program = fit.program(cfg, mesh)
-        except (sharding.ShardingError, families.FamilyError, ValueError) as err:
+            built, slice_ = fit.build(cfg)
+        except ConfigError as err:
             return {"unsupported": str(err)}  # a configuration difforge cannot build yet
-        return aot.compile_program(program, slice_).to_dict()
+        return fit.compile_report(cfg, built, slice_).to_dict()
     config = stage_config(case)
     slice_ = aot.topology(case.topology)
     mesh = aot.topology_mesh(slice_, config.mesh)

@@ -320,18 +320,17 @@ def estimate_seconds(
     repeats: int = 1,
     custom_calls: int = 0,
     attention_efficiency: float = DEFAULT_ATTENTION_EFFICIENCY,
-) -> Estimate:
+) -> Estimate | None:
     """The step's estimated seconds from the cost model's ``optimal_seconds`` of the compiled
     program (per chip): loops multiplied out and custom-call attention added (module
-    docstring). ``model_flops``/``attention_flops`` are analytic, over all ``chips``."""
+    docstring). ``model_flops``/``attention_flops`` are analytic, over all ``chips``. None
+    when the cost model failed and there are no FLOPs and peak to price instead."""
     if not 0 < attention_efficiency <= 1:
         raise ValueError(f"attention_efficiency must be in (0, 1], got {attention_efficiency}")
     notes = []
     if not (math.isfinite(optimal_seconds) and optimal_seconds > 0):
         if not (xla_flops and peak_flops):
-            raise ValueError(
-                f"the cost model's time is {optimal_seconds} and the FLOPs are unknown: no estimate"
-            )
+            return None
         notes.append(
             f"the cost model returned {optimal_seconds:.3g} s for this program; XLA's FLOPs "
             f"priced at {FALLBACK_XLA_EFFICIENCY:.0%} of bf16 peak instead"
@@ -567,8 +566,7 @@ def compile_program(
     text = compiled.as_text()
     xla_flops, optimal = _cost(compiled, "flops"), _cost(compiled, "optimal_seconds")
     estimate = None
-    if optimal is not None and (optimal > 0 or (xla_flops and slice_.peak_flops)):
-        # TPU programs (XLA's CPU cost analysis has no time)
+    if optimal is not None:  # TPU programs (XLA's CPU cost analysis has no time)
         estimate = estimate_seconds(
             optimal,
             chips=int(program.mesh.size),

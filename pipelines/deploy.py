@@ -492,8 +492,6 @@ def _step_model(cfg: DeployConfig, step: ResolvedStep) -> FitModel | str:
 def _train_features(config, model: FitModel, steps, step):
     """The batch tensors a train step will read: its synthetic ones, or the records its
     pipeline's convert step writes (latents of that step's size); None when unknown."""
-    from jaxcore.families import TensorSpec
-
     if config.input.dataset_type == "synthetic":
         shape, text = tuple(config.input.synthetic_latent_shape), config.input.synthetic_text_length
     else:
@@ -505,10 +503,19 @@ def _train_features(config, model: FitModel, steps, step):
             model.family.latent_shape(model.configs, media.height, media.width, media.num_frames)
         )
         text = producer.config.encoder.max_sequence_length
+    return batch_features(config, model, shape, text, config.input.synthetic_image_tokens)
+
+
+def batch_features(config, model: FitModel, latent_shape, text_length: int, image_tokens: int):
+    """The tensors of a train batch of ``config``'s denoiser: latents of ``latent_shape`` and
+    the family's conditioning (``image_tokens`` where the model's configs do not say)."""
+    from jaxcore.families import TensorSpec
+    from stages.common import records
+
     denoiser = _denoiser_config(config, model)
-    tokens = model.family.image_tokens(model.configs) or config.input.synthetic_image_tokens
-    specs = model.family.conditioning_specs(denoiser, text, shape, tokens)
-    return (TensorSpec("latents", shape), *specs)
+    tokens = model.family.image_tokens(model.configs) or image_tokens
+    specs = model.family.conditioning_specs(denoiser, text_length, latent_shape, tokens)
+    return (TensorSpec(records.LATENTS, tuple(latent_shape)), *specs)
 
 
 def _denoiser_config(config, model: FitModel):
@@ -531,7 +538,7 @@ def train_program(config, model: FitModel, mesh, features=None):
 
     from jaxcore import aot, sharding
     from jaxcore.layer_stack import LayerStack
-    from stages.common import checkpoints, objective, records
+    from stages.common import checkpoints, objective
     from stages.common.data import batch_sharding, replicated
     from stages.train import loop, trainer
     from stages.train.config import global_batch_size
@@ -603,9 +610,6 @@ def train_program(config, model: FitModel, mesh, features=None):
         "prior_preservation": prior,
     }
     rows = batch * (2 if prior else 1)
-    shapes = {f.name: f.shape for f in features}
-    latent_shape = shapes.pop(records.LATENTS)
-    attention = family.attention_flops_per_forward(denoiser, rows, latent_shape, shapes)
     return aot.Program(
         "train_step",
         step.fn,
@@ -613,8 +617,7 @@ def train_program(config, model: FitModel, mesh, features=None):
         mesh,
         model_flops=loop.training_flops(built, features, rows),
         details=details,
-        # forward + backward: 3x the forward's, as the model FLOPs count it
-        attention_flops=None if attention is None else 3.0 * attention,
+        attention_flops=loop.training_attention_flops(built, features, rows),
     )
 
 

@@ -120,23 +120,10 @@ def train_config(cfg: FitConfig, model):
     )
 
 
-def train_features(cfg: FitConfig, model, denoiser_config):
-    """The batch a train step reads at the fit's size: latents and the family's conditioning."""
-    from jaxcore.families import TensorSpec
-    from stages.common import records
-
-    shape = tuple(
-        model.family.latent_shape(
-            model.configs,
-            _size(cfg, model, "height"),
-            _size(cfg, model, "width"),
-            _size(cfg, model, "num_frames"),
-        )
-    )
-    # an image-conditioned model's image tokens (CLIP's 257 where its configs do not say)
-    tokens = model.family.image_tokens(model.configs) or 257
-    specs = model.family.conditioning_specs(denoiser_config, cfg.text_length, shape, tokens)
-    return (TensorSpec(records.LATENTS, shape), *specs)
+def latent_shape(cfg: FitConfig, model) -> tuple[int, ...]:
+    """The latents of one example at the fit's size."""
+    sizes = (_size(cfg, model, key) for key in ("height", "width", "num_frames"))
+    return tuple(model.family.latent_shape(model.configs, *sizes))
 
 
 def generate_config(cfg: FitConfig, model):
@@ -169,34 +156,50 @@ def program(cfg: FitConfig, mesh):
     if cfg.stage == "generate":
         return deploy.generate_program(generate_config(cfg, model), model, mesh)
     config = train_config(cfg, model)
-    denoiser = deploy._denoiser_config(config, model)
-    return deploy.train_program(config, model, mesh, train_features(cfg, model, denoiser))
+    # an image-conditioned model's image tokens: CLIP's 257 where its configs do not say
+    features = deploy.batch_features(config, model, latent_shape(cfg, model), cfg.text_length, 257)
+    return deploy.train_program(config, model, mesh, features)
+
+
+def build(cfg: FitConfig):
+    """(the step's program, its slice); a step that cannot be built on that mesh (sizes that do
+    not split, unknown heads) is a ConfigError naming the stage and slice."""
+    from jaxcore import aot, families, sharding
+    from stages.common.errors import StageInputError
+
+    slice_ = aot.topology(cfg.slice)
+    try:
+        mesh = aot.topology_mesh(slice_, cfg.mesh, cfg.num_slices)
+        return program(cfg, mesh), slice_
+    except (sharding.ShardingError, families.FamilyError, StageInputError, ValueError) as err:
+        raise ConfigError(f"fit {cfg.stage} on {cfg.slice}: {err}") from None
+
+
+def compile_report(cfg: FitConfig, built, slice_):
+    """Compile what :func:`build` made, with the fit's headroom and attention efficiency."""
+    from jaxcore import aot
+
+    return aot.compile_program(
+        built, slice_, headroom=cfg.headroom, attention_efficiency=cfg.attention_efficiency
+    )
 
 
 def run(cfg: FitConfig, *, force: bool = False):
     """Compile, print the report (or its JSON), write it to ``out`` when set. Returns None
     (nothing is an artifact); a step that does not fit is a report, not an error."""
     del force
-    from jaxcore import aot, families, sharding
-    from stages.common.errors import StageInputError
+    from jaxcore import aot
 
     if not aot.libtpu_available():
         raise ConfigError(f"difforge fit needs libtpu, the TPU compiler: {aot.INSTALL_HINT}")
-    slice_ = aot.topology(cfg.slice)
-    try:
-        mesh = aot.topology_mesh(slice_, cfg.mesh, cfg.num_slices)
-        built = program(cfg, mesh)
-    except (sharding.ShardingError, families.FamilyError, StageInputError, ValueError) as err:
-        raise ConfigError(f"fit {cfg.stage} on {cfg.slice}: {err}") from None
+    built, slice_ = build(cfg)
     if not cfg.json:
         print(
             f"fit {cfg.stage} of {cfg.model} on {cfg.slice}: compiling ahead of time "
             "(minutes for billion-parameter models)",
             file=sys.stderr,
         )
-    report = aot.compile_program(
-        built, slice_, headroom=cfg.headroom, attention_efficiency=cfg.attention_efficiency
-    )
+    report = compile_report(cfg, built, slice_)
     text = json.dumps(report.to_dict(), default=str)
     if cfg.out:
         from jaxcore import storage

@@ -211,12 +211,26 @@ def batch_features(config: TrainConfig, built: model.Model, train_spec) -> tuple
     return features
 
 
+def _forward_shapes(features):
+    """(latent shape, the conditioning's shapes by name) of a batch's features."""
+    shapes = {f.name: f.shape for f in features}
+    return shapes.pop(records.LATENTS), shapes
+
+
 def training_flops(built: model.Model, features, batch: int) -> float:
     """Model FLOPs of one training step (3x a forward, as MaxDiffusion counts)."""
-    shapes = {f.name: f.shape for f in features}
-    latent_shape = shapes.pop(records.LATENTS)
+    latent_shape, shapes = _forward_shapes(features)
     config = built.module.config
     return 3 * built.family.flops_per_forward(config, batch, latent_shape, shapes)
+
+
+def training_attention_flops(built: model.Model, features, batch: int) -> float | None:
+    """The part of :func:`training_flops` in self-attention scores and values (None: the
+    family does not say), counted the same way: 3x the forward's."""
+    latent_shape, shapes = _forward_shapes(features)
+    config = built.module.config
+    forward = built.family.attention_flops_per_forward(config, batch, latent_shape, shapes)
+    return None if forward is None else 3.0 * forward
 
 
 def _with_expert_range(config: TrainConfig, built: model.Model) -> TrainConfig:

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxcore import sharding
 from jaxcore.compute import train_step_compiler_options
+from jaxcore.kernels.sharded import platform_of
 from stages.common import objective
 from stages.common.data import batch_sharding, replicated
 from stages.common.objective import ObjectiveSection
@@ -184,6 +185,6 @@ def make_train_step(
         ),
         out_shardings=(param_shardings, opt_shardings, rep),
         donate_argnums=(0, 1),
-        compiler_options=train_step_compiler_options(mesh.devices.flat[0].platform),
+        compiler_options=train_step_compiler_options(platform_of(mesh)),
     )
     return TrainStep(jitted, mesh)

@@ -68,6 +68,7 @@ def test_estimate_adds_custom_call_attention_at_its_efficiency():
     failed = aot.estimate_seconds(-0.97, chips=1, peak_flops=PEAK, xla_flops=8e12)
     assert failed.seconds == pytest.approx(8e12 / (PEAK * aot.FALLBACK_XLA_EFFICIENCY))
     assert "returned -0.97 s" in failed.note
+    assert aot.estimate_seconds(-0.97, chips=1, peak_flops=PEAK) is None  # nothing to price
     with pytest.raises(ValueError, match="attention_efficiency"):
         aot.estimate_seconds(0.01, chips=1, peak_flops=PEAK, attention_efficiency=0)
 
