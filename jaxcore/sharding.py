@@ -38,8 +38,12 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_frames", None),
     ("activation_height", None),
     ("activation_width", None),
-    # parameters
-    ("embed", "fsdp"),
+    # parameters. ``embed`` spans fsdp AND context (ZeRO-3 over both, as MaxText's and
+    # MaxDiffusion's Wan rules do): context parallelism exists for sequences too long for one
+    # chip, and those runs are the ones whose replicated weights do not fit (Wan 14B train at
+    # global batch 1 on a v5p-8: 49 GiB per chip sharded over context, not fitting replicated;
+    # A14B generate on a tpu7x-8: 41.5 GiB vs 113 GiB). With context 1 nothing changes.
+    ("embed", ("fsdp", "context")),
     ("heads", "tensor"),
     ("kv", None),
     ("mlp", "tensor"),
@@ -111,25 +115,61 @@ def _fill_auto(sizes: Sequence[int], total: int, what: str) -> list[int]:
     return sizes
 
 
+def _sizes(config: MeshConfig, kind: str) -> list[int]:
+    """The config's ``ici`` or ``dcn`` sizes in MESH_AXES order (-1 unresolved)."""
+    return [getattr(config, f"{kind}_{axis}_parallelism") for axis in MESH_AXES]
+
+
 def mesh_shape(config: MeshConfig, num_devices: int, num_slices: int = 1) -> dict[str, int]:
     """Resolve -1 entries; returns {axis: size} with the product equal to num_devices."""
     if num_devices % num_slices:
         raise ShardingError(f"{num_devices} devices do not split into {num_slices} slices")
-    dcn = [
-        config.dcn_data_parallelism,
-        config.dcn_fsdp_parallelism,
-        config.dcn_context_parallelism,
-        config.dcn_tensor_parallelism,
-    ]
-    ici = [
-        config.ici_data_parallelism,
-        config.ici_fsdp_parallelism,
-        config.ici_context_parallelism,
-        config.ici_tensor_parallelism,
-    ]
-    dcn = _fill_auto(dcn, num_slices, "dcn")
-    ici = _fill_auto(ici, num_devices // num_slices, "ici")
+    dcn = _fill_auto(_sizes(config, "dcn"), num_slices, "dcn")
+    ici = _fill_auto(_sizes(config, "ici"), num_devices // num_slices, "ici")
     return {axis: d * i for axis, d, i in zip(MESH_AXES, dcn, ici, strict=True)}
+
+
+def fold_batch_into_context(
+    config: MeshConfig, global_batch: int, num_devices: int, num_slices: int = 1
+) -> tuple[MeshConfig, str | None]:
+    """The mesh for a global batch smaller than its batch axes: the fsdp ways the batch cannot
+    fill split the sequence instead (they become context ways), as a fractional
+    ``per_device_batch_size`` asks (MaxDiffusion's Wan 14B training: 0.25 on 4 fsdp chips).
+
+    The weights stay sharded over the same chips (``embed`` spans fsdp and context) and each
+    chip holds a quarter of the tokens rather than a padded copy of the one example. Returns
+    the config unchanged (and no note) where the batch divides data x fsdp, or where it does
+    not even divide the data axis (``check_divisible`` names that); else the new config and a
+    note saying what moved. Only the ici fsdp axis folds: a dcn fsdp axis would put a ring
+    attention across slices."""
+    if num_devices % num_slices:
+        raise ShardingError(f"{num_devices} devices do not split into {num_slices} slices")
+    dcn = dict(zip(MESH_AXES, _fill_auto(_sizes(config, "dcn"), num_slices, "dcn"), strict=True))
+    ici = _fill_auto(_sizes(config, "ici"), num_devices // num_slices, "ici")
+    ici = dict(zip(MESH_AXES, ici, strict=True))
+    data, fsdp = dcn["data"] * ici["data"], dcn["fsdp"] * ici["fsdp"]
+    if global_batch % (data * fsdp) == 0 or global_batch % (data * dcn["fsdp"]):
+        return config, None
+    ici_fsdp = ici["fsdp"]
+    kept = math.gcd(global_batch // (data * dcn["fsdp"]), ici_fsdp)
+    folded = dataclasses.replace(
+        config,
+        ici_data_parallelism=ici["data"],
+        ici_fsdp_parallelism=kept,
+        ici_context_parallelism=ici["context"] * (ici_fsdp // kept),
+        ici_tensor_parallelism=ici["tensor"],
+    )
+    note = (
+        f"global batch {global_batch} does not fill data x fsdp = {data * fsdp}: "
+        f"ici fsdp {ici_fsdp} runs as fsdp {kept} x context {ici_fsdp // kept} (weights still sharded over those "
+        "chips, the tokens split over the context ways)"
+    )
+    return folded, note
+
+
+def slice_count(devices: Sequence[jax.Device]) -> int:
+    """How many slices (multislice: DCN-connected) ``devices`` span."""
+    return 1 + max(getattr(d, "slice_index", 0) or 0 for d in devices)
 
 
 def make_mesh(
@@ -138,7 +178,7 @@ def make_mesh(
     """Build the 4-axis mesh (data, fsdp, context, tensor) over ``devices`` (default: all)."""
     config = config or MeshConfig()
     devices = list(devices) if devices is not None else jax.devices()
-    num_slices = 1 + max(getattr(d, "slice_index", 0) or 0 for d in devices)
+    num_slices = slice_count(devices)
     shape = mesh_shape(config, len(devices), num_slices)
     if num_slices > 1:
         from jax.experimental import mesh_utils
@@ -191,15 +231,46 @@ def param_shardings(mesh: Mesh, abstract_variables, rules=None):
     """NamedShardings for a pytree produced by ``jax.eval_shape(model.init, ...)``.
 
     Leaves boxed with ``nn.Partitioned`` (from ``nn.with_logical_partitioning``) get their
-    logical spec mapped; unboxed leaves are replicated.
+    logical spec mapped; unboxed leaves are replicated. A dimension split over several mesh
+    axes keeps the longest leading run of them whose product divides its size (see
+    :func:`divisible_spec`).
     """
     specs = nn.get_partition_spec(abstract_variables)
     mesh_specs = nn.logical_to_mesh(specs, rules or LOGICAL_AXIS_RULES)
+
+    def place(spec, leaf):
+        if spec is None:
+            return NamedSharding(mesh, PartitionSpec())
+        return NamedSharding(mesh, divisible_spec(mesh, spec, leaf.shape))
+
     return jax.tree.map(
-        lambda spec: NamedSharding(mesh, spec if spec is not None else PartitionSpec()),
+        place,
         mesh_specs,
+        nn.meta.unbox(abstract_variables),
         is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None,
     )
+
+
+def divisible_spec(mesh: Mesh, spec: PartitionSpec, shape: Sequence[int]) -> PartitionSpec:
+    """``spec`` with each dimension's mesh axes after the first cut to the longest leading run
+    whose product divides that dimension's size.
+
+    ``embed`` spans fsdp and context; a width that fsdp divides but fsdp x context does not
+    (a tiny test model, a 3-way context) is sharded over fsdp and replicated over context,
+    which is correct and only costs memory. The first axis is always kept: a size it does not
+    divide fails at placement as before, rather than silently replicating a large model."""
+    entries = []
+    for size, axes in zip(shape, spec, strict=False):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        kept = list(names[:1])
+        for name in names[1:]:
+            if size % math.prod(mesh.shape[a] for a in (*kept, name)):
+                break
+            kept.append(name)
+        entries.append(
+            axes if len(kept) == len(names) else kept[0] if len(kept) == 1 else tuple(kept)
+        )
+    return PartitionSpec(*entries, *tuple(spec)[len(entries) :])
 
 
 def batch_axis_size(mesh: Mesh, rules=None) -> int:

@@ -675,6 +675,7 @@ def fit_check(cfg: DeployConfig, steps, step: ResolvedStep, out: Path | None = N
         return None
     from jaxcore import aot, families, sharding
     from stages.common.errors import StageInputError
+    from stages.train.config import batch_mesh
 
     where = f"step {step.step.name!r} ({step.step.stage}) on {cfg.xpk.tpu_type}"
     reason = None
@@ -686,7 +687,12 @@ def fit_check(cfg: DeployConfig, steps, step: ResolvedStep, out: Path | None = N
     if reason is None:
         slice_ = aot.topology(cfg.xpk.tpu_type)
         try:
-            mesh = aot.topology_mesh(slice_, step.config.mesh, cfg.xpk.num_slices)
+            mesh_config = step.config.mesh
+            if step.step.stage == "train":  # as the run will: see stages.train.loop.prepare
+                mesh_config, _ = batch_mesh(
+                    step.config, slice_.chips * cfg.xpk.num_slices, cfg.xpk.num_slices
+                )
+            mesh = aot.topology_mesh(slice_, mesh_config, cfg.xpk.num_slices)
             program = step_program(cfg, steps, step, mesh)
         except (sharding.ShardingError, families.FamilyError, StageInputError, ValueError) as err:
             raise FitCheckError(f"fit check of {where}: {err}") from None

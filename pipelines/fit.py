@@ -166,11 +166,22 @@ def build(cfg: FitConfig):
     not split, unknown heads) is a ConfigError naming the stage and slice."""
     from jaxcore import aot, families, sharding
     from stages.common.errors import StageInputError
+    from stages.train.config import global_batch_size
 
     slice_ = aot.topology(cfg.slice)
     try:
-        mesh = aot.topology_mesh(slice_, cfg.mesh, cfg.num_slices)
-        return program(cfg, mesh), slice_
+        mesh_config, folded = cfg.mesh, None
+        if cfg.stage == "train":
+            chips = slice_.chips * cfg.num_slices
+            batch = global_batch_size(cfg.per_device_batch_size, chips)
+            mesh_config, folded = sharding.fold_batch_into_context(
+                cfg.mesh, batch, chips, cfg.num_slices
+            )
+        mesh = aot.topology_mesh(slice_, mesh_config, cfg.num_slices)
+        built = program(cfg, mesh)
+        if folded:
+            built = dataclasses.replace(built, details={**built.details, "mesh_note": folded})
+        return built, slice_
     except (sharding.ShardingError, families.FamilyError, StageInputError, ValueError) as err:
         raise ConfigError(f"fit {cfg.stage} on {cfg.slice}: {err}") from None
 
@@ -210,6 +221,8 @@ def run(cfg: FitConfig, *, force: bool = False):
     else:
         print(report.summary())
         print(f"  per chip: {report.breakdown()}")
+        if report.details.get("mesh_note"):
+            print(f"  mesh: {report.details['mesh_note']}")
         if report.estimate is not None and report.estimate.note:
             print(f"  estimate: {report.estimate.note}")
     return None

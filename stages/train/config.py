@@ -299,3 +299,13 @@ def global_batch_size(per_device_batch_size: float, num_devices: int) -> int:
             "is not a whole global batch"
         )
     return int(round(total))
+
+
+def batch_mesh(config: TrainConfig, num_devices: int, num_slices: int = 1):
+    """(the mesh config this run's global batch trains on, a note or None): a global batch
+    smaller than the batch axes splits its tokens over the fsdp ways it cannot fill
+    (:func:`jaxcore.sharding.fold_batch_into_context`)."""
+    from jaxcore import sharding
+
+    batch = global_batch_size(config.per_device_batch_size, num_devices)
+    return sharding.fold_batch_into_context(config.mesh, batch, num_devices, num_slices)

@@ -31,7 +31,7 @@ from stages.common import checkpoints, data, objective, records, scoring
 from stages.common.errors import StageInputError
 from stages.common.preemption import Preemption
 from stages.train import metrics, model, trainer
-from stages.train.config import TrainConfig, global_batch_size
+from stages.train.config import TrainConfig, batch_mesh, global_batch_size
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,11 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest, prior_manifest=
     """Mesh, data, model, optimiser, compiled step and checkpoint manager of one run."""
     if config.jax_cache_dir:
         jax.config.update("jax_compilation_cache_dir", config.jax_cache_dir)
-    mesh = sharding.make_mesh(config.mesh)
+    devices = jax.devices()
+    mesh_config, folded = batch_mesh(config, len(devices), sharding.slice_count(devices))
+    if folded:
+        log.info("mesh: %s", folded)
+    mesh = sharding.make_mesh(mesh_config, devices)
     batch = global_batch_size(config.per_device_batch_size, mesh.size)
     sharding.check_divisible(mesh, batch=batch)
     train_spec, eval_spec = data_specs(config, data_manifest)

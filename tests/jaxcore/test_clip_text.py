@@ -340,7 +340,7 @@ def test_sharded_load_matches_unsharded(tmp_path):
     )
     module, params = clip_text.load_clip_text(tmp_path, mesh=mesh)
     q_kernel = params["block_0"]["attention"]["q"]["kernel"]
-    assert q_kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+    assert q_kernel.sharding.spec == jax.sharding.PartitionSpec(("fsdp", "context"), "tensor", None)
     with sharding.mesh_context(mesh):
         got = jax.jit(module.apply)({"params": params}, ids, mask)
     _assert_matches(got, expected)

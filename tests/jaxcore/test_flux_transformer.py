@@ -306,11 +306,21 @@ def test_sharded_equals_unsharded(tiny_checkpoint):
     )
     module, params = ft.load_flux_transformer(directory, mesh=mesh)
     double, single = params["transformer_blocks_0"], params["single_transformer_blocks_0"]
-    assert double["attn"]["to_q"]["kernel"].sharding.spec == PartitionSpec("fsdp", "tensor")
-    assert double["attn"]["to_add_out"]["kernel"].sharding.spec == PartitionSpec("tensor", "fsdp")
-    assert double["ff"]["proj_in"]["kernel"].sharding.spec == PartitionSpec("fsdp", "tensor")
-    assert single["proj_mlp"]["kernel"].sharding.spec == PartitionSpec("fsdp", None, "tensor")
-    assert single["proj_out"]["kernel"].sharding.spec == PartitionSpec(None, "tensor", "fsdp")
+    assert double["attn"]["to_q"]["kernel"].sharding.spec == PartitionSpec(
+        ("fsdp", "context"), "tensor"
+    )
+    assert double["attn"]["to_add_out"]["kernel"].sharding.spec == PartitionSpec(
+        "tensor", ("fsdp", "context")
+    )
+    assert double["ff"]["proj_in"]["kernel"].sharding.spec == PartitionSpec(
+        ("fsdp", "context"), "tensor"
+    )
+    assert single["proj_mlp"]["kernel"].sharding.spec == PartitionSpec(
+        ("fsdp", "context"), None, "tensor"
+    )
+    assert single["proj_out"]["kernel"].sharding.spec == PartitionSpec(
+        None, "tensor", ("fsdp", "context")
+    )
 
     _, plain = ft.load_flux_transformer(directory)
     inputs = _inputs(TINY_DEV, 4, 8, 6, 5)  # batch 4 = data x fsdp
@@ -334,7 +344,7 @@ def test_init_from_scratch_on_a_mesh():
     config = ft.FluxTransformerConfig.from_dict(TINY_DEV)
     _, params = ft.init_flux_transformer(config, jax.random.key(0), mesh=mesh)
     spec = params["single_transformer_blocks_0"]["proj_out"]["kernel"].sharding.spec
-    assert spec == PartitionSpec(None, "tensor", "fsdp")
+    assert spec == PartitionSpec(None, "tensor", ("fsdp", "context"))
     assert ft.count_params(config) == sum(x.size for x in jax.tree.leaves(params))
 
 

@@ -102,7 +102,7 @@ def test_sharded_transformer_equals_unsharded(
     module = wt.WanTransformer(CONFIG, attention=backend, mesh=mesh)
     placed_params, placed_inputs = _place(mesh, module, params, inputs)
     q_kernel = placed_params["blocks_0"]["attn1"]["to_q"]["kernel"]
-    assert q_kernel.sharding.spec == PartitionSpec("fsdp", "tensor")
+    assert q_kernel.sharding.spec == PartitionSpec(("fsdp", "context"), "tensor")
 
     out, hlo = _sharded_apply(mesh, module, placed_params, placed_inputs)
     assert collective in hlo, f"no {collective} in the compiled program: not sharded?"

@@ -78,7 +78,9 @@ def test_make_mesh_has_the_four_named_axes_in_order():
 def test_logical_to_spec_follows_the_rules():
     spec = sharding.logical_to_spec(("activation_batch", "activation_length", "activation_embed"))
     assert spec == PartitionSpec(("data", "fsdp"), "context", None)
-    assert sharding.logical_to_spec(("embed", "mlp")) == PartitionSpec("fsdp", "tensor")
+    assert sharding.logical_to_spec(("embed", "mlp")) == PartitionSpec(
+        ("fsdp", "context"), "tensor"
+    )
 
 
 def test_axis_rules_overrides_and_unknown_names():
@@ -111,7 +113,7 @@ def test_param_shardings_on_a_flax_module():
     )
     abstract = jax.eval_shape(_TinyModule().init, jax.random.key(0), jnp.ones((4, 8)))
     shardings = sharding.param_shardings(mesh, abstract)["params"]
-    assert shardings["kernel"].spec == PartitionSpec("fsdp", "tensor")
+    assert shardings["kernel"].spec == PartitionSpec(("fsdp", "context"), "tensor")
     assert shardings["bias"].spec == PartitionSpec()
     assert shardings["scale"].spec == PartitionSpec(None)
 
@@ -132,6 +134,34 @@ def test_param_shardings_with_overridden_rules():
     rules = sharding.axis_rules([("embed", None), ("mlp", ("fsdp", "tensor"))])
     kernel = sharding.param_shardings(mesh, abstract, rules)["params"]["kernel"]
     assert kernel.spec == PartitionSpec(None, ("fsdp", "tensor"))
+
+
+def test_weights_shard_over_context_only_where_the_width_divides():
+    """embed spans fsdp and context; the context axis is dropped from a dimension that
+    fsdp x context does not divide (replicated over context: correct, only more memory), and
+    the first axis is kept even where it does not divide, so a model that cannot shard over
+    fsdp fails at placement instead of silently replicating."""
+    mesh = make_mesh(
+        MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=2, ici_context_parallelism=4)
+    )
+    spec = PartitionSpec(("fsdp", "context"), "tensor")
+    assert sharding.divisible_spec(mesh, spec, (16, 8)) == spec
+    assert sharding.divisible_spec(mesh, spec, (6, 8)) == PartitionSpec("fsdp", "tensor")
+    assert sharding.divisible_spec(mesh, spec, (3, 8)) == PartitionSpec("fsdp", "tensor")
+    assert sharding.divisible_spec(mesh, PartitionSpec(None, "tensor"), (3, 5)) == PartitionSpec(
+        None, "tensor"
+    )
+
+    def boxed(rows):
+        init = nn.with_logical_partitioning(nn.initializers.ones, ("embed", "mlp"))
+        return {"kernel": jax.eval_shape(lambda: init(jax.random.key(0), (rows, 16)))}
+
+    assert sharding.param_shardings(mesh, boxed(6))["kernel"].spec == PartitionSpec(
+        "fsdp", "tensor"
+    )
+    shardings = sharding.param_shardings(mesh, boxed(8))
+    placed = jax.device_put({"kernel": np.ones((8, 16), np.float32)}, shardings)
+    assert {s.data.shape for s in placed["kernel"].addressable_shards} == {(1, 16)}
 
 
 # --- divisibility ---------------------------------------------------------------------------
@@ -165,3 +195,24 @@ def test_constrain_is_a_no_op_outside_a_mesh_and_shards_inside():
     assert y.sharding.spec == PartitionSpec(("data", "fsdp"))
     assert {s.data.shape for s in y.addressable_shards} == {(1, 8)}
     np.testing.assert_array_equal(np.asarray(y), np.arange(64.0).reshape(8, 8) * 2)
+
+
+@pytest.mark.parametrize(
+    "given, batch, want, moved",
+    [
+        # as MaxDiffusion's Wan 14B training (global batch 1 on 4 fsdp chips), on 8
+        (MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=8), 1, (1, 1, 8, 1), True),
+        (MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=4), 4, (2, 2, 2, 1), True),
+        (MeshConfig(ici_fsdp_parallelism=-1, ici_data_parallelism=1), 2, (1, 2, 4, 1), True),
+        (MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=8), 8, (1, 8, 1, 1), False),
+        # not even the data axis divides: left for check_divisible to name
+        (MeshConfig(ici_data_parallelism=8), 4, (8, 1, 1, 1), False),
+    ],
+)
+def test_a_batch_smaller_than_its_axes_folds_fsdp_into_context(given, batch, want, moved):
+    folded, note = sharding.fold_batch_into_context(given, batch, 8)
+    assert tuple(sharding.mesh_shape(folded, 8).values()) == want
+    assert (note is not None) == moved
+    if moved:
+        assert f"global batch {batch}" in note
+        assert batch % sharding.batch_axis_size(sharding.make_mesh(folded)) == 0

@@ -189,7 +189,7 @@ def test_sharded_load_matches_unsharded(tmp_path):
     )
     module, params = umt5.load_umt5(tmp_path, mesh=mesh)
     q_kernel = params["block_0"]["attention"]["q"]["kernel"]
-    assert q_kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+    assert q_kernel.sharding.spec == jax.sharding.PartitionSpec(("fsdp", "context"), "tensor", None)
     with sharding.mesh_context(mesh):  # activation constraints live, unlike under `with mesh:`
         got = np.asarray(jax.jit(module.apply)({"params": params}, ids, mask))
     assert np.abs(got - expected).max() < ATOL

@@ -367,9 +367,9 @@ def test_sharded_load_and_forward_match_unsharded(unets):
     )
     module, params = unet.load_unet_2d_condition(ref.directory, mesh=mesh)
     to_q = params["down_blocks_0"]["attentions_0"]["transformer_blocks_0"]["attn1"]["to_q"]
-    assert to_q["kernel"].sharding.spec == PartitionSpec("fsdp", "tensor")
+    assert to_q["kernel"].sharding.spec == PartitionSpec(("fsdp", "context"), "tensor")
     ff_in = params["up_blocks_1"]["attentions_0"]["transformer_blocks_0"]["ff"]["net_0"]["proj"]
-    assert ff_in["kernel"].sharding.spec == PartitionSpec("fsdp", None, "tensor")
+    assert ff_in["kernel"].sharding.spec == PartitionSpec(("fsdp", "context"), None, "tensor")
     sample, _, context, _, _ = _inputs("sd2")
     sample, context = np.tile(sample, (4, 1, 1, 1)), np.tile(context, (4, 1, 1))
     timestep = np.array([1.0, 250.0, 500.0, 999.0], np.float32)

@@ -222,10 +222,10 @@ def test_loads_onto_a_mesh(tiny_checkpoint):
     )
     module, params = wt.load_wan_transformer(tiny_checkpoint, mesh=mesh)
     q_kernel = params["blocks_0"]["attn1"]["to_q"]["kernel"]
-    assert q_kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert q_kernel.sharding.spec == jax.sharding.PartitionSpec(("fsdp", "context"), "tensor")
     assert params["blocks_0"]["ffn"]["proj_out"][
         "kernel"
-    ].sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+    ].sharding.spec == jax.sharding.PartitionSpec("tensor", ("fsdp", "context"))
 
     _, plain = wt.load_wan_transformer(tiny_checkpoint)
     video, timestep, text = _inputs(TINY, 4, 2, 4, 4, 3)  # batch 4 = data x fsdp
@@ -482,8 +482,12 @@ def test_init_from_scratch_on_a_mesh():
     config = wt.WanTransformerConfig.from_dict(dict(TINY, num_layers=1))
     _, params = wt.init_wan_transformer(config, jax.random.key(0), mesh=mesh)
     spec = jax.sharding.PartitionSpec
-    assert params["blocks_0"]["ffn"]["proj_in"]["kernel"].sharding.spec == spec("fsdp", "tensor")
-    assert params["patch_embedding"]["kernel"].sharding.spec == spec(None, None, None, None, "fsdp")
+    assert params["blocks_0"]["ffn"]["proj_in"]["kernel"].sharding.spec == spec(
+        ("fsdp", "context"), "tensor"
+    )
+    assert params["patch_embedding"]["kernel"].sharding.spec == spec(
+        None, None, None, None, ("fsdp", "context")
+    )
     assert params["blocks_0"]["attn1"]["norm_q"]["scale"].sharding.spec == spec(None)
     table = np.asarray(params["blocks_0"]["scale_shift_table"])
     assert table.shape == (1, 6, 32) and 0.05 < table.std() < 0.4  # randn / sqrt(D), as diffusers

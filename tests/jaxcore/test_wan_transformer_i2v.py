@@ -241,11 +241,15 @@ def test_image_params_are_placed_by_their_logical_axes():
     specs = jax.tree.map(lambda s: s.spec, sharding.param_shardings(mesh, boxed))
     spec = jax.sharding.PartitionSpec
     attn2, image = specs["blocks_0"]["attn2"], specs["condition_embedder"]["image_embedder"]
-    assert attn2["add_k_proj"]["kernel"] == attn2["to_k"]["kernel"] == spec("fsdp", "tensor")
+    assert (
+        attn2["add_k_proj"]["kernel"]
+        == attn2["to_k"]["kernel"]
+        == spec(("fsdp", "context"), "tensor")
+    )
     assert attn2["add_v_proj"]["bias"] == attn2["to_v"]["bias"] == spec("tensor")
     assert attn2["norm_added_k"]["scale"] == attn2["norm_k"]["scale"] == spec(None)
     assert image["ff"]["linear_1"]["kernel"] == spec(None, "tensor")
-    assert image["ff"]["linear_2"]["kernel"] == spec("tensor", "fsdp")
+    assert image["ff"]["linear_2"]["kernel"] == spec("tensor", ("fsdp", "context"))
     assert image["norm1"]["scale"] == image["norm2"]["bias"] == spec(None)
     assert image["pos_embed"] == spec(None, None, None)
     pos_embed = nn.meta.unbox(boxed)["condition_embedder"]["image_embedder"]["pos_embed"]

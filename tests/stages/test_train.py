@@ -30,7 +30,13 @@ from stages.common import checkpoints, data, objective, records
 from stages.common.errors import StageInputError
 from stages.common.objective import ObjectiveSection
 from stages.train import model, trainer
-from stages.train.config import ModelSection, OptimizerSection, TrainConfig, global_batch_size
+from stages.train.config import (
+    ModelSection,
+    OptimizerSection,
+    TrainConfig,
+    batch_mesh,
+    global_batch_size,
+)
 from tests.support import train_steps
 from tests.support.convert_artifacts import TinyDataConfig, write_convert_artifact
 from tests.support.wan_variants import write_one_layer_wan_yaml
@@ -269,6 +275,36 @@ def test_sharded_step_equals_single_device_step(name, one_layer_model, single_de
     assert moved > 1e-4  # the step did change the parameters
 
 
+def test_a_batch_smaller_than_fsdp_trains_its_tokens_split_over_context(one_layer_model):
+    """Global batch 1 on 4 fsdp chips (MaxDiffusion's per_device_batch_size=0.25): the fsdp
+    ways fold into context ways, the weights sharded over all four (embed spans fsdp and
+    context), and the step equals the single-device step on that one example."""
+    config = TrainConfig(
+        output_dir="unused",
+        model=ModelSection(model_config=one_layer_model),
+        data="unused",
+        per_device_batch_size=0.25,
+        mesh=sharding.MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=4),
+    )
+    mesh_config, note = batch_mesh(config, 4)
+    assert (mesh_config.ici_fsdp_parallelism, mesh_config.ici_context_parallelism) == (1, 4)
+    assert "context 4" in note
+    mesh = sharding.make_mesh(mesh_config, jax.devices()[:4])
+    batch = train_steps.random_batch(FEATURES, rows=1)
+    params, loss = train_steps.one_step(
+        ModelSection(model_config=one_layer_model), mesh, FEATURES, batch
+    )
+    single = sharding.make_mesh(sharding.MeshConfig(), devices=jax.devices()[:1])
+    ref_params, ref_loss = train_steps.one_step(
+        ModelSection(model_config=one_layer_model), single, FEATURES, batch
+    )
+    assert loss == pytest.approx(ref_loss, abs=1e-5)
+    worst = max(
+        jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), params, ref_params))
+    )
+    assert worst < 5e-5, worst
+
+
 def _initial(model_yaml):
     section = ModelSection(model_config=model_yaml)
     mesh = sharding.make_mesh(sharding.MeshConfig(), devices=jax.devices()[:1])
@@ -503,7 +539,7 @@ def test_checkpoints_on_gcs_save_keep_resume_and_reshard(gcs_root, one_layer_mod
     module = family.make_denoiser(cfg, ComputeConfig(), mesh)
     params = checkpoints.restore_params(f"{out}/checkpoints", 6, family, module, mesh)
     q = params["blocks_0"]["attn1"]["to_q"]["kernel"]
-    assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert q.sharding.spec == jax.sharding.PartitionSpec(("fsdp", "context"), "tensor")
     meta = checkpoints.read_meta(f"{out}/checkpoints", 6)
     assert meta["model_config"]["num_layers"] == 1 and meta["family"] == "wan"
 
