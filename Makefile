@@ -25,14 +25,17 @@ $(STAMP): setup.py
 	# jax pinned to the tested release (setup.py accepts any 0.12.x; see JAX_VERSION).
 	$(PY) -m pip install -q torch==2.13.0 jax==$(JAX_VERSION) jaxlib==$(JAX_VERSION)
 	$(PY) -m pip install -q -e ".[test]"
+	$(VENV)/bin/difforge prepare
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
+	$(VENV)/bin/difforge prepare > /dev/null
 	$(VENV)/bin/difforge demo root=outputs/demo
 
 test: $(STAMP)
+	$(VENV)/bin/difforge prepare > /dev/null
 	$(PY) -m pytest -q --durations=25
 
 test-slow: $(STAMP)
@@ -54,6 +57,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 bench: $(STAMP)
+	$(VENV)/bin/difforge prepare > /dev/null
 	$(PY) -m bench.run
 
 clean:
@@ -74,14 +78,20 @@ xpk-venv:
 	test -x .venv-xpk/bin/xpk || (py="$(PYTHON)"; [ -n "$$py" ] || py=$$(infra/find-python) && \
 		"$$py" -m venv .venv-xpk && .venv-xpk/bin/pip install -q xpk==1.16.0)
 
-# MaxDiffusion, the JAX peer bench/vs_maxdiffusion.py times: not on PyPI and Python >= 3.12, so a
-# venv of its own; MAXDIFFUSION_SRC is the src folder of a maxdiffusion checkout. These are the
-# packages its Wan transformer's imports need (jax pinned to ours: one compiler on both sides).
+# MaxDiffusion, the JAX peer bench/vs_maxdiffusion.py times and bench/tpu_compile.py compiles
+# (bench/maxdiffusion_tpu.py): not on PyPI and Python >= 3.12, so a venv of its own;
+# MAXDIFFUSION_SRC is the src folder of a maxdiffusion checkout. These are the packages the
+# imports of its Wan and Flux transformers, pyconfig, max_utils, wan_pipeline, generate_flux
+# and trainers/flux_trainer need (checked at maxdiffusion 7cfb880): torch (wan_utils),
+# tensorflow / grain / datasets (its input pipeline, imported by the Flux trainer and
+# generate_flux), transformers < 5 (its Flax CLIP / T5), with the hub client and datasets pinned
+# to what that transformers takes. jax and flax pinned to ours: one compiler on both sides.
 maxdiffusion-venv: $(STAMP)
 	test -n "$(MAXDIFFUSION_SRC)" || (echo "set MAXDIFFUSION_SRC=<maxdiffusion checkout>/src" >&2; exit 2)
 	test -x .venv-maxdiffusion/bin/python || $(PY) -m venv .venv-maxdiffusion
-	.venv-maxdiffusion/bin/pip install -q "jax[cpu]==$$($(PY) -c 'import jax; print(jax.__version__)')" \
-		flax packaging huggingface_hub pillow requests einops tensorboardX google-cloud-storage \
-		aqtp chex torch
+	.venv-maxdiffusion/bin/pip install -q "jax==$$($(PY) -c 'import jax; print(jax.__version__)')" \
+		"flax==$$($(PY) -c 'import flax; print(flax.__version__)')" \
+		einops packaging pillow requests tensorboardX google-cloud-storage aqtp chex torch \
+		safetensors tensorflow qwix grain "transformers<5" "huggingface_hub<1.0" "datasets<4"
 	@echo "then: DIFFORGE_MAXDIFFUSION_PYTHON=$(CURDIR)/.venv-maxdiffusion/bin/python" \
 		"DIFFORGE_MAXDIFFUSION_SRC=$(MAXDIFFUSION_SRC) make bench"

@@ -6,7 +6,7 @@ MECHANISM is one of :data:`SWITCHES`, or ``none`` (everything on, for an A/B pai
 time). Results go to ``bench/results/latest.{json,md}`` as for ``make bench``; compare two runs
 with ``python -m bench.compare``, whose ``vs reference`` columns (difforge against the PyTorch
 reference timed in the same process) do not drift with the machine between runs. The verdicts
-of 2026-12-06 (jax 0.12.0.1) and their numbers are in the README (Benchmarks, Platform).
+of 2026-12-06 (jax 0.12.0.1) and their numbers are in docs/benchmarks.md (Platform).
 
 The mechanisms with a switch of their own are switched by it, in the environment this process
 re-executes itself with (tcmalloc); the others are replaced here, before any model is traced.
@@ -14,7 +14,6 @@ re-executes itself with (tcmalloc); the others are replaced here, before any mod
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
@@ -29,8 +28,6 @@ SWITCHES = {
         "tcmalloc and the glibc keep-freed policy (plain glibc)",
     ),
     "transposed_copies": ({}, "the written-out transposes feeding bf16 products on CPU"),
-    "split_inference": ({}, "convert's one-walk split inference for local image folders"),
-    "state_sampler": ({}, "convert's 10 ms Beam state sampler on the DirectRunner"),
 }
 
 
@@ -44,14 +41,6 @@ def switch_off(mechanism: str) -> None:
         from jaxcore.kernels import products
 
         products.materialised_transpose = products._swap_last_axes
-    elif mechanism == "split_inference":
-        from stages.convert import source
-
-        source._quick_split_inference = lambda root: contextlib.nullcontext()
-    elif mechanism == "state_sampler":
-        from stages.convert import run as convert_run
-
-        convert_run.prompt_state_sampler = lambda beam_config: contextlib.nullcontext()
 
 
 def main(argv=None) -> int:

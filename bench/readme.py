@@ -1,9 +1,17 @@
-"""The README's benchmark summary table, from one ``make bench`` run's ``latest.json``.
+"""The benchmark tables of docs/benchmarks.md, each from one results file of one run.
 
-``python -m bench.readme [results.json]`` prints the Markdown table the README's "Benchmarks"
-section carries, so the README quotes exactly one run: every figure and ratio comes from that
-file (ratio = reference median / difforge median; > 1: difforge is faster). Rows whose
-benchmark the run skipped are left out.
+``python -m bench.readme [results.json]`` prints the Markdown table for that file (default:
+``bench/results/latest.json``, one ``make bench`` run); ``--write`` puts it into
+docs/benchmarks.md instead, between the markers named after the file's stem::
+
+    <!-- bench table: latest -->
+    ...
+    <!-- end bench table: latest -->
+
+(``maxdiffusion.json``, the run of ``bench/vs_maxdiffusion.py``, fills the ``maxdiffusion`` pair.)
+So each table quotes exactly one run: every figure and ratio comes from that file (ratio =
+reference median / difforge median; > 1: difforge is faster). Rows whose benchmark the run
+skipped are left out.
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ import sys
 from pathlib import Path
 
 from bench.run import RESULTS_DIR, _fmt_seconds
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
 
 def _find(results: list[dict], bench: str, case: str, impl: str) -> dict | None:
@@ -227,10 +237,34 @@ def table(run: dict) -> str:
     return "\n".join(lines)
 
 
+def markers(name: str) -> tuple[str, str]:
+    """The comment lines that enclose the table of the results file called ``name``."""
+    return f"<!-- bench table: {name} -->", f"<!-- end bench table: {name} -->"
+
+
+def write_table(doc: Path, name: str, text: str) -> None:
+    """Replace what lies between ``name``'s markers in ``doc`` with ``text``; the rest of the
+    file is kept byte for byte. Missing or repeated markers are an error naming them."""
+    start, end = markers(name)
+    content = doc.read_text()
+    if content.count(start) != 1 or content.count(end) != 1:
+        raise ValueError(f"{doc}: needs exactly one {start!r} and one {end!r}")
+    head, rest = content.split(start, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(f"{head}{start}\n{text}\n{end}{tail}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    path = Path(argv[0]) if argv else RESULTS_DIR / "latest.json"
-    print(table(json.loads(path.read_text())))
+    write = "--write" in argv
+    paths = [a for a in argv if a != "--write"]
+    path = Path(paths[0]) if paths else RESULTS_DIR / "latest.json"
+    text = table(json.loads(path.read_text()))
+    if write:
+        write_table(DOC, path.stem, text)
+        print(f"wrote the {path.stem!r} table into {DOC}")
+    else:
+        print(text)
     return 0
 
 

@@ -10,7 +10,7 @@ Why it cannot decide by speed alone: both kernels are Mosaic custom calls, whose
 model does not see; a kernel that attaches a ``pl.CostEstimate`` to its ``pallas_call``
 (tokamax's does, jax's does not) reports the FLOPs and bytes it declares, not a measured time.
 So the choice rests on what does show (compiles on each generation, memory) and on dependencies;
-the numbers and the choice are in the README (Platform).
+the numbers and the choice are in docs/benchmarks.md (Platform).
 
 The cases are one chip's share of MaxDiffusion's Wan runs: Wan 2.1 1.3B at 480x832 x 81 frames
 (32,760 tokens, 12 heads of 128) and 14B at 720x1280 x 81 frames (75,600 tokens) with its 40

@@ -225,13 +225,25 @@ def libtpu_available() -> bool:
     return libtpu_path() is not None
 
 
-def _tpu_chips_attached() -> bool:
-    try:
-        from jax._src import hardware_utils
+# TPU chips attach as PCI devices with Google's vendor id and one of these device ids (v3 to
+# TPU7x and after): the sysfs facts jax itself reads before it loads libtpu.
+GOOGLE_PCI_VENDOR = "0x1ae0"
+TPU_PCI_DEVICE_IDS = frozenset(
+    {"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076", "0x007c", "0x0083"}
+)
 
-        return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
-    except Exception:  # noqa: BLE001 - a private helper; assume a real TPU host if it breaks
-        return True
+
+def _tpu_chips_attached(devices: Path = Path("/sys/bus/pci/devices")) -> bool:
+    """Whether this host has TPU chips (its PCI devices; no jax internals)."""
+    for vendor in devices.glob("*/vendor"):
+        try:
+            if vendor.read_text().strip() != GOOGLE_PCI_VENDOR:
+                continue
+            if (vendor.parent / "device").read_text().strip() in TPU_PCI_DEVICE_IDS:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 @functools.cache
@@ -506,6 +518,27 @@ def _cost(compiled, key: str) -> float | None:
     return float(analysis[key])
 
 
+MEMORY_KINDS = (
+    "argument_bytes",
+    "output_bytes",
+    "alias_bytes",
+    "temp_bytes",
+    "generated_code_bytes",
+)
+
+
+def total_bytes(kinds: Mapping[str, int]) -> int:
+    """A program's bytes per chip from its memory analysis by kind (:data:`MEMORY_KINDS`):
+    arguments + outputs - aliased (donated) + temporaries + code, as MaxText sums them."""
+    return (
+        kinds["argument_bytes"]
+        + kinds["output_bytes"]
+        - kinds["alias_bytes"]
+        + kinds["temp_bytes"]
+        + kinds["generated_code_bytes"]
+    )
+
+
 def count_custom_kernels(hlo_text: str) -> int:
     """Mosaic (Pallas) kernels in a compiled TPU program: its splash attention."""
     return hlo_text.count('custom_call_target="tpu_custom_call"')
@@ -556,13 +589,7 @@ def compile_program(
         "temp_bytes": int(memory.temp_size_in_bytes),
         "generated_code_bytes": int(memory.generated_code_size_in_bytes),
     }
-    total = (
-        kinds["argument_bytes"]
-        + kinds["output_bytes"]
-        - kinds["alias_bytes"]
-        + kinds["temp_bytes"]
-        + kinds["generated_code_bytes"]
-    )
+    total = total_bytes(kinds)
     text = compiled.as_text()
     xla_flops, optimal = _cost(compiled, "flops"), _cost(compiled, "optimal_seconds")
     estimate = None
@@ -721,9 +748,10 @@ def generate_program(
     for embedded in guidance.embedded:
         cond[embedded] = batch_array(mesh, (batch,), jnp.float32, rules)
     second_module, second = None, None
-    if "transformer_2" in configs:
+    second_component = family.second_expert_component(configs)
+    if second_component is not None:
         second_module, params_2 = abstract_denoiser(
-            family, configs["transformer_2"], compute, mesh, rules
+            family, configs[second_component], compute, mesh, rules
         )
         boundary = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)  # traced: any value
         second = (params_2, boundary, batch_array(mesh, (batch,), jnp.float32, rules))

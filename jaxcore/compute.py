@@ -26,21 +26,12 @@ DtypeName = Literal["float32", "bfloat16", "float16"]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def _with_dense_products(policy):
-    """``policy`` that also saves the dense products MKL computes on CPU
-    (:mod:`jaxcore.kernels.cpu_gemm`): custom calls, which the dot policies do not see."""
-    policies = jax.checkpoint_policies
-    return policies.save_from_both_policies(
-        policy, policies.save_only_these_names(cpu_gemm.PRODUCT_NAME)
-    )
-
-
 # remat_policy name -> jax checkpoint policy ("none" = no remat; "full" = save nothing).
 REMAT_POLICIES = {
     "none": None,
     "full": None,
-    "dots_saveable": _with_dense_products(jax.checkpoint_policies.dots_saveable),
-    "dots_with_no_batch_dims_saveable": _with_dense_products(
+    "dots_saveable": cpu_gemm.saving_products(jax.checkpoint_policies.dots_saveable),
+    "dots_with_no_batch_dims_saveable": cpu_gemm.saving_products(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     ),
 }

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcore import sampling, schedulers, sharding, step_cache, storage
-from jaxcore.families.base import FamilyError, Geometry, Guidance, ImageInputs
+from jaxcore.family_types import FamilyError, Geometry, Guidance, ImageInputs
 
 # What a Hugging Face snapshot of a pipeline needs (no pickles, no code).
 HUB_ALLOW_PATTERNS = [
@@ -232,7 +232,7 @@ class Pipeline:
                 raise FamilyError(f"LoRA {path}: expert must be 'high' or 'low', got {expert!r}")
             if expert == "low" and self.second_expert is None:
                 raise FamilyError(
-                    f"LoRA {path}: expert=low needs a two-expert pipeline (transformer_2); "
+                    f"LoRA {path}: expert=low needs a two-expert pipeline; "
                     f"{self.source or 'this pipeline'} has one denoiser"
                 )
             uses.append((str(path), float(scale), expert))
@@ -703,22 +703,3 @@ def resolve_pipeline_dir(path_or_uri_or_repo_id: str | os.PathLike) -> Path:
                 f"Face snapshot could not be resolved ({type(err).__name__}: {err})"
             ) from None
     raise FamilyError(f"pretrained_model_name_or_path {source} does not exist")
-
-
-def load_pipeline(
-    path_or_uri_or_repo_id: str | os.PathLike,
-    compute=None,
-    mesh: jax.sharding.Mesh | None = None,
-    rules=None,
-) -> Pipeline:
-    """Load a diffusers-format pipeline of any supported family (local, gs:// or hub id).
-
-    The family comes from ``model_index.json``; ``compute`` (a ``ComputeConfig``) defaults to
-    float32 with ``dot_product`` attention.
-    """
-    from jaxcore import families
-    from jaxcore.compute import ComputeConfig
-
-    directory = resolve_pipeline_dir(path_or_uri_or_repo_id)
-    family = families.for_pipeline(directory)
-    return family.load_pipeline(directory, compute or ComputeConfig(), mesh, rules)

@@ -117,7 +117,7 @@ def denoise_fn(
     denoiser is fed ``schedulers.scale_model_input(state, x)`` at every step.
     """
     if cache.enabled and second_module is not None:
-        raise ValueError("step caching is not supported with two experts (Wan 2.2 A14B) yet")
+        raise ValueError("step caching is not supported with two experts yet")
 
     def call(mod, params, x, t, conditioning, cstate, compute_now):
         if not cache.enabled:

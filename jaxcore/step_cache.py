@@ -48,13 +48,6 @@ KINDS = ("none", "first_block", "magcache", "calibrate")
 # diffusers' defaults (FirstBlockCacheConfig, MagCacheConfig)
 DEFAULT_THRESHOLDS = {"first_block": 0.05, "magcache": 0.06}
 
-# MagCache's published ratios for FLUX.1-dev at 28 steps (diffusers' FLUX_MAG_RATIOS, from
-# the MagCache repository); other models calibrate (difforge calibrate).
-FLUX_MAG_RATIOS = (1.0, 1.21094, 1.11719, 1.07812, 1.0625, 1.03906, 1.03125, 1.03906, 1.02344,
-                   1.03125, 1.02344, 0.98047, 1.01562, 1.00781, 1.0, 1.00781, 1.0, 1.00781,
-                   1.0, 1.0, 0.99609, 0.99609, 0.98047, 0.98828, 0.96484, 0.95703, 0.93359,
-                   0.89062)  # fmt: skip
-
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:

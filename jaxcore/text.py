@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 import regex
 
-from jaxcore.models.umt5 import UMT5Encoder
 from jaxcore.weights import WeightsError
 
 
@@ -101,7 +100,7 @@ def tokenize_prompts(
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted_encoder(module: UMT5Encoder):
+def _jitted_encoder(module):
     """One jitted encode function per module (modules are hashable frozen dataclasses)."""
 
     def encode(params, ids_bl, mask_bl):
@@ -129,14 +128,15 @@ def encoding_length(longest: int, max_sequence_length: int) -> int:
 
 def encode_prompts(
     tokenizer,
-    module: UMT5Encoder,
+    module,
     params,
     prompts: list[str],
     max_sequence_length: int = 512,
     *,
     pad_batch_to: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt embeddings as WanPipeline computes them.
+    """Prompt embeddings as WanPipeline computes them, from ``module``: an encoder-only text
+    model (UMT5, T5) whose ``apply({"params": params}, ids, mask)`` is its last hidden state.
 
     Returns ``(embeddings [B, max_sequence_length, d_model] float32, lengths [B] int32)`` where
     ``lengths`` counts real tokens (``</s>`` included) and rows past it are exactly zero.

@@ -121,7 +121,7 @@ def resolve_step(pipeline: PipelineConfig, step: StepConfig, run: str = "") -> R
     With ``run`` (a scheduled chain), outputs go to per-run folders and a convert step is
     incremental: it encodes only what its previous run's artifact lacks (``base`` and
     ``latest`` = the step's ``LATEST`` pointer)."""
-    from pipelines.cli import STAGES, load_entry
+    from pipelines.registry import STAGES, load_entry
 
     cls = load_entry(STAGES[step.stage].config_class)
     data = read_yaml(step.config) if step.config else {}

@@ -438,15 +438,6 @@ class FitModel:
     source: str
 
 
-def _default_scheduler_config(family) -> dict:
-    """A model YAML names no scheduler: the one its family's pipelines ship (Wan 2.1: UniPC
-    with flow sigmas and flow_shift 3; Flux dev: flow-match Euler with dynamic shifting)."""
-    from pipelines.demo import tiny
-
-    known = {"wan": tiny.UNIPC_SCHEDULER_CONFIG, "flux": tiny.FLUX_SCHEDULER_CONFIG}
-    return dict(known.get(family.name, {}))
-
-
 def fit_model(path: str) -> FitModel:
     """The model of a model YAML, a local diffusers pipeline directory or ``tiny[:family]``."""
     from jaxcore import families
@@ -455,12 +446,13 @@ def fit_model(path: str) -> FitModel:
     from pipelines.demo import tiny
 
     name, _, which = path.partition(":")
-    if name == "tiny" and (which or "wan") in tiny.BUILDERS:
-        path = str(tiny.BUILDERS[which or "wan"][1])
+    which = which or tiny.DEFAULT_FAMILY
+    if name == "tiny" and which in tiny.BUILDERS:
+        path = str(tiny.BUILDERS[which][1])
     local = Path(path)
     if local.suffix in (".yml", ".yaml"):
         family, configs = read_model_yaml(local)
-        return FitModel(family, dict(configs), _default_scheduler_config(family), path)
+        return FitModel(family, dict(configs), family.default_scheduler_config(), path)
     if (local / "model_index.json").is_file():
         family = families.for_pipeline(local)
         configs = family.component_configs(local)

@@ -12,9 +12,9 @@ import time
 
 from jaxcore import artifacts, storage
 from jaxcore.config import ConfigError
-from pipelines.cli import STAGES, load_entry
 from pipelines.config import PipelineConfig, load_pipeline_spec
 from pipelines.demo import embedded
+from pipelines.registry import STAGES, load_entry
 
 log = logging.getLogger(__name__)
 

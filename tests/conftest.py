@@ -49,6 +49,15 @@ REPO = Path(__file__).resolve().parent.parent
 GCS_BUCKET = "difforge-test"
 
 
+def pytest_sessionstart(session):
+    """The native CPU kernels built first (``difforge prepare``; ``make test`` ran it already,
+    this keeps a bare ``pytest`` equal): a run never compiles them while it traces."""
+    from jaxcore.kernels import cpu_gemm, native
+
+    native.prepare()
+    cpu_gemm.prepare()
+
+
 @pytest.fixture
 def xla_dots(monkeypatch):
     """The dense layers' products as XLA's dots, MKL's GEMM switched off
@@ -110,6 +119,7 @@ def gcs_server():
     }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    _beam_gcs_anonymous()
     from jaxcore import storage
 
     storage._client.cache_clear()
@@ -124,6 +134,18 @@ def gcs_server():
         storage._client.cache_clear()
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def _beam_gcs_anonymous() -> None:
+    """Beam's gcsio asks ``google.auth.default()`` for credentials with exponential-backoff
+    retries (~19 s per process here, where there are none) before it goes anonymous, which the
+    local server takes. A test harness may set what Beam has no option for: its credential
+    cache, resolved to none, in this process (the product never touches Beam's internals)."""
+    from apache_beam.internal.gcp import auth
+
+    with auth._Credentials._credentials_lock:
+        auth._Credentials._credentials = None
+        auth._Credentials._credentials_init = True
 
 
 @pytest.fixture

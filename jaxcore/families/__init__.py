@@ -6,7 +6,7 @@ pipeline directory names its family through ``model_index.json`` ``_class_name``
 (:func:`for_denoiser`). An unknown class is an error that lists the supported ones.
 
 Adding a family: write ``jaxcore/families/<name>.py`` (a :class:`Family` subclass over the
-models in ``jaxcore/models/``) and add one line to :data:`FAMILIES` (see the README section
+models in ``jaxcore/models/``) and add one line to :data:`FAMILIES` (see docs/families.md,
 "Adding a model family").
 """
 
@@ -63,6 +63,20 @@ def for_pipeline(directory: str | os.PathLike) -> Family:
     return family
 
 
+def load_pipeline(path_or_uri_or_repo_id: str | os.PathLike, compute=None, mesh=None, rules=None):
+    """Load a diffusers-format pipeline of any supported family (a local folder, a gs:// URI
+    or a Hugging Face repo id) as a :class:`jaxcore.pipeline.Pipeline`.
+
+    The family comes from ``model_index.json``; ``compute`` (a ``ComputeConfig``) defaults to
+    float32 with ``dot_product`` attention."""
+    from jaxcore.compute import ComputeConfig
+    from jaxcore.pipeline import resolve_pipeline_dir
+
+    directory = resolve_pipeline_dir(path_or_uri_or_repo_id)
+    family = for_pipeline(directory)
+    return family.load_pipeline(directory, compute or ComputeConfig(), mesh, rules)
+
+
 def for_denoiser(directory: str | os.PathLike) -> Family:
     """The family of a bare denoiser directory (its ``config.json`` ``_class_name``)."""
     path = Path(directory) / "config.json"
@@ -84,4 +98,5 @@ __all__ = [
     "for_denoiser",
     "for_pipeline",
     "get",
+    "load_pipeline",
 ]

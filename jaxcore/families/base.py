@@ -3,7 +3,8 @@
 A family (Wan, Flux, ...) is a small subclass of :class:`Family` in ``jaxcore/families/<name>.py``
 registered in the static table of :mod:`jaxcore.families`. The stages (convert, train,
 evaluate, generate) call only this interface; the sampling loop (:mod:`jaxcore.sampling`) and
-the training objective (:mod:`jaxcore.flow_matching`) are shared and written once.
+the training objectives (:mod:`jaxcore.flow_matching`, :mod:`jaxcore.ddpm_objective`) are
+shared and written once.
 
 What a family tells the stages:
 
@@ -44,7 +45,6 @@ Timesteps at this interface are always on the scheduler's scale, ``[0, num_train
 from __future__ import annotations
 
 import abc
-import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -53,117 +53,17 @@ from typing import Any
 
 import numpy as np
 
-from jaxcore import weights
+from jaxcore import sharding, weights
 from jaxcore.compute import ComputeConfig
-
-# SDXL's micro-conditioning, as the diffusers pipeline's __call__ arguments name it: each a
-# (height, width) or (top, left) pair of ints
-MICRO_CONDITIONING = (
-    "original_size",
-    "crops_coords_top_left",
-    "target_size",
-    "negative_original_size",
-    "negative_crops_coords_top_left",
-    "negative_target_size",
+from jaxcore.family_types import (  # noqa: F401 - the interface's names, re-exported
+    MICRO_CONDITIONING,
+    FamilyError,
+    Geometry,
+    Guidance,
+    ImageInputs,
+    TensorSpec,
 )
-
-
-class FamilyError(weights.WeightsError):
-    """A model directory, config or record set that does not fit a family; names the thing."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """A named per-example tensor (no batch axis): a record feature or a conditioning input."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str = "float32"
-
-    def to_dict(self) -> dict:
-        return {"shape": list(self.shape), "dtype": self.dtype}
-
-    @classmethod
-    def from_dict(cls, name: str, data: Mapping) -> TensorSpec:
-        return cls(name, tuple(int(n) for n in data["shape"]), str(data.get("dtype", "float32")))
-
-
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-    """The media sizes a pipeline can encode and render.
-
-    ``spatial_multiple``: height and width must be positive multiples of it (VAE compression x
-    the denoiser's patch). ``temporal_multiple``: ``num_frames - 1`` must be a multiple of it;
-    0 means images only (``num_frames == 1``).
-    """
-
-    spatial_multiple: int
-    temporal_multiple: int
-
-    def check(self, height: int, width: int, num_frames: int, where: str = "") -> None:
-        """Raise ValueError naming the parameter when a size cannot be used."""
-        prefix = f"{where}: " if where else ""
-        s = self.spatial_multiple
-        for name, value in (("height", height), ("width", width)):
-            if not isinstance(value, int) or value < s or value % s:
-                raise ValueError(
-                    f"{prefix}{name} must be a positive multiple of {s}, got {value!r}"
-                )
-        t = self.temporal_multiple
-        if not isinstance(num_frames, int) or num_frames < 1:
-            raise ValueError(f"{prefix}num_frames must be >= 1, got {num_frames!r}")
-        if t == 0 and num_frames != 1:
-            raise ValueError(
-                f"{prefix}num_frames must be 1 (this model makes images), got {num_frames}"
-            )
-        if t and (num_frames - 1) % t:
-            raise ValueError(
-                f"{prefix}num_frames must be 1, {1 + t}, {1 + 2 * t}, ... ({t}k + 1), "
-                f"got {num_frames}"
-            )
-
-
-@dataclasses.dataclass(frozen=True)
-class Guidance:
-    """How one prompt is guided: a CFG scale (applied when > 1) and the denoiser's own inputs.
-
-    ``cfg_scale``: ``uncond + cfg_scale * (cond - uncond)`` when > 1 (Wan's ``guidance_scale``,
-    Flux's ``true_cfg_scale``). ``embedded``: extra per-sample conditioning scalars the denoiser
-    takes as input (Flux dev's guidance embedding), by name. ``cfg_scale_2``: the scale while
-    the second expert predicts (Wan 2.2's ``guidance_scale_2``); None without a second expert.
-    ``guidance_rescale``: diffusers' ``guidance_rescale`` (SD / SDXL; 0 = off), applied after
-    CFG (:func:`jaxcore.sampling.rescale_guidance`).
-    """
-
-    cfg_scale: float = 1.0
-    embedded: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    cfg_scale_2: float | None = None
-    guidance_rescale: float = 0.0
-
-    @property
-    def uses_cfg(self) -> bool:
-        return self.cfg_scale > 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageInputs:
-    """Which conditioning images a pipeline takes: ``"none"``, ``"optional"`` (a text-and-image
-    model such as Wan 2.2 TI2V) or ``"required"`` (an image-to-video model); and whether it also
-    takes a ``last_image`` (first-last-frame to video)."""
-
-    image: str = "none"
-    last_image: bool = False
-
-    def check(self, has_image: bool, has_last_image: bool, where: str) -> None:
-        """Raise ValueError naming ``where`` when a prompt's images do not fit the model."""
-        if self.image == "required" and not has_image:
-            raise ValueError(f"{where}: this model is image-to-video: the prompt needs an 'image'")
-        if self.image == "none" and (has_image or has_last_image):
-            raise ValueError(f"{where}: this model takes no conditioning image")
-        if has_last_image and not self.last_image:
-            raise ValueError(f"{where}: this model takes no 'last_image'")
-        if has_last_image and not has_image:
-            raise ValueError(f"{where}: a 'last_image' needs an 'image'")
+from jaxcore.pipeline import Pipeline
 
 
 class Encoders(abc.ABC):
@@ -234,6 +134,18 @@ class Family(abc.ABC):
         these configs; an error naming the pipeline's shape when it has no such expert."""
         del configs
         raise FamilyError(f"the {self.name} family has no experts (model.expert={expert})")
+
+    def default_scheduler_config(self) -> dict:
+        """The scheduler config of the family's reference pipeline (diffusers'
+        ``scheduler_config.json``), for a model known from a YAML, which names none; the
+        default: none (each sampler's own defaults)."""
+        return {}
+
+    def second_expert_component(self, configs: Mapping[str, Any]) -> str | None:
+        """The component of a two-expert pipeline's second (low-noise) denoiser, None for a
+        pipeline with one denoiser (the default)."""
+        del configs
+        return None
 
     def expert_boundary_ratio(self, configs: Mapping[str, Any]) -> float:
         """Where the experts split, as a fraction of the training timesteps."""
@@ -419,14 +331,44 @@ class Family(abc.ABC):
         return {}
 
     # --- inference --------------------------------------------------------------------------
-    @abc.abstractmethod
     def load_pipeline(
-        self, directory, compute: ComputeConfig, mesh=None, rules=None, denoiser=None
-    ):
+        self, directory, compute: ComputeConfig, mesh=None, rules=None, denoiser=None, **options
+    ) -> Pipeline:
         """Every component of a pipeline directory -> :class:`jaxcore.pipeline.Pipeline`.
 
         ``denoiser``: ``(module, params)`` that replace the directory's (e.g. a trained
-        checkpoint); its weights are then not read from the directory."""
+        checkpoint); its weights are then not read from the directory. The same skeleton for
+        every family: the component configs, the denoiser (read unless given), the family's
+        check of the configs, then :meth:`load_components` for everything else; ``options``
+        go to that hook (Wan's ``second_denoiser``)."""
+        directory = Path(directory)
+        rules = tuple(rules) if rules is not None else sharding.LOGICAL_AXIS_RULES
+        configs = self.component_configs(directory)
+        if denoiser is None:
+            denoiser = self.load_denoiser(directory / self.denoiser_component, compute, mesh, rules)
+        module, params = denoiser
+        configs[self.denoiser_component] = module.config
+        self.check_configs(configs, str(directory))
+        fields = self.load_components(directory, configs, compute, mesh, rules, denoiser, **options)
+        return Pipeline(
+            family=self,
+            denoiser=module,
+            configs=configs,
+            scheduler_config=read_scheduler_config(directory),
+            mesh=mesh,
+            rules=rules,
+            source=str(directory),
+            **{"denoiser_params": params, **fields},
+        )
+
+    @abc.abstractmethod
+    def load_components(
+        self, directory: Path, configs, compute: ComputeConfig, mesh, rules, denoiser, **options
+    ) -> dict:
+        """:meth:`load_pipeline`'s hook: ``{"components": {name: ...}}`` (VAE, text encoders,
+        tokenizers, ...) and any other :class:`jaxcore.pipeline.Pipeline` field the family
+        sets (a second expert; ``denoiser_params`` when the weights wait on the host).
+        ``configs`` hold the denoiser's config; ``denoiser`` is ``(module, params)``."""
 
     @abc.abstractmethod
     def encode_prompts(self, pipe, prompts: Sequence[str], max_sequence_length: int):

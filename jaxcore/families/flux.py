@@ -38,10 +38,30 @@ from jaxcore.families.base import (
     Geometry,
     Guidance,
     TensorSpec,
-    read_scheduler_config,
 )
 from jaxcore.models import autoencoder_kl, clip_text, flux_transformer, t5
 from jaxcore.text import call_tokenizer, load_tokenizer
+
+# MagCache's published ratios for FLUX.1-dev at 28 steps (diffusers'
+# FLUX_MAG_RATIOS, from the MagCache repository); other models calibrate (difforge calibrate).
+MAG_RATIOS_28_STEPS = (1.0, 1.21094, 1.11719, 1.07812, 1.0625, 1.03906, 1.03125, 1.03906, 1.02344,
+                   1.03125, 1.02344, 0.98047, 1.01562, 1.00781, 1.0, 1.00781, 1.0, 1.00781,
+                   1.0, 1.0, 0.99609, 0.99609, 0.98047, 0.98828, 0.96484, 0.95703, 0.93359,
+                   0.89062)  # fmt: skip
+
+# FLUX.1-dev's scheduler (dynamic shifting by image size): the scheduler of a model YAML, which
+# names none.
+REFERENCE_SCHEDULER_CONFIG: dict[str, object] = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+}
+
 
 log = logging.getLogger(__name__)
 
@@ -312,18 +332,11 @@ class FluxFamily(Family):
         }
 
     # --- inference --------------------------------------------------------------------------
-    def load_pipeline(
-        self, directory, compute: ComputeConfig, mesh=None, rules=None, denoiser=None
-    ):
-        from jaxcore.pipeline import Pipeline
+    def default_scheduler_config(self) -> dict:
+        return dict(REFERENCE_SCHEDULER_CONFIG)
 
-        directory = Path(directory)
-        rules = tuple(rules) if rules is not None else sharding.LOGICAL_AXIS_RULES
-        configs = self.component_configs(directory)
-        if denoiser is None:
-            denoiser = self.load_denoiser(directory / "transformer", compute, mesh, rules)
-        module, params = denoiser
-        configs["transformer"] = module.config
+    def load_components(self, directory, configs, compute, mesh, rules, denoiser):
+        module = denoiser[0]
         vae = _load_vae(directory, compute, mesh, rules)
         channels = self.latent_channels(module.config)
         if channels != vae[0].config.latent_channels:
@@ -332,18 +345,7 @@ class FluxFamily(Family):
                 f"{channels}) do not fit the vae's latent_channels {vae[0].config.latent_channels}"
             )
         # Text encoders outside the mesh: their params are replicated, nothing is lost.
-        components = {"vae": vae, **_load_text_encoders(directory, compute)}
-        return Pipeline(
-            family=self,
-            denoiser=module,
-            denoiser_params=params,
-            components=components,
-            configs=configs,
-            scheduler_config=read_scheduler_config(directory),
-            mesh=mesh,
-            rules=rules,
-            source=str(directory),
-        )
+        return {"components": {"vae": vae, **_load_text_encoders(directory, compute)}}
 
     def encode_prompts(self, pipe, prompts, max_sequence_length):
         if max_sequence_length > 512:
@@ -384,7 +386,7 @@ class FluxFamily(Family):
             FlowEulerConfigError,
             calculate_shift,
             flow_euler_options,
-            flux_sigmas,
+            pipeline_sigmas,
         )
 
         if scheduler != "flow_euler":
@@ -408,7 +410,7 @@ class FluxFamily(Family):
             config.get("base_shift", 0.5),
             config.get("max_shift", 1.15),
         )
-        sigmas = None if config.get("use_flow_sigmas") else flux_sigmas(num_inference_steps)
+        sigmas = None if config.get("use_flow_sigmas") else pipeline_sigmas(num_inference_steps)
         return make_scheduler(
             "flow_euler",
             num_inference_steps,

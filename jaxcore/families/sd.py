@@ -624,26 +624,15 @@ class SDFamily(Family):
         }
 
     # --- inference --------------------------------------------------------------------------
-    def load_pipeline(
-        self, directory, compute: ComputeConfig, mesh=None, rules=None, denoiser=None
-    ):
-        from jaxcore.pipeline import Pipeline
-
-        directory = Path(directory)
-        rules = tuple(rules) if rules is not None else sharding.LOGICAL_AXIS_RULES
+    def load_components(self, directory, configs, compute, mesh, rules, denoiser):
+        module = denoiser[0]
         index = read_model_index(directory)
         xl = index.get("_class_name") == XL_PIPELINE
-        configs = self.component_configs(directory)
-        if denoiser is None:
-            denoiser = self.load_denoiser(directory / "unet", compute, mesh, rules)
-        module, params = denoiser
-        configs["unet"] = module.config
         if is_xl(configs) != xl:
             raise FamilyError(
                 f"{directory}: a {index.get('_class_name')} needs a UNet with addition_embed_type="
                 f"{'text_time' if xl else 'null'}, got {module.config.addition_embed_type!r}"
             )
-        self.check_configs(configs, str(directory))
         vae = _load_vae(directory, configs["vae"], compute, mesh, rules)
         latent_channels = vae[0].config.latent_channels
         if latent_channels != module.config.in_channels:
@@ -658,18 +647,8 @@ class SDFamily(Family):
             and bool(index.get("force_zeros_for_empty_prompt", True)),
         )
         # text encoders outside the mesh: their params are replicated, nothing is lost
-        components = {"vae": vae, "variant": variant, **_load_text_encoders(directory, compute, xl)}
-        return Pipeline(
-            family=self,
-            denoiser=module,
-            denoiser_params=params,
-            components=components,
-            configs=configs,
-            scheduler_config=read_scheduler_config(directory),
-            mesh=mesh,
-            rules=rules,
-            source=str(directory),
-        )
+        encoders = _load_text_encoders(directory, compute, xl)
+        return {"components": {"vae": vae, "variant": variant, **encoders}}
 
     def pipeline_objective(self, pipe) -> str:
         return str(pipe.scheduler_config.get("prediction_type", "epsilon"))

@@ -55,6 +55,7 @@ from jaxcore.families.base import (
     read_scheduler_config,
 )
 from jaxcore.models import umt5, wan_transformer, wan_vae
+from jaxcore.pipeline import SecondExpert, to_host
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,36 @@ IMAGE_CONDITION = "image_condition"  # [T + z, F', H', W']: T mask channels + en
 IMAGE_EMBEDS = IMAGE_TOKENS_FEATURE  # [tokens, image_dim]: CLIP vision penultimate hidden states
 FIRST_FRAME = "first_frame_latents"  # [z, 1, H', W']: TI2V's encoded conditioning image
 FIRST_FRAME_WEIGHT = "first_frame_weight"  # []: 1 where an image conditions the row, else 0
+
+# What diffusers writes for a flow-matching Wan 2.1 pipeline (UniPC with flow sigmas, flow_shift
+# 3): the scheduler of a model YAML, which names none.
+REFERENCE_SCHEDULER_CONFIG: dict[str, object] = {
+    "_class_name": "UniPCMultistepScheduler",
+    "beta_end": 0.02,
+    "beta_schedule": "linear",
+    "beta_start": 0.0001,
+    "disable_corrector": [],
+    "dynamic_thresholding_ratio": 0.995,
+    "final_sigmas_type": "zero",
+    "flow_shift": 3.0,
+    "lower_order_final": True,
+    "num_train_timesteps": 1000,
+    "predict_x0": True,
+    "prediction_type": "flow_prediction",
+    "rescale_betas_zero_snr": False,
+    "sample_max_value": 1.0,
+    "solver_order": 2,
+    "solver_p": None,
+    "solver_type": "bh2",
+    "steps_offset": 0,
+    "thresholding": False,
+    "timestep_spacing": "linspace",
+    "trained_betas": None,
+    "use_beta_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_flow_sigmas": True,
+    "use_karras_sigmas": False,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,6 +386,9 @@ class WanFamily(Family):
             raise FamilyError(f"expert must be 'high' or 'low', got {expert!r}")
         return "transformer" if expert == "high" else "transformer_2"
 
+    def second_expert_component(self, configs) -> str | None:
+        return "transformer_2" if "transformer_2" in configs else None
+
     def expert_boundary_ratio(self, configs) -> float:
         return float(configs["pipeline"].boundary_ratio)
 
@@ -572,66 +606,47 @@ class WanFamily(Family):
         }
 
     # --- inference ------------------------------------------------------------------------
-    def load_pipeline(
-        self,
-        directory,
-        compute: ComputeConfig,
-        mesh=None,
-        rules=None,
-        denoiser=None,
-        second_denoiser=None,
+    def default_scheduler_config(self) -> dict:
+        return dict(REFERENCE_SCHEDULER_CONFIG)
+
+    def load_components(
+        self, directory, configs, compute, mesh, rules, denoiser, second_denoiser=None
     ):
-        """See :meth:`Family.load_pipeline`; ``second_denoiser`` replaces ``transformer_2``
+        """The VAE, UMT5 and its tokenizer, the CLIP vision encoder (Wan 2.1 I2V) and a
+        two-expert pipeline's second expert; ``second_denoiser`` replaces ``transformer_2``
         (a fine-tuned low-noise expert) as ``denoiser`` replaces ``transformer``."""
         from jaxcore import text
-        from jaxcore.pipeline import Pipeline, SecondExpert, to_host
 
-        directory = Path(directory)
-        rules = tuple(rules) if rules is not None else sharding.LOGICAL_AXIS_RULES
-        configs = self.component_configs(directory)
-        if denoiser is None:
-            denoiser = self.load_denoiser(directory / "transformer", compute, mesh, rules)
-        module, params = denoiser
-        configs["transformer"] = module.config
-        self.check_configs(configs, directory)
-        host_experts = None
-        second = None
-        scheduler_config = read_scheduler_config(directory)
+        fields = {}
         if "transformer_2" in configs:
-            # With idle_expert=host the first expert leaves the devices before the second
-            # loads, so the two never need device memory together.
-            first_host = to_host(params) if compute.idle_expert == "host" else None
-            if second_denoiser is None:
-                second_denoiser = self.load_denoiser(
-                    directory / "transformer_2", compute, mesh, rules
-                )
-            module_2, params_2 = second_denoiser
-            configs["transformer_2"] = module_2.config
-            boundary = sampling.boundary_timestep(
-                configs["pipeline"].boundary_ratio,
-                int(scheduler_config.get("num_train_timesteps", 1000)),
+            fields = self._second_expert(
+                directory, configs, compute, mesh, rules, denoiser[1], second_denoiser
             )
-            second = SecondExpert(module_2, params_2, float(boundary), compute.idle_expert)
-            if first_host is not None:
-                host_experts = (first_host, to_host(params_2))
-                params = second.params = None
-        components = self._load_components(directory, configs, compute, mesh, rules)
+        components = self._vae_and_encoders(directory, configs, compute, mesh, rules)
         components["tokenizer"] = text.load_tokenizer(directory / "tokenizer")
-        return Pipeline(
-            family=self,
-            denoiser=module,
-            denoiser_params=params,
-            components=components,
-            configs=configs,
-            scheduler_config=scheduler_config,
-            mesh=mesh,
-            rules=rules,
-            source=str(directory),
-            second_expert=second,
-            _host_experts=host_experts,
-        )
+        return {"components": components, **fields}
 
-    def _load_components(self, directory, configs, compute, mesh, rules) -> dict:
+    def _second_expert(self, directory, configs, compute, mesh, rules, params, second) -> dict:
+        """The Pipeline fields of Wan 2.2 A14B's low-noise expert. With idle_expert=host the
+        first expert leaves the devices before the second loads, so the two never need
+        device memory together."""
+        first_host = to_host(params) if compute.idle_expert == "host" else None
+        if second is None:
+            second = self.load_denoiser(directory / "transformer_2", compute, mesh, rules)
+        module_2, params_2 = second
+        configs["transformer_2"] = module_2.config
+        boundary = sampling.boundary_timestep(
+            configs["pipeline"].boundary_ratio,
+            int(read_scheduler_config(directory).get("num_train_timesteps", 1000)),
+        )
+        expert = SecondExpert(module_2, params_2, float(boundary), compute.idle_expert)
+        if first_host is None:
+            return {"second_expert": expert}
+        host_experts = (first_host, to_host(params_2))
+        expert.params = None
+        return {"second_expert": expert, "_host_experts": host_experts, "denoiser_params": None}
+
+    def _vae_and_encoders(self, directory, configs, compute, mesh, rules) -> dict:
         """The VAE, UMT5 and (Wan 2.1 I2V) the CLIP vision encoder with its preprocessor."""
         try:
             vae, vae_params = wan_vae.load_wan_vae(

@@ -107,7 +107,7 @@ def _unavailable_reason() -> str | None:
     if path is None:
         return "no libmkl_rt (pip install 'difforge[mkl]')"
     try:
-        built = native.build(KERNEL, (), link_flags(Path(path)))
+        built = native.build(KERNEL, (), link_flags(Path(path)), compile=False)
         # Local, and deep-bound: MKL's libraries stay out of the global symbol scope (where
         # PyTorch's own MKL would bind to them) and never bind to a PyTorch loaded before.
         library = ctypes.CDLL(str(built), mode=os.RTLD_LOCAL | os.RTLD_DEEPBIND)
@@ -118,6 +118,22 @@ def _unavailable_reason() -> str | None:
         CONV_TARGET, jax.ffi.pycapsule(library.DifforgeMklConv), platform="cpu"
     )
     return None
+
+
+def prepare() -> str:
+    """Build the MKL product library (``difforge prepare``): its path, or why it is not built."""
+    if os.environ.get(ENV) == "0":
+        return f"not built: {ENV}=0"
+    refused = native.switched_off_or_unsupported()
+    path = find_library()
+    if refused is None and path is None:
+        refused = "no libmkl_rt (pip install 'difforge[mkl]')"
+    if refused is not None:
+        return f"not built: {refused}"
+    try:
+        return str(native.build(KERNEL, (), link_flags(Path(path))))
+    except (native.NativeBuildError, OSError) as error:
+        return f"not built: {error}"
 
 
 @functools.cache
@@ -262,3 +278,11 @@ def conv(x: jax.Array, kernel: jax.Array, strides, padding, xla_conv) -> jax.Arr
 
     convolve.defvjp(forward, backward)
     return convolve(x, kernel)
+
+
+def saving_products(policy):
+    """``policy`` (a ``jax.checkpoint`` policy) that also saves the products this module runs
+    in MKL: custom calls, which the dot policies do not see. Remat policies are built through
+    it, so no other module needs to know how CPU products are named."""
+    policies = jax.checkpoint_policies
+    return policies.save_from_both_policies(policy, policies.save_only_these_names(PRODUCT_NAME))

@@ -10,7 +10,7 @@ Per platform:
   dtypes (bf16/fp16, head dim a multiple of 8); otherwise the chunked XLA path below.
 - TPU: jax's Pallas splash kernel (``jax.experimental.pallas.ops.tpu.splash_attention``),
   chosen over tokamax's on jax 0.12 by what the TPU compiler reports (``python -m
-  bench.tpu_splash``, README "Platform"): both compile for v5p and v6e, ours needs less HBM
+  bench.tpu_splash``, docs/benchmarks.md "Platform"): both compile for v5p and v6e, ours needs less HBM
   (one Wan 14B 720p chip's forward + backward: 0.77 against 1.08 GiB of temporaries with
   tokamax's three-step dq reduction, 54 GiB with its default, which does not fit a v6e chip),
   libtpu's cost model sees inside neither (tokamax's time is the FLOPs it declares, at ~85-96%

@@ -8,12 +8,13 @@ header for why and for their exact semantics):
 Both include ``attention_common.h``. ``mkl_gemm.cc`` (dense products in Intel oneMKL) is built
 by the same :func:`build` and driven by :mod:`jaxcore.kernels.cpu_gemm`.
 
-A kernel is built on first use with the system's C++ compiler (``c++``, or ``$CXX``) against
-the XLA FFI headers jaxlib ships, into ``$DIFFORGE_CACHE/native/`` under a name that hashes
+A kernel is built by ``difforge prepare`` (:func:`prepare`; ``make install`` and ``make test``
+run it), never while a program traces, with the system's C++ compiler (``c++``, or ``$CXX``)
+against the XLA FFI headers jaxlib ships, into ``$DIFFORGE_CACHE/native/`` under a name that hashes
 the sources, the flags, jaxlib's version and the compiler's, so a changed source or jaxlib is
 rebuilt and concurrent processes never see a half-written library (temp file, then rename).
-Where one cannot run (no compiler, not Linux x86_64, a CPU without its instructions, the OS
-refusing AMX's tile state, ``DIFFORGE_NATIVE_KERNELS=0``) the XLA path runs instead and one
+Where one cannot run (not built, no compiler, not Linux x86_64, a CPU without its instructions,
+the OS refusing AMX's tile state, ``DIFFORGE_NATIVE_KERNELS=0``) the XLA path runs instead and one
 log line says why: the results agree within rounding either way
 (tests/jaxcore/test_native_attention.py).
 """
@@ -44,6 +45,7 @@ SOURCES = Path(__file__).resolve().parent / "native"
 ENV_SWITCH = "DIFFORGE_NATIVE_KERNELS"  # "0": never use the native kernels
 AMX_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
+PREPARE_HINT = "run `difforge prepare` (make install and make test do)"
 
 
 class NativeBuildError(RuntimeError):
@@ -63,9 +65,13 @@ def ffi_include_dir() -> Path:
     return Path(jaxlib.__file__).resolve().parent / "include"
 
 
-def build(name: str, flags: tuple[str, ...], libraries: tuple[str, ...] = ()) -> Path:
+def build(
+    name: str, flags: tuple[str, ...], libraries: tuple[str, ...] = (), *, compile: bool = True
+) -> Path:
     """The shared library of ``native/<name>.cc`` (with the shared headers), compiled now unless
-    cached; ``libraries``: linker arguments after the source (libraries it links)."""
+    cached; ``libraries``: linker arguments after the source (libraries it links). With
+    ``compile=False`` (every use inside a program: nothing compiles while JAX traces) a library
+    not built yet is a :class:`NativeBuildError` that says how to build it."""
     compiler = _compiler()
     if compiler is None:
         raise NativeBuildError("no C++ compiler (set CXX or install g++)")
@@ -81,6 +87,8 @@ def build(name: str, flags: tuple[str, ...], libraries: tuple[str, ...] = ()) ->
     target = cache_dir() / "native" / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
+    if not compile:
+        raise NativeBuildError(f"{name} is not built for this source and jaxlib: {PREPARE_HINT}")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
@@ -176,7 +184,7 @@ def _unavailable_reason(kernel: AttentionKernel) -> str | None:
     if missing:
         return f"this CPU lacks {', '.join(sorted(missing))}"
     try:
-        library = ctypes.CDLL(str(build(kernel.name, kernel.flags)))
+        library = ctypes.CDLL(str(build(kernel.name, kernel.flags, compile=False)))
     except (NativeBuildError, OSError) as error:
         return str(error)
     if kernel.uses_amx and not library.difforge_amx_ready():
@@ -188,6 +196,25 @@ def _unavailable_reason(kernel: AttentionKernel) -> str | None:
         handler = getattr(library, symbol)
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return None
+
+
+def prepare() -> dict[str, str]:
+    """Build every attention kernel this machine can run (the explicit step, ``difforge
+    prepare``): {kernel: its library's path, or why it is not built}."""
+    out = {}
+    for kernel in KERNELS:
+        refused = switched_off_or_unsupported()
+        missing = kernel.cpu_flags - cpu_flags()
+        if refused is None and missing:
+            refused = f"this CPU lacks {', '.join(sorted(missing))}"
+        if refused is not None:
+            out[kernel.name] = f"not built: {refused}"
+            continue
+        try:
+            out[kernel.name] = str(build(kernel.name, kernel.flags))
+        except NativeBuildError as error:
+            out[kernel.name] = f"not built: {error}"
+    return out
 
 
 @functools.cache

@@ -64,7 +64,7 @@ from flax import linen as nn
 from jaxcore import sharding, weights
 from jaxcore.attention import attention as attention_fn
 from jaxcore.config import config_json_kwargs
-from jaxcore.kernels import cpu_gemm
+from jaxcore.models import layers
 from jaxcore.models.layers import gelu_erf, silu
 from jaxcore.models.wan_vae import DECODER_PREFIXES, LOGVAR_RANGE, DiagonalGaussian
 
@@ -283,17 +283,8 @@ class Conv2d(nn.Module):
         )
         bias = self.param("bias", _BIAS_INIT, (self.features,), self.param_dtype)
 
-        def xla_conv(x, kernel):
-            return jax.lax.conv_general_dilated(
-                x,
-                kernel,
-                window_strides=self.strides,
-                padding=list(self.padding),
-                dimension_numbers=("NHWC", "HWIO", "NHWC"),
-            )
-
         x, kernel = x_bhwc.astype(self.dtype), kernel.astype(self.dtype)
-        y = cpu_gemm.conv(x, kernel, self.strides, self.padding, xla_conv)
+        y = layers.conv2d(x, kernel, self.strides, self.padding)
         return y + bias.astype(self.dtype)
 
 

@@ -58,11 +58,10 @@ from jaxcore.models.layers import (
     RMSNorm,
     apply_rope,
     dense,
+    dense_general,
     gated_add,
     gelu_tanh,
     layer_norm,
-    linear,
-    linear_runs_in_mkl,
     scale_shift,
     timestep_embedding,
 )
@@ -524,10 +523,7 @@ class ChunkedMLPIn(nn.Module):
             kernel.astype(self.dtype),
             bias.astype(self.dtype),
         )
-        flat = kernel.reshape(self.dim, MLP_RATIO * self.dim)
-        if linear_runs_in_mkl(x, flat):  # on one CPU device: one dense product, in MKL
-            return linear(x, flat, bias.reshape(-1)).reshape(*x.shape[:-1], MLP_RATIO, self.dim)
-        return jnp.einsum("bld,dkm->blkm", x, kernel) + bias
+        return dense_general(x, kernel, bias)  # [B, L, 4, D]
 
 
 class PackedProjOut(nn.Module):
@@ -560,13 +556,7 @@ class PackedProjOut(nn.Module):
             kernel.astype(self.dtype),
             bias.astype(self.dtype),
         )
-        flat_x = x.reshape(*x.shape[:-2], -1)
-        flat = kernel.reshape(-1, self.dim)
-        if linear_runs_in_mkl(flat_x, flat):  # on one CPU device: one dense product, in MKL
-            out = linear(flat_x, flat, bias)
-        else:
-            out = jnp.einsum("blkm,kmd->bld", x, kernel) + bias
-        return sharding.constrain(out, _IMAGE_EMBED)
+        return sharding.constrain(dense_general(x, kernel, bias, in_dims=2), _IMAGE_EMBED)
 
 
 class SingleStreamBlock(nn.Module):

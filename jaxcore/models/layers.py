@@ -59,6 +59,39 @@ def linear_runs_in_mkl(x: jax.Array, kernel: jax.Array) -> bool:
     return cpu_gemm.takes(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
 
 
+def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array, in_dims: int = 1):
+    """``x``'s last ``in_dims`` axes contracted with ``kernel``'s first ``in_dims``, plus
+    ``bias`` (shaped as the kernel's other axes): a Dense with a packed kernel (Flux's
+    [D, 4, D] MLP, its [5, D, D] output projection; SD's GEGLU [D, 2, F]).
+
+    One product either way; this seam alone decides which library runs it: flattened into
+    :func:`linear` where that runs in MKL (float32 on one CPU device), else a ``tensordot``
+    that keeps the kernel's axes, and so their sharding, as they are."""
+    in_size = math.prod(kernel.shape[:in_dims])
+    out_shape = kernel.shape[in_dims:]
+    flat_x = x.reshape(*x.shape[: x.ndim - in_dims], in_size)
+    flat = kernel.reshape(in_size, math.prod(out_shape))
+    if linear_runs_in_mkl(flat_x, flat):
+        return linear(flat_x, flat, bias.reshape(-1)).reshape(*flat_x.shape[:-1], *out_shape)
+    return jnp.tensordot(x, kernel, in_dims) + bias
+
+
+def conv2d(x_bhwc: jax.Array, kernel_hwio: jax.Array, strides, padding) -> jax.Array:
+    """A 2-D convolution, NHWC x HWIO with explicit ``padding`` pairs (a VAE's ``Conv2d``);
+    this seam decides the library (MKL on one CPU device in float32, else XLA's)."""
+
+    def xla_conv(x, kernel):
+        return jax.lax.conv_general_dilated(
+            x,
+            kernel,
+            window_strides=strides,
+            padding=list(padding),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        )
+
+    return cpu_gemm.conv(x_bhwc, kernel_hwio, strides, padding, xla_conv)
+
+
 def _accumulation_dtype(dtype):
     """float32 for bfloat16/float16 operands (as torch's bf16 GEMMs and the TPU's MXU
     accumulate), else the operands' own dtype."""

@@ -107,9 +107,8 @@ from jaxcore.models.layers import (
     AffineLayerNorm,
     Dense,
     dense,
+    dense_general,
     gelu_erf,
-    linear,
-    linear_runs_in_mkl,
 )
 
 Dtype = Any
@@ -760,10 +759,7 @@ class GatedProjection(nn.Module):
             self.param_dtype,
         )
         x, kernel, bias = (a.astype(self.dtype) for a in (x_bld, kernel, bias))
-        flat = kernel.reshape(x.shape[-1], 2 * self.features)
-        if linear_runs_in_mkl(x, flat):  # on one CPU device: one dense product, in MKL
-            return linear(x, flat, bias.reshape(-1)).reshape(*x.shape[:-1], 2, self.features)
-        return jnp.einsum("bld,dkf->blkf", x, kernel) + bias
+        return dense_general(x, kernel, bias)  # [B, L, 2, F]
 
 
 class GEGLU(nn.Module):

@@ -37,10 +37,10 @@ from jaxcore.schedulers.flow_euler import (
     flow_euler_options,
     flow_euler_schedule,
     flow_euler_step,
-    flux_mu,
-    flux_sigmas,
     make_flow_euler,
     make_flow_euler_from_options,
+    pipeline_sigmas,
+    shift_mu,
 )
 from jaxcore.schedulers.unipc import UniPCState, make_unipc, unipc_step
 
@@ -247,8 +247,8 @@ __all__ = [
     "flow_euler_options",
     "flow_euler_schedule",
     "flow_euler_step",
-    "flux_mu",
-    "flux_sigmas",
+    "shift_mu",
+    "pipeline_sigmas",
     "init_noise_sigma",
     "make_flow_euler",
     "make_flow_euler_from_options",

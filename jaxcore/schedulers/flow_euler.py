@@ -18,7 +18,7 @@ Two ways to build a schedule:
 
       options = flow_euler_options(json.load(f), "scheduler/scheduler_config.json")
       state = make_flow_euler_from_options(
-          options, steps, sigmas=flux_sigmas(steps), mu=flux_mu(options, image_seq_len)
+          options, steps, sigmas=pipeline_sigmas(steps), mu=shift_mu(options, image_seq_len)
       )
 
   and feeds the transformer ``timesteps(state)[i] / 1000``.
@@ -93,7 +93,7 @@ class FlowEulerOptions:
       shift: static shift, used when ``use_dynamic_shifting`` is false.
       use_dynamic_shifting: shift by ``mu`` given per call (Flux: from the image size) instead.
       base_shift, max_shift, base_image_seq_len, max_image_seq_len: the line
-        ``mu(image_seq_len)`` of :func:`flux_mu` (read by the pipeline, not by the scheduler).
+        ``mu(image_seq_len)`` of :func:`shift_mu` (read by the pipeline, not by the scheduler).
       invert_sigmas: use ``1 - sigma`` (Mochi); the schedule then ends at 1.
       shift_terminal: stretch the shifted schedule so its last sigma is this (LTX-Video).
       use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas: respace between the first and
@@ -212,8 +212,9 @@ def calculate_shift(
     return image_seq_len * slope + intercept
 
 
-def flux_mu(options: FlowEulerOptions, image_seq_len: int) -> float:
-    """:func:`calculate_shift` with the scheduler config's line, as FluxPipeline calls it."""
+def shift_mu(options: FlowEulerOptions, image_seq_len: int) -> float:
+    """:func:`calculate_shift` with the scheduler config's line, as the dynamic-shifting
+    pipelines call it (FluxPipeline, LTXPipeline: ``mu`` from the image's token count)."""
     for name in ("base_shift", "max_shift"):
         if getattr(options, name) is None:
             raise ValueError(f"{name} is null in the scheduler config; mu cannot be computed")
@@ -226,8 +227,9 @@ def flux_mu(options: FlowEulerOptions, image_seq_len: int) -> float:
     )
 
 
-def flux_sigmas(num_inference_steps: int) -> np.ndarray:
-    """The unshifted sigmas FluxPipeline passes: ``linspace(1, 1/N, N)`` in float64."""
+def pipeline_sigmas(num_inference_steps: int) -> np.ndarray:
+    """The unshifted sigmas the flow pipelines pass (FluxPipeline, LTXPipeline):
+    ``linspace(1, 1/N, N)`` in float64."""
     _check_num_steps(num_inference_steps)
     return np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
 
@@ -326,14 +328,14 @@ def flow_euler_schedule(
     Args:
       options: from :func:`flow_euler_options`.
       num_inference_steps: number of model evaluations; may be omitted when ``sigmas`` is given.
-      sigmas: custom unshifted sigmas (Flux: :func:`flux_sigmas`), ``N`` of them.
-      mu: dynamic shift; required when ``options.use_dynamic_shifting`` (Flux: :func:`flux_mu`)
+      sigmas: custom unshifted sigmas (Flux: :func:`pipeline_sigmas`), ``N`` of them.
+      mu: dynamic shift; required when ``options.use_dynamic_shifting`` (Flux: :func:`shift_mu`)
         and ignored otherwise, as in diffusers (FluxPipeline always passes one).
     """
     if options.use_dynamic_shifting and mu is None:
         raise ValueError(
-            "mu must be passed when use_dynamic_shifting is true (FluxPipeline: "
-            "mu = flux_mu(options, image_seq_len))"
+            "mu must be passed when use_dynamic_shifting is true (the pipeline's "
+            "mu = shift_mu(options, image_seq_len))"
         )
     if sigmas is None:
         if num_inference_steps is None:

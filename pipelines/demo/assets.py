@@ -384,7 +384,7 @@ def fit_demo_vae(
     palette, 31.3 dB on all colours. Fidelity matters downstream: the VAE fitted before (1,500
     steps on 16-pixel crops, 29 dB) rounded triangles off, and the demo's shape grade was 43-69%
     with it against 81-91% with this one (same three seeds), the DiT and its training unchanged
-    (README, The demo).
+    (docs/demo.md).
     """
     from jaxcore.models.wan_vae import WanVAE
     from pipelines.demo import vae_fitting

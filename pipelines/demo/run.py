@@ -51,7 +51,7 @@ class DemoConfig:
     # Leave DEMO_HELD_OUT's 4 combinations out of the training data, so their renders show
     # composition, not recall. On by default since the demo's text encoder keeps each word
     # recognisable in every prompt (assets.DEMO_TEXT_ENCODER_BRANCH_SCALE): held-out colours
-    # went from 12/16 renders to 16/16 (README, The demo).
+    # went from 12/16 renders to 16/16 (docs/demo.md).
     hold_out: bool = True
     # Bars on the per-attribute accuracy of :func:`pipelines.demo.grading.grade`, met on all
     # prompts and on the held-out combinations alike; None reports without judging.

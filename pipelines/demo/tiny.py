@@ -26,6 +26,7 @@ from typing import Any
 import jax
 
 from jaxcore import weights
+from jaxcore.families import flux, wan
 
 DEFAULT_MODEL_CONFIG = Path(__file__).resolve().parents[2] / "configs/models/wan_tiny.yml"
 DIFFUSERS_VERSION = "0.42.1"
@@ -33,32 +34,8 @@ TRANSFORMERS_VERSION = "5.24.0"
 
 # What diffusers writes for a flow-matching Wan 2.1 pipeline (UniPC with flow sigmas).
 UNIPC_SCHEDULER_CONFIG: dict[str, Any] = {
-    "_class_name": "UniPCMultistepScheduler",
+    **wan.REFERENCE_SCHEDULER_CONFIG,
     "_diffusers_version": DIFFUSERS_VERSION,
-    "beta_end": 0.02,
-    "beta_schedule": "linear",
-    "beta_start": 0.0001,
-    "disable_corrector": [],
-    "dynamic_thresholding_ratio": 0.995,
-    "final_sigmas_type": "zero",
-    "flow_shift": 3.0,
-    "lower_order_final": True,
-    "num_train_timesteps": 1000,
-    "predict_x0": True,
-    "prediction_type": "flow_prediction",
-    "rescale_betas_zero_snr": False,
-    "sample_max_value": 1.0,
-    "solver_order": 2,
-    "solver_p": None,
-    "solver_type": "bh2",
-    "steps_offset": 0,
-    "thresholding": False,
-    "timestep_spacing": "linspace",
-    "trained_betas": None,
-    "use_beta_sigmas": False,
-    "use_exponential_sigmas": False,
-    "use_flow_sigmas": True,
-    "use_karras_sigmas": False,
 }
 
 
@@ -265,15 +242,8 @@ def build_tiny_wan_pipeline(
 FLUX_MODEL_CONFIG = Path(__file__).resolve().parents[2] / "configs/models/flux_tiny.yml"
 # FLUX.1-dev's scheduler (dynamic shifting by image size).
 FLUX_SCHEDULER_CONFIG: dict[str, Any] = {
-    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    **flux.REFERENCE_SCHEDULER_CONFIG,
     "_diffusers_version": DIFFUSERS_VERSION,
-    "base_image_seq_len": 256,
-    "base_shift": 0.5,
-    "max_image_seq_len": 4096,
-    "max_shift": 1.15,
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
 }
 
 
@@ -378,6 +348,7 @@ def build_tiny_flux_pipeline(
 
 # --- the cache ------------------------------------------------------------------------------------
 
+DEFAULT_FAMILY = "wan"
 BUILDERS = {"wan": (build_tiny_wan_pipeline, DEFAULT_MODEL_CONFIG)}
 BUILDERS["flux"] = (build_tiny_flux_pipeline, FLUX_MODEL_CONFIG)
 

@@ -20,7 +20,6 @@ and writes them into the manifest. :func:`build_graph` attaches the transforms t
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import logging
@@ -43,7 +42,6 @@ from stages.common import records
 from stages.convert import media, split, tfrecord
 from stages.convert.config import BeamConfig, DatasetConfig, MediaConfig, SplitConfig
 from stages.convert.encode import EncoderHandler, EncoderPlan
-from stages.convert.patching import replaced
 
 log = logging.getLogger(__name__)
 
@@ -569,43 +567,6 @@ def local_runner(beam_config: BeamConfig, options):
     return fn_runner.FnApiRunner(provision_info=fn_runner.ExtendedProvisionInfo(info))
 
 
-# Beam's state sampler: a thread per bundle that attributes wall time to steps, waking on a
-# period that ramps from 2 to 200 ms. A bundle ends only when it next wakes, so the fused stage
-# of a 1,200-record tiny convert (~1 s) waited 0-200 ms for it (165 ms measured) at its end.
-STATE_SAMPLING_PERIOD_MS = 10
-
-
-@contextlib.contextmanager
-def prompt_state_sampler(beam_config: BeamConfig):
-    """While a job runs in this process (the DirectRunner in memory or multi-threaded), its
-    bundles' state samplers wake every ``STATE_SAMPLING_PERIOD_MS`` at most (Beam does not
-    expose the period). Other runners, and Beam versions whose sampler this was not written
-    against, keep Beam's own."""
-    import inspect
-
-    from apache_beam.runners.worker import statesampler
-
-    original = statesampler.StateSampler
-    parameters = list(inspect.signature(original.__init__).parameters)
-    if beam_config.runner != "DirectRunner" or parameters != [
-        "self",
-        "prefix",
-        "counter_factory",
-        "sampling_period_ms",
-    ]:
-        yield
-        return
-
-    class PromptStateSampler(original):
-        def __init__(self, prefix, counter_factory, sampling_period_ms=STATE_SAMPLING_PERIOD_MS):
-            super().__init__(
-                prefix, counter_factory, min(sampling_period_ms, STATE_SAMPLING_PERIOD_MS)
-            )
-
-    with replaced(statesampler, "StateSampler", PromptStateSampler):
-        yield
-
-
 def staged_files(pipeline: beam.Pipeline) -> list[str]:
     """Names of the files a remote runner stages for the job (e.g. ``workflow.tar.gz`` built
     from ``setup_file``), read from the runner's pipeline proto; empty for local runners."""
@@ -624,23 +585,6 @@ def staged_files(pipeline: beam.Pipeline) -> list[str]:
                 )
                 names.append(payload.staged_name)
     return sorted(names)
-
-
-def use_anonymous_gcs_with_emulator() -> None:
-    """Against a local GCS server (``STORAGE_EMULATOR_HOST``), make Beam's gcsio anonymous now.
-
-    Beam's gcsio asks ``google.auth.default()`` with exponential-backoff retries (~19 s per
-    process) before it falls back to an anonymous client, and ``--no_auth`` only reaches the
-    Dataflow API client. Marking Beam's credential cache as resolved-to-none skips the probe.
-    Applies to this process (DirectRunner in_memory / multi_threading).
-    """
-    if not os.environ.get("STORAGE_EMULATOR_HOST"):
-        return
-    from apache_beam.internal.gcp import auth
-
-    with auth._Credentials._credentials_lock:
-        auth._Credentials._credentials = None
-        auth._Credentials._credentials_init = True
 
 
 def read_counters(result) -> dict[str, int]:

@@ -31,12 +31,10 @@ from stages.convert.pipeline import (
     needs_spreading,
     pipeline_options,
     plan_shards,
-    prompt_state_sampler,
     read_counters,
     records_counter,
     staged_files,
     timestep_counter,
-    use_anonymous_gcs_with_emulator,
     write_empty_shards,
     write_outputs,
 )
@@ -250,7 +248,6 @@ def _run_pipeline(
 ) -> tuple[dict, list[str]]:
     import apache_beam as beam
 
-    use_anonymous_gcs_with_emulator()
     handler = EncoderHandler(config.encoder, config.compute, encoders)
     options = pipeline_options(config.beam, job_name=_job_name(config.run_name))
     pipeline = beam.Pipeline(runner=local_runner(config.beam, options), options=options)
@@ -268,7 +265,7 @@ def _run_pipeline(
     write_outputs(outputs, output_dir, plan, config.split.split_seed)
     # SIGTERM stops the job at once: its work folders are never a finished artifact
     result = None
-    with Preemption("convert", immediate=True) as preemption, prompt_state_sampler(config.beam):
+    with Preemption("convert", immediate=True) as preemption:
         try:
             result = pipeline.run()  # the DirectRunner runs the job here
             result.wait_until_finish()  # a remote runner's job runs here

@@ -21,7 +21,6 @@ stage decodes (and counts failures) itself.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -30,7 +29,6 @@ from pathlib import Path
 
 from stages.common.errors import StageInputError
 from stages.convert.config import DatasetConfig
-from stages.convert.patching import replaced
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +60,7 @@ def _load_local(path: Path, config: DatasetConfig):
                     )
                 loaded = loaded[config.dataset_split]
             return loaded
-        with _quick_split_inference(path):
-            return datasets.load_dataset(str(path), split=config.dataset_split)
+        return datasets.load_dataset(str(path), split=config.dataset_split)
     builder = FILE_BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise StageInputError(
@@ -71,73 +68,6 @@ def _load_local(path: Path, config: DatasetConfig):
             f"use a folder or one of {sorted(FILE_BUILDERS)}"
         )
     return datasets.load_dataset(builder, data_files=str(path), split=config.dataset_split)
-
-
-# Substrings of every file pattern `datasets` tries before its catch-all ("**" -> train):
-# the split keywords (train/training, validation/valid/dev/val, test/testing/eval/evaluation)
-# and the logs / harbor files. A folder where no path holds one of them gets the catch-all.
-_SPLIT_MARKERS = ("train", "val", "dev", "test", "eval", "task.toml", "instruction.md")
-
-
-def _only_catch_all(root: Path) -> bool:
-    """Whether ``datasets``' split inference provably ends in its catch-all for ``root``.
-
-    Conservative: any marker anywhere in any path (any case), a top-level ``data/`` folder (the
-    sharded ``data/{split}-NNNNN-of-NNNNN`` layout), a symlinked folder, or no visible file
-    means "not provably", and ``datasets`` infers as usual.
-    """
-    from datasets import data_files as df
-
-    catch_all = {str(k): v for k, v in df.ALL_DEFAULT_PATTERNS[-1].items()}
-    known = all(p.startswith("data/") for p in df.ALL_SPLIT_PATTERNS) and all(
-        any(m in pattern.lower() for m in _SPLIT_MARKERS)
-        for patterns in df.ALL_DEFAULT_PATTERNS[:-1]
-        for group in patterns.values()
-        for pattern in group
-    )
-    if not known or catch_all != {"train": ["**"]}:
-        return False  # another datasets version: its own rules
-    visible = False
-    for folder, dirs, files in os.walk(root):
-        rel = os.path.relpath(folder, root).replace(os.sep, "/")
-        rel = "" if rel == "." else rel + "/"
-        if any(os.path.islink(os.path.join(folder, d)) for d in dirs):
-            return False
-        for name in [*dirs, *files]:
-            path = (rel + name).lower()
-            if path.startswith("data/") or path == "data" or any(m in path for m in _SPLIT_MARKERS):
-                return False
-        visible = visible or any(
-            not any(part.startswith((".", "_")) for part in (rel + name).split("/"))
-            for name in files
-        )
-    return visible
-
-
-@contextlib.contextmanager
-def _quick_split_inference(root: Path):
-    """``datasets.load_dataset(folder)`` first infers the folder's splits by globbing it with
-    ~66 patterns (1.5 s for 1,200 images on two cores, each glob a walk of the folder). When
-    the answer is provably its catch-all (:func:`_only_catch_all`, one walk), hand it that
-    answer: the same data files, the same dataset and fingerprint, without the globs."""
-    import datasets.load as hf_load
-    from datasets import data_files as df
-
-    original = hf_load.get_data_patterns
-    if not _only_catch_all(root):
-        yield
-        return
-    target = os.path.realpath(root)
-
-    def get_data_patterns(base_path, download_config=None):
-        if os.path.realpath(str(base_path)) == target:
-            return {
-                split: list(patterns) for split, patterns in df.ALL_DEFAULT_PATTERNS[-1].items()
-            }
-        return original(base_path, download_config=download_config)
-
-    with replaced(hf_load, "get_data_patterns", get_data_patterns):
-        yield
 
 
 def _generate_artifact(source: str):

@@ -1,6 +1,10 @@
-"""bench/readme.py: the README's benchmark table comes from one run's results, ratios included."""
+"""bench/readme.py: docs/benchmarks.md's tables come from one run's results, ratios included."""
 
 from __future__ import annotations
+
+import json
+
+import pytest
 
 from bench import readme
 
@@ -60,3 +64,40 @@ def test_maxdiffusion_rows_judge_against_their_own_goals():
     assert "0.90x (**not met**)" in vae
     assert not any("MaxDiffusion, M" in line or "backward, S" in line for line in lines)
     assert not any("encode vs MaxDiffusion" in line for line in lines)
+
+
+def test_write_replaces_only_the_named_table(tmp_path, monkeypatch):
+    doc = tmp_path / "benchmarks.md"
+    latest_start, latest_end = readme.markers("latest")
+    other_start, other_end = readme.markers("maxdiffusion")
+    before = f"# Benchmarks\n\n{latest_start}\nold table\n{latest_end}\n\ntext\n"
+    kept = f"{other_start}\nother table\n{other_end}\n"
+    doc.write_text(before + kept)
+    run = {"results": [record("transformer_forward", "S", "difforge", 0.5)]}
+    results = tmp_path / "latest.json"
+    results.write_text(json.dumps(run))
+    monkeypatch.setattr(readme, "DOC", doc)
+    assert readme.main([str(results), "--write"]) == 0
+    text = doc.read_text()
+    assert f"{latest_start}\n{readme.table(run)}\n{latest_end}\n\ntext\n" in text
+    assert "old table" not in text and text.endswith(kept)
+    assert text.startswith("# Benchmarks\n\n")
+
+
+def test_write_refuses_a_document_without_the_markers(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n")
+    with pytest.raises(ValueError, match="bench table: latest"):
+        readme.write_table(doc, "latest", "| a |")
+    assert doc.read_text() == "# Benchmarks\n"
+
+
+def test_the_docs_carry_the_tables_of_the_stored_runs():
+    """docs/benchmarks.md quotes bench/results/{latest,maxdiffusion}.json as --write puts them."""
+    doc = readme.DOC.read_text()
+    for name in ("latest", "maxdiffusion"):
+        start, end = readme.markers(name)
+        quoted = doc.split(start, 1)[1].split(end, 1)[0].strip()
+        run = json.loads((readme.RESULTS_DIR / f"{name}.json").read_text())
+        fix = f"python -m bench.readme bench/results/{name}.json --write"
+        assert quoted == readme.table(run), f"{name}: the docs quote another run; {fix}"

@@ -1,7 +1,7 @@
 """Bad input, fuzzed: seeded random mutations of prompt files, stage YAML configs,
 ``key=value`` overrides, a pipeline's model_index.json / config.json and LoRA files. Every case
 must end in a one-line error naming the thing, or a correct run; never a traceback, never a
-partial artifact. ``make test-faults`` runs it and prints the counts (README "Faults");
+partial artifact. ``make test-faults`` runs it and prints the counts (docs/at-scale.md, "Faults on purpose");
 ``DIFFORGE_FUZZ_LOG=<file>`` also writes every case's message there.
 
 A "correct run" is cut short where the input has been fully checked: generate up to loading the
@@ -348,7 +348,7 @@ def test_fuzzed_model_files(tiny_dir, tmp_path, capsys, monkeypatch):
 def test_fuzzed_lora_files(tiny_dir, tmp_path, capsys):
     """A valid LoRA, then its bytes, keys or shapes mutated; checked as generate checks a set
     before rendering."""
-    from jaxcore.pipeline import load_pipeline
+    from jaxcore.families import load_pipeline
     from jaxcore.sharding import make_mesh
     from tests.stages.test_lora_render import write_peft_lora
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from jaxcore.config import load_config, read_yaml
-from pipelines.cli import STAGES, load_entry
+from pipelines.registry import STAGES, load_entry
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -6,7 +6,11 @@
   through artifacts, and share code only through ``stages.common``;
 - the stages know no model: no import of a model module or of a family's own module, and no
   identifier or string naming a family or one of its models (everything model-specific is a
-  call into ``jaxcore.families``).
+  call into ``jaxcore.families``);
+- nor does any product file outside ``jaxcore/families/``, ``jaxcore/models/``,
+  ``jaxcore/lora/`` and ``pipelines/demo/`` (the demo builds tiny models of each family);
+- the product's import graph has no cycle, counting imports inside functions too (a lazy
+  import that closes a cycle is still a cycle: the two modules cannot be read apart).
 """
 
 from __future__ import annotations
@@ -147,3 +151,98 @@ def test_the_check_finds_what_it_looks_for(tmp_path):
     assert _mentions_a_model("Docstrings may say Wan.") == "wan"  # docstrings are skipped above
     assert _mentions_a_model("encoder_hidden_states") is None
     assert _mentions_a_model("latents") is None
+
+
+PRODUCT = ("jaxcore", "stages", "pipelines")
+MAY_NAME_FAMILIES = ("jaxcore/families/", "jaxcore/models/", "jaxcore/lora/", "pipelines/demo/")
+
+
+def test_only_the_family_layers_name_a_family():
+    found = []
+    for package in PRODUCT:
+        for path in _modules(package):
+            relative = str(path.relative_to(REPO))
+            if relative.startswith(MAY_NAME_FAMILIES):
+                continue
+            for line, text in _named_things(path):
+                word = _mentions_a_model(text)
+                if word:
+                    found.append(f"{relative}:{line} names {word!r}: {text[:60]!r}")
+    assert found == []
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(paths) -> dict[str, set[str]]:
+    """{module: the product modules it imports}, anywhere in the file. ``from pkg import sub``
+    is an edge to ``pkg.sub`` alone when ``sub`` is a module (to ``pkg`` too otherwise)."""
+    modules = {_module_name(p): p for p in paths}
+
+    def owner(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {owner(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                base = node.module or ""
+                if node.level:
+                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parent, base]).strip(".")
+                subs = [f"{base}.{alias.name}" for alias in node.names]
+                targets |= {s for s in subs if s in modules}
+                if not all(s in modules for s in subs):
+                    targets.add(owner(base))
+        graph[name] = targets - {"", name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_import_graph_has_no_cycle():
+    paths = [p for package in PRODUCT for p in _modules(package)]
+    assert cycles(import_graph(paths)) == []
+
+
+def test_the_cycle_check_finds_a_lazy_cycle(tmp_path):
+    """Not vacuous: two modules importing each other, one lazily, are a cycle."""
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

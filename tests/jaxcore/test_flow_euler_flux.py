@@ -147,12 +147,12 @@ def test_calculate_shift_equals_flux_pipeline(image_seq_len):
     assert ours == flux_calculate_shift(image_seq_len, *line)
     options = flow_euler.flow_euler_options(FLUX_DEV, WHERE)
     reference = FlowMatchEulerDiscreteScheduler.from_config(FLUX_DEV)
-    assert flow_euler.flux_mu(options, image_seq_len) == reference_mu(reference, image_seq_len)
+    assert flow_euler.shift_mu(options, image_seq_len) == reference_mu(reference, image_seq_len)
 
 
 @pytest.mark.parametrize("num_steps", FLUX_STEPS)
 def test_flux_sigmas_are_the_pipeline_default(num_steps):
-    sigmas = flow_euler.flux_sigmas(num_steps)
+    sigmas = flow_euler.pipeline_sigmas(num_steps)
     assert sigmas.dtype == np.float64
     np.testing.assert_array_equal(sigmas, flux_pipeline_sigmas(num_steps))
 
@@ -170,8 +170,8 @@ def test_flux_dev_schedule_is_bit_identical(image_seq_len, num_steps):
     state = flow_euler.make_flow_euler_from_options(
         options,
         num_steps,
-        sigmas=flow_euler.flux_sigmas(num_steps),
-        mu=flow_euler.flux_mu(options, image_seq_len),
+        sigmas=flow_euler.pipeline_sigmas(num_steps),
+        mu=flow_euler.shift_mu(options, image_seq_len),
     )
     assert_schedule_identical(state, reference)
     assert state.num_inference_steps == num_steps
@@ -180,10 +180,10 @@ def test_flux_dev_schedule_is_bit_identical(image_seq_len, num_steps):
 @pytest.mark.parametrize("image_seq_len", IMAGE_SEQ_LENS)
 def test_flux_dev_four_step_run_matches(image_seq_len):
     options = flow_euler.flow_euler_options(FLUX_DEV, WHERE)
-    mu = flow_euler.flux_mu(options, image_seq_len)
+    mu = flow_euler.shift_mu(options, image_seq_len)
     reference = reference_scheduler(FLUX_DEV, 4, flux_pipeline_sigmas(4), mu)
     state = flow_euler.make_flow_euler_from_options(
-        options, 4, sigmas=flow_euler.flux_sigmas(4), mu=mu
+        options, 4, sigmas=flow_euler.pipeline_sigmas(4), mu=mu
     )
     assert_trajectories_close(run_ours(state), run_reference(reference))
 
@@ -192,10 +192,10 @@ def test_flux_dev_four_step_run_matches(image_seq_len):
 def test_flux_schnell_schedule_and_run_match(num_steps):
     """schnell: static shift 1, FluxPipeline's sigmas; the pipeline's mu is passed and ignored."""
     options = flow_euler.flow_euler_options(FLUX_SCHNELL, "FLUX.1-schnell/scheduler")
-    mu = flow_euler.flux_mu(options, 4096)
+    mu = flow_euler.shift_mu(options, 4096)
     reference = reference_scheduler(FLUX_SCHNELL, num_steps, flux_pipeline_sigmas(num_steps), mu)
     state = flow_euler.make_flow_euler_from_options(
-        options, num_steps, sigmas=flow_euler.flux_sigmas(num_steps), mu=mu
+        options, num_steps, sigmas=flow_euler.pipeline_sigmas(num_steps), mu=mu
     )
     assert_schedule_identical(state, reference)
     assert_trajectories_close(run_ours(state), run_reference(reference))
@@ -284,8 +284,8 @@ def test_static_options_equal_make_flow_euler():
 
 def test_make_scheduler_passes_flux_options_through():
     options = flow_euler.flow_euler_options(FLUX_DEV, WHERE)
-    mu = flow_euler.flux_mu(options, 1024)
-    sigmas = flow_euler.flux_sigmas(28)
+    mu = flow_euler.shift_mu(options, 1024)
+    sigmas = flow_euler.pipeline_sigmas(28)
     state, step_fn = schedulers.make_scheduler(
         "flow_euler", 28, 3.0, euler_options=options, sigmas=sigmas, mu=mu
     )
@@ -379,7 +379,7 @@ def test_shift_terminal_one_step_is_refused_where_diffusers_gives_nan():
         (lambda o: flow_euler.flow_euler_schedule(o, sigmas=np.zeros((2, 2)), mu=1), "1-D"),
         (lambda o: flow_euler.flow_euler_schedule(o, mu=1.0), "num_inference_steps or sigmas"),
         (lambda o: flow_euler.flow_euler_schedule(o, 0, mu=1.0), "num_inference_steps"),
-        (lambda o: flow_euler.flux_sigmas(0), "num_inference_steps"),
+        (lambda o: flow_euler.pipeline_sigmas(0), "num_inference_steps"),
     ],
 )
 def test_bad_schedule_request_is_named(call, message):

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from jaxcore import families
+from jaxcore.families import load_pipeline
 from jaxcore.models import flux_transformer
-from jaxcore.pipeline import load_pipeline
 from jaxcore.sampling import initial_latents
 from tests.support.tiny_flux import SCHNELL_SCHEDULER, build_flux_pipeline
 

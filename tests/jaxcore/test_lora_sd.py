@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from jaxcore import weights
+from jaxcore.families import load_pipeline
 from jaxcore.lora import sd as sd_lora
 from jaxcore.lora.base import LoraError
-from jaxcore.pipeline import load_pipeline
 from jaxcore.sampling import initial_latents
 from tests.support.tiny_sd import build_sd_pipeline, build_sdxl_pipeline, random_unet_lora
 

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from jaxcore import families
+from jaxcore.families import load_pipeline
 from jaxcore.models import unet_2d_condition as unet
-from jaxcore.pipeline import load_pipeline
 from jaxcore.sampling import initial_latents
 from jaxcore.schedulers import classic
 from tests.support.tiny_sd import V_ZERO_SNR_SCHEDULE, build_sd_pipeline, build_sdxl_pipeline

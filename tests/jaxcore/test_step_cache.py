@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from jaxcore import step_cache
+from jaxcore.families import flux as flux_family
+from jaxcore.families import load_pipeline
 from jaxcore.models import flux_transformer
-from jaxcore.pipeline import load_pipeline
 from jaxcore.sampling import initial_latents
 from pipelines.demo.tiny import build_tiny_wan_pipeline
 from tests.support.tiny_flux import build_flux_pipeline
@@ -228,7 +229,9 @@ def test_calibration_ratios_equal_diffusers(wan, capsys):
 FLUX_CASES = {
     "first_block_true_cfg": (step_cache.CacheConfig("first_block", threshold=0.8), 6, 3.0),
     "magcache_flux_ratios": (
-        step_cache.CacheConfig("magcache", threshold=0.1, mag_ratios=step_cache.FLUX_MAG_RATIOS),
+        step_cache.CacheConfig(
+            "magcache", threshold=0.1, mag_ratios=flux_family.MAG_RATIOS_28_STEPS
+        ),
         8,
         1.0,
     ),

@@ -13,8 +13,7 @@ import torch
 
 from jaxcore import sampling
 from jaxcore.compute import ComputeConfig
-from jaxcore.families import FamilyError
-from jaxcore.pipeline import load_pipeline
+from jaxcore.families import FamilyError, load_pipeline
 from jaxcore.sampling import initial_latents
 from tests.support import wan_variants
 
@@ -102,8 +101,8 @@ def test_expert_switch_step_matches_diffusers(ratio, steps, shift):
     its scheduler's timesteps, in torch's type promotion)."""
     from diffusers import UniPCMultistepScheduler
 
+    from jaxcore.families.wan import REFERENCE_SCHEDULER_CONFIG as UNIPC_SCHEDULER_CONFIG
     from jaxcore.schedulers import make_scheduler
-    from pipelines.demo.tiny import UNIPC_SCHEDULER_CONFIG
 
     config = {k: v for k, v in UNIPC_SCHEDULER_CONFIG.items() if not k.startswith("_")}
     scheduler = UniPCMultistepScheduler(**{**config, "flow_shift": shift})

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from jaxcore import families
-from jaxcore.pipeline import Pipeline, load_pipeline
+from jaxcore.families import load_pipeline
+from jaxcore.pipeline import Pipeline
 from jaxcore.sampling import initial_latents
 from pipelines.demo.tiny import build_tiny_wan_pipeline
 from tests.support.encoder_calls import record_encoder_calls

@@ -14,7 +14,7 @@ from pipelines.demo import shapes as synthetic
 # Measured on the shipped VAE (32x32, the 24 seed-99 demo items below, posterior mean, fp32):
 # PSNR 35.3 dB (fit-vae's own held-out report: 34.4 dB demo palette, 31.3 dB all 8 colours);
 # the threshold leaves ~3 dB of margin and fails the VAE shipped before (29.1 dB here), whose
-# rounded triangles held the demo's shape grade at 43-69% (README, The demo). A random-init VAE
+# rounded triangles held the demo's shape grade at 43-69% (docs/demo.md). A random-init VAE
 # of this size scores ~9-11 dB.
 MIN_DEMO_PSNR_DB = 32.0
 # Same weights, same fp32 math: ours vs diffusers' reconstruction, max abs on [-1, 1] pixels.
@@ -223,7 +223,7 @@ def test_build_demo_assets_is_loadable_and_idempotent(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert not [p for p in (tmp_path / "assets").iterdir() if p.name.startswith(".") and p.is_dir()]
 
-    from jaxcore.pipeline import load_pipeline
+    from jaxcore.families import load_pipeline
 
     pipeline = load_pipeline(assets.pipeline)
     assert pipeline.configs["vae"].z_dim == pipeline.denoiser.config.in_channels == 4

@@ -1,5 +1,6 @@
-"""The README's ``difforge`` commands, run as printed (cloud and placeholder paths replaced by
-local ones), so the README cannot drift from the shipped YAMLs again.
+"""The ``difforge`` commands of the README and of ``docs/*.md``, run as printed (cloud and
+placeholder paths replaced by local ones), so the documentation cannot drift from the shipped
+YAMLs again.
 
 Default tier: every command resolves its config (``--dry-run``; ``difforge run`` validates each
 step), and the ``deploy`` commands write their launch files. Slow tier: the stage commands run
@@ -21,10 +22,14 @@ from pipelines.cli import main
 REPO = Path(__file__).resolve().parents[2]
 
 
-def readme_commands() -> list[str]:
-    """Each ``difforge ...`` command of the README's bash blocks (continuations joined,
-    comments and ``&& other tools`` dropped; the ``difforge <stage> [...]`` synopsis skipped)."""
-    text = (REPO / "README.md").read_text()
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def documented_commands(documents: list[Path] = DOCUMENTS) -> list[str]:
+    """Each ``difforge ...`` command of the documents' bash blocks, in order (continuations
+    joined, comments and ``&& other tools`` dropped; the ``difforge <stage> [...]`` synopsis
+    skipped)."""
+    text = "\n".join(path.read_text() for path in documents)
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         joined = block.replace("\\\n", " ")
@@ -36,7 +41,7 @@ def readme_commands() -> list[str]:
 
 
 def _placeholders(tmp: Path) -> dict[str, str]:
-    """README placeholder -> local stand-in (made by :func:`_make_inputs`)."""
+    """Documented placeholder -> local stand-in (made by :func:`_make_inputs`)."""
     return {
         "gs://bucket/": f"{tmp}/bucket/",
         "path/to/hf_dataset": str(tmp / "imagefolder"),
@@ -65,22 +70,26 @@ def _make_inputs(tmp: Path, pipeline: bool = True) -> None:
     (tmp / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
-def test_the_readme_has_the_commands_this_file_runs():
-    stages = [c.split()[1] for c in readme_commands()]
-    for stage in ("convert", "train", "evaluate", "generate", "run", "deploy"):
+def test_the_docs_have_the_commands_this_file_runs():
+    stages = [c.split()[1] for c in documented_commands()]
+    for stage in ("convert", "train", "evaluate", "generate", "run", "deploy", "fit"):
         assert stage in stages, stage
+    # the README itself shows the whole chain; deploy and fit live in docs/at-scale.md
+    in_readme = [c.split()[1] for c in documented_commands([REPO / "README.md"])]
+    for stage in ("convert", "train", "evaluate", "generate", "run"):
+        assert stage in in_readme, stage
 
 
-def test_every_readme_command_resolves_its_config(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(REPO)  # the README's config paths are relative to the checkout
+def test_every_documented_command_resolves_its_config(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)  # the documented config paths are relative to the checkout
     _make_inputs(tmp_path, pipeline=False)  # resolving a config reads no weights
-    for command in readme_commands():
+    for command in documented_commands():
         argv = _local(command, tmp_path)
         if argv[0] == "deploy":  # writes files only: run it (into a temporary folder)
             out = tmp_path / "deploy"
             assert main([*argv, f"out={out}"]) == 0, command
             stdout = capsys.readouterr().out
-            if "target=argo" in command:  # the file the README applies with kubectl
+            if "target=argo" in command:  # the file docs/at-scale.md applies with kubectl
                 printed = command.split("kubectl apply -f", 1)[-1].strip()
                 assert (out / Path(printed).name).is_file() or "outputs/deploy" not in printed
                 assert "kubectl apply" in stdout
@@ -91,11 +100,11 @@ def test_every_readme_command_resolves_its_config(tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.slow  # ~2 min: the four stages for real on tiny models
-def test_the_readme_stage_commands_run_as_printed(tmp_path, monkeypatch):
+def test_the_documented_stage_commands_run_as_printed(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     _make_inputs(tmp_path)
     lowered = {"train": ["max_train_steps=2"]}
-    for command in readme_commands():
+    for command in documented_commands():
         argv = _local(command, tmp_path)
         if argv[0] not in ("convert", "train", "evaluate", "generate"):
             continue

@@ -10,7 +10,7 @@ import pytest
 
 from jaxcore import artifacts, storage
 from jaxcore.config import ConfigError, load_config
-from pipelines import cli, runner
+from pipelines import registry, runner
 from pipelines.config import PipelineConfig
 
 CALLS: list[str] = []
@@ -56,10 +56,12 @@ def run_use(cfg: UseConfig, *, force=False):
 def fake_stages(monkeypatch):
     here = __name__
     monkeypatch.setitem(
-        cli.STAGES, "convert", cli.StageEntry(f"{here}:MakeConfig", f"{here}:run_make", "")
+        registry.STAGES,
+        "convert",
+        registry.StageEntry(f"{here}:MakeConfig", f"{here}:run_make", ""),
     )
     monkeypatch.setitem(
-        cli.STAGES, "train", cli.StageEntry(f"{here}:UseConfig", f"{here}:run_use", "")
+        registry.STAGES, "train", registry.StageEntry(f"{here}:UseConfig", f"{here}:run_use", "")
     )
     CALLS.clear()
 

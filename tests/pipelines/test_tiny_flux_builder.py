@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxcore.pipeline import load_pipeline
+from jaxcore.families import load_pipeline
 from pipelines.demo.tiny import build_tiny_flux_pipeline
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines.demo import shapes as synthetic
 from stages.common import records
 from stages.convert import source, tfrecord
 from stages.convert.config import DatasetConfig
@@ -75,46 +74,6 @@ def test_tfrecord_files_equal_tensorflows_and_read_back(tmp_path):
     assert (tmp_path / "ours.tfrecord").read_bytes() == (tmp_path / "tf.tfrecord").read_bytes()
     read = list(tf.data.TFRecordDataset(str(tmp_path / "ours.tfrecord")).as_numpy_iterator())
     assert read == examples
-
-
-def _load(folder: Path, quick: bool, monkeypatch):
-    if not quick:
-        monkeypatch.setattr(source, "_only_catch_all", lambda root: False)
-    dataset = source.load_source(DatasetConfig(source=str(folder)))
-    monkeypatch.undo()
-    return dataset
-
-
-def test_quick_split_inference_gives_the_same_dataset(tmp_path, monkeypatch):
-    folder = synthetic.make_shapes_dataset(tmp_path / "shapes", num_items=12, height=8, width=8)
-    assert source._only_catch_all(folder)
-    quick, slow = _load(folder, True, monkeypatch), _load(folder, False, monkeypatch)
-    assert quick._fingerprint == slow._fingerprint
-    assert quick.features == slow.features and quick[:] == slow[:]
-    config = DatasetConfig(source=str(folder))
-    assert source.source_ids(quick, config) == source.source_ids(slow, config)
-    import datasets.load
-
-    assert datasets.load.get_data_patterns.__module__ == "datasets.data_files"  # restored
-
-
-def test_quick_paths_give_the_same_dataset_as_datasets_own(tmp_path, monkeypatch):
-    folder = synthetic.make_shapes_dataset(tmp_path / "shapes", num_items=5, height=8, width=8)
-    config = DatasetConfig(source=str(folder))
-    quick = source.load_source(config)
-    monkeypatch.setattr(source, "_only_catch_all", lambda root: False)
-    slow = source.load_source(config)
-    assert quick._fingerprint == slow._fingerprint and quick[:] == slow[:]
-
-
-@pytest.mark.parametrize(
-    "relative", ["train/a.png", "img_val.png", "Test/x.png", "data/train-00000-of-00001.png"]
-)
-def test_quick_split_inference_steps_aside_for_split_names(tmp_path, relative):
-    folder = synthetic.make_shapes_dataset(tmp_path / "shapes", num_items=3, height=8, width=8)
-    (folder / relative).parent.mkdir(parents=True, exist_ok=True)
-    (folder / relative).write_bytes(b"")
-    assert not source._only_catch_all(folder)
 
 
 def test_a_folder_with_split_folders_still_gets_its_splits(tmp_path):
@@ -303,46 +262,3 @@ assert not bad, bad
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / records.shard_name("train", 0, 1)).stat().st_size > 0
-
-
-def _sampling_period(_):
-    from apache_beam.runners.worker import statesampler
-
-    return statesampler.get_current_tracker().sampling_period_ms
-
-
-@pytest.mark.parametrize("runner", ["DirectRunner", "PortableRunner"])
-def test_a_direct_runner_job_samples_state_promptly_and_restores_beams_sampler(runner):
-    """Bundles of a job run under prompt_state_sampler end within STATE_SAMPLING_PERIOD_MS of
-    their work (Beam's own sampler waits up to 200 ms); other runners keep Beam's."""
-    import apache_beam as beam
-    from apache_beam.runners.worker import statesampler
-    from apache_beam.testing.util import assert_that, equal_to
-
-    from stages.convert import pipeline
-    from stages.convert.config import BeamConfig
-
-    local = BeamConfig()
-    options = pipeline.pipeline_options(local, job_name="sampler-test")
-    expected = pipeline.STATE_SAMPLING_PERIOD_MS if runner == "DirectRunner" else 200
-    original = statesampler.StateSampler
-    with pipeline.prompt_state_sampler(BeamConfig(runner=runner)):
-        job = beam.Pipeline(runner=pipeline.local_runner(local, options), options=options)
-        periods = job | beam.Create([1, 2]) | beam.Map(_sampling_period)
-        assert_that(periods, equal_to([expected, expected]))
-        job.run().wait_until_finish()
-    assert statesampler.StateSampler is original
-
-
-def test_replaced_restores_the_original_unless_replaced_again():
-    import types
-
-    from stages.convert.patching import replaced
-
-    owner = types.SimpleNamespace(f="original")
-    with replaced(owner, "f", "ours"):
-        assert owner.f == "ours"
-    assert owner.f == "original"
-    with replaced(owner, "f", "ours"):
-        owner.f = "someone else's"
-    assert owner.f == "someone else's"

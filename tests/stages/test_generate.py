@@ -26,7 +26,7 @@ import pytest
 
 from jaxcore import storage
 from jaxcore.artifacts import open_artifact
-from jaxcore.pipeline import load_pipeline
+from jaxcore.families import load_pipeline
 from jaxcore.sampling import initial_latents
 from jaxcore.sharding import make_mesh
 from pipelines import cli

@@ -16,7 +16,7 @@ import pytest
 
 from jaxcore import weights
 from jaxcore.artifacts import open_artifact
-from jaxcore.pipeline import load_pipeline
+from jaxcore.families import load_pipeline
 from jaxcore.sampling import initial_latents
 from pipelines import cli
 from pipelines.demo.tiny import build_tiny_wan_pipeline

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from jaxcore.artifacts import open_artifact
+from jaxcore.families import load_pipeline
 from jaxcore.models import autoencoder_kl
-from jaxcore.pipeline import load_pipeline
 from pipelines import cli
 from stages.common import data, records
 from stages.convert.media import prepare_video

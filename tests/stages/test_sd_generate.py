@@ -15,7 +15,7 @@ import pytest
 
 from jaxcore import families, storage
 from jaxcore.artifacts import open_artifact
-from jaxcore.pipeline import load_pipeline
+from jaxcore.families import load_pipeline
 from jaxcore.sampling import initial_latents
 from pipelines import cli
 from tests.support.tiny_sd import build_sdxl_pipeline
