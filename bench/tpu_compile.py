@@ -75,10 +75,16 @@ class Case:
     # a `difforge fit` row (its overrides are the command's), with MaxDiffusion's published
     # wall time of the same configuration (its README) beside the estimate
     published: str = ""
+    # a MaxDiffusion program row: its config YAML and command-line overrides (its README's
+    # command for this configuration); compiled by bench/maxdiffusion_tpu.py in its own venv
+    peer_yml: str = ""
+    peer_overrides: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
-        suffix = "/maxdiffusion-config" if self.published else ""
+        suffix = ""
+        if self.published:
+            suffix = "/maxdiffusion-program" if self.peer_yml else "/maxdiffusion-config"
         return f"{self.model}/{self.program}/{self.topology}{suffix}"
 
 
@@ -200,12 +206,76 @@ MAXDIFFUSION = (
         "ici_context_parallelism=4",
     ),
 )
+# MaxDiffusion's own program for each of those rows: the YAML and overrides of its README's
+# command (run name, output and data folders left out: nothing is read or written). The shapes,
+# batch and steps are difforge's row's (the same analytic FLOPs price both); see
+# bench/maxdiffusion_tpu.py for what is compiled.
+_WAN_GENERATE_PEER = ("attention=flash", "height=720", "width=1280", "num_frames=81")
+PEER_CONFIGS = {
+    "wan2.1-14b/train/v5p-8": (
+        "base_wan_14b.yml",
+        "attention=flash",
+        "weights_dtype=bfloat16",
+        "activations_dtype=bfloat16",
+        "height=720",
+        "width=1280",
+        "num_frames=81",
+        "remat_policy=HIDDEN_STATE_WITH_OFFLOAD",
+        "flash_min_seq_length=0",
+        "per_device_batch_size=0.25",
+        "ici_data_parallelism=1",
+        "ici_fsdp_parallelism=4",
+        "ici_tensor_parallelism=1",
+    ),
+    "flux1-dev/train/v5p-8": (
+        "base_flux_dev.yml",
+        "dataset_type=synthetic",
+        "ici_data_parallelism=1",
+        "ici_fsdp_parallelism=4",
+        "ici_tensor_parallelism=1",
+        "train_new_flux=True",
+        "resolution=1024",
+        "attention_sharding_uniform=False",
+        "attention=tokamax_flash",
+        "per_device_batch_size=2",
+        "use_base2_exp=True",
+    ),
+    "flux1-dev/generate/v6e-4": ("base_flux_dev.yml", "per_device_batch_size=1"),
+    "flux1-schnell/generate/v6e-4": ("base_flux_schnell.yml", "per_device_batch_size=1"),
+    "wan2.1-14b/generate/tpu7x-8": (
+        "base_wan_14b.yml",
+        *_WAN_GENERATE_PEER,
+        "ici_data_parallelism=2",
+        "ici_context_parallelism=4",
+    ),
+    "wan2.1-14b/generate/tpu7x-16": (
+        "base_wan_14b.yml",
+        *_WAN_GENERATE_PEER,
+        "ici_data_parallelism=2",
+        "ici_context_parallelism=8",
+    ),
+    "wan2.2-a14b/generate/tpu7x-8": (
+        "base_wan_27b.yml",
+        *_WAN_GENERATE_PEER,
+        "ici_data_parallelism=2",
+        "ici_context_parallelism=4",
+    ),
+}
+MAXDIFFUSION_PROGRAMS = tuple(
+    dataclasses.replace(
+        case,
+        peer_yml=PEER_CONFIGS[f"{case.model}/{case.program}/{case.topology}"][0],
+        peer_overrides=PEER_CONFIGS[f"{case.model}/{case.program}/{case.topology}"][1:],
+    )
+    for case in MAXDIFFUSION
+)
 CASES = {
     "smoke": tuple(
         _cases("wan-tiny", "configs/models/wan_tiny.yml", TINY_TRAIN, TINY_GENERATE, ("v5p-8",))
     ),
     "quick": tuple(c for c in FULL if c.model == "wan2.1-1.3b" and c.topology == "v5p-8"),
-    "full": tuple(FULL) + MAXDIFFUSION,
+    "full": tuple(FULL)
+    + tuple(x for pair in zip(MAXDIFFUSION, MAXDIFFUSION_PROGRAMS, strict=True) for x in pair),
 }
 # seconds a case may compile for (the 14B programs take the longest)
 TIMEOUT_S = {"smoke": 600, "quick": 1800, "full": 3600}
@@ -245,12 +315,16 @@ def compile_case(case: Case) -> dict:
         from jaxcore.config import ConfigError, load_config
         from pipelines import fit
 
+        if case.peer_yml and not peer_environment():
+            return {"skipped": PEER_SKIPPED}
         overrides = [f"model={case.model_config}", f"slice={case.topology}", *case.overrides]
         cfg = load_config(fit.FitConfig, None, overrides)
         try:
             built, slice_ = fit.build(cfg)
         except ConfigError as err:
             return {"unsupported": str(err)}  # a configuration difforge cannot build yet
+        if case.peer_yml:
+            return compile_peer(case, cfg, built, slice_)
         return fit.compile_report(cfg, built, slice_).to_dict()
     config = stage_config(case)
     slice_ = aot.topology(case.topology)
@@ -261,6 +335,152 @@ def compile_case(case: Case) -> dict:
     else:
         program = generate_program(config, model, mesh)
     return aot.compile_program(program, slice_).to_dict()
+
+
+PEER_PYTHON_ENV = "DIFFORGE_MAXDIFFUSION_PYTHON"
+PEER_SRC_ENV = "DIFFORGE_MAXDIFFUSION_SRC"
+PEER_SKIPPED = (
+    f"skipped: set {PEER_PYTHON_ENV} and {PEER_SRC_ENV} (make maxdiffusion-venv; MaxDiffusion "
+    "is not on PyPI)"
+)
+PEER_SCRIPT = Path(__file__).resolve().parent / "maxdiffusion_tpu.py"
+
+
+def peer_environment() -> tuple[str, str] | None:
+    """(MaxDiffusion's interpreter, its src folder), or None where they are not set."""
+    python, src = os.environ.get(PEER_PYTHON_ENV), os.environ.get(PEER_SRC_ENV)
+    if not python or not src or not os.path.isfile(python) or not os.path.isdir(src):
+        return None
+    return python, src
+
+
+def peer_case(case: Case, cfg, built, slice_) -> dict:
+    """What bench/maxdiffusion_tpu.py compiles for ``case``: MaxDiffusion's YAML and
+    overrides, with the shapes, batch and steps of difforge's program for the row."""
+    from jaxcore import aot
+    from pipelines import deploy, fit
+
+    model = deploy.fit_model(cfg.model)
+    family = model.family.name if hasattr(model.family, "name") else case.model
+    kind = ("wan" if "wan" in str(family).lower() else "flux") + "_" + case.program
+    transformer = dataclasses.asdict(model.configs["transformer"])
+    details = built.details
+    out = {
+        "kind": kind,
+        "yml": case.peer_yml,
+        "overrides": list(case.peer_overrides),
+        "transformer": {k: v for k, v in transformer.items() if not k.startswith("_")},
+        "batch": int(details["batch"]),
+        "latent_shape": list(fit.latent_shape(cfg, model)),
+        "text_length": int(cfg.text_length),
+        "steps": int(built.repeats),
+        "experts": 2 if "transformer_2" in model.configs else 1,
+        "guidance_scale": float(
+            cfg.guidance_scale
+            if cfg.guidance_scale is not None
+            else model.family.sampling_defaults(model.configs).get("guidance_scale", 5.0)
+        ),
+        "topology": {
+            "name": slice_.name,
+            "topology": slice_.topology,
+            "chip_config": slice_.chip_config,
+            "chips_per_host": list(slice_.chips_per_host),
+            "chips": slice_.chips,
+            "libtpu": aot.libtpu_path(),
+        },
+    }
+    return out
+
+
+def compile_peer(case: Case, cfg, built, slice_, timeout: float = 3000) -> dict:
+    """MaxDiffusion's program for the row compiled in its own interpreter, reported as
+    difforge's rows are (a :class:`jaxcore.aot.FitReport`'s dict), priced by
+    :func:`jaxcore.aot.estimate_seconds` with difforge's row's analytic FLOPs and repeats."""
+    import tempfile
+
+    from jaxcore import aot
+
+    python, src = peer_environment()
+    spec = peer_case(case, cfg, built, slice_)
+    hlo = Path(tempfile.mkdtemp(prefix="difforge-peer-")) / "compiled.hlo.txt"
+    spec["hlo_path"] = str(hlo)
+    env = {**os.environ, "PYTHONPATH": src, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        # -P: not this folder first on the path (it holds modules named like MaxDiffusion's)
+        [python, "-P", str(PEER_SCRIPT), json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        raise RuntimeError(f"MaxDiffusion's compile failed: {done.stderr.strip()[-3000:]}")
+    peer = json.loads(lines[-1])
+    details = {
+        "maxdiffusion_compiled": peer["compiled_program"],
+        "maxdiffusion_yml": case.peer_yml,
+        "maxdiffusion_overrides": list(case.peer_overrides),
+        "maxdiffusion_logical_axis_rules": peer["logical_axis_rules"],
+        "batch": spec["batch"],
+        "latent_shape": spec["latent_shape"],
+        "text_length": spec["text_length"],
+        "repeats": built.repeats,
+        "resident_bytes": peer["resident_bytes"],
+    }
+    common = {
+        "program": f"maxdiffusion:{spec['kind']}",
+        "topology": slice_.name,
+        "chips": slice_.chips,
+        "mesh": peer["mesh"],
+        "hbm_bytes": int(slice_.hbm_bytes),
+        "headroom": float(cfg.headroom),
+        "model_flops": built.model_flops,
+        "details": details,
+        "lower_seconds": peer["lower_seconds"],
+        "compile_seconds": peer["compile_seconds"],
+    }
+    if "refused" in peer:
+        refused = aot.parse_out_of_memory(peer["refused"])
+        if refused is None:
+            raise RuntimeError(f"MaxDiffusion's compile failed: {peer['refused'][:2000]}")
+        report = aot.FitReport(
+            **common,
+            total_bytes=refused[0] + peer["resident_bytes"],
+            compiled=False,
+            error=peer["refused"].strip().splitlines()[0][:500],
+        )
+        return report.to_dict()
+    text = hlo.read_text()
+    estimate = None
+    if peer["optimal_seconds"] is not None:
+        estimate = aot.estimate_seconds(
+            peer["optimal_seconds"],
+            chips=slice_.chips,
+            peak_flops=slice_.peak_flops,
+            xla_flops=peer["flops"],
+            model_flops=built.model_flops,
+            attention_flops=built.attention_flops,
+            repeats=built.repeats,
+            custom_calls=aot.count_custom_kernels(text),
+            attention_efficiency=cfg.attention_efficiency,
+        )
+    details["custom_calls"] = aot.count_custom_kernels(text)
+    kinds = {k: int(peer[k]) for k in aot.MEMORY_KINDS}
+    total = aot.total_bytes(kinds) + peer["resident_bytes"]
+    report = aot.FitReport(
+        **common,
+        **kinds,
+        total_bytes=total,
+        xla_flops=peer["flops"],
+        collectives=aot.count_collectives(text),
+        optimal_seconds=peer["optimal_seconds"],
+        estimate=estimate,
+    )
+    hlo.unlink()
+    hlo.parent.rmdir()
+    return report.to_dict()
 
 
 def _run_subprocess(case: Case, timeout: float) -> dict:
@@ -291,18 +511,15 @@ def record(case: Case, report: dict) -> dict:
     base = {"model_config": case.model_config, "program": case.program, "slice": case.topology}
     if case.published:
         base["maxdiffusion_published"] = case.published
+    impl = "maxdiffusion" if case.peer_yml else "difforge"
     if "skipped" in report:
-        return value_record(BENCH, case.name, "difforge", float("nan"), "skipped", **base, **report)
+        return value_record(BENCH, case.name, impl, float("nan"), "skipped", **base, **report)
     if "unsupported" in report:
-        return value_record(
-            BENCH, case.name, "difforge", float("nan"), "unsupported", **base, **report
-        )
+        return value_record(BENCH, case.name, impl, float("nan"), "unsupported", **base, **report)
     if "timed_out_after_s" in report:
-        return value_record(
-            BENCH, case.name, "difforge", float("nan"), "timed out", **base, **report
-        )
+        return value_record(BENCH, case.name, impl, float("nan"), "timed out", **base, **report)
     if "total_bytes" not in report:  # the subprocess failed: an error row (bench.run exits 1)
-        return value_record(BENCH, case.name, "difforge", float("nan"), "error", **base, **report)
+        return value_record(BENCH, case.name, impl, float("nan"), "error", **base, **report)
     keep = (
         "fits",
         "compiled",
@@ -334,7 +551,7 @@ def record(case: Case, report: dict) -> dict:
     return value_record(
         BENCH,
         case.name,
-        "difforge",
+        impl,
         float(report["total_bytes"]),
         "bytes per chip",
         **base,

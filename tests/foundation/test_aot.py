@@ -154,7 +154,7 @@ def test_scanned_train_step_is_checked_as_the_run_holds_it():
     assert "blocks_stacked" in params and "blocks_0" not in params
     kernel = params["blocks_stacked"]["attn1"]["to_q"]["kernel"]
     assert kernel.shape[0] == 2 and kernel.sharding.spec[0] is None
-    assert "fsdp" in tuple(kernel.sharding.spec)
+    assert ("fsdp", "context") in tuple(kernel.sharding.spec)
     assert _shard_bytes(program.args) == _shard_bytes(plain.args)
     assert aot.compile_program(program, CPU8).compiled
 
@@ -320,10 +320,13 @@ def test_bench_rows_say_skipped_without_libtpu(monkeypatch, tmp_path):
     monkeypatch.setattr(aot, "libtpu_available", lambda: False)
     records = tpu_compile.run(BenchContext(profile="full", reps=1, workdir=tmp_path))
     # 3 models x (train, generate) x 3 slices, and MaxDiffusion's 7 documented configurations
-    assert len(records) == 18 + 7
+    # twice: difforge's program and MaxDiffusion's own
+    assert len(records) == 18 + 7 + 7
     for record in records:
         check_record(record)
         assert record["skipped"] == "skipped: install the tpu extra"
+    peers = [r for r in records if r["case"].endswith("/maxdiffusion-program")]
+    assert len(peers) == 7 and {r["impl"] for r in peers} == {"maxdiffusion"}
 
 
 # --- with libtpu ------------------------------------------------------------------------------
@@ -386,3 +389,20 @@ def test_tpu_splash_bench_compiles_our_kernel_for_a_chip(monkeypatch):
     assert record["tokens"] == 1_024  # padded to the 512 block
     assert record["temp_gib"] < 0.1 and record["argument_gib"] > 0
     assert record["xla_flops"] < 0.1 * record["attention_flops"]
+
+
+def test_tpu_chips_are_found_by_their_pci_ids(tmp_path):
+    """A host's TPU chips are PCI devices of Google's vendor id with a TPU device id; Google's
+    virtual NIC (the same vendor, another id) is not one."""
+
+    def device(name, vendor, device_id):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "vendor").write_text(vendor + "\n")
+        (folder / "device").write_text(device_id + "\n")
+
+    device("0000:00:04.0", "0x1ae0", "0x0042")  # gVNIC
+    device("0000:00:05.0", "0x8086", "0x0062")  # another vendor, a TPU's id
+    assert not aot._tpu_chips_attached(tmp_path)
+    device("0000:00:06.0", "0x1ae0", "0x0062")  # a v5p chip
+    assert aot._tpu_chips_attached(tmp_path)
