@@ -92,6 +92,7 @@ maxdiffusion-venv: $(STAMP)
 	.venv-maxdiffusion/bin/pip install -q "jax==$$($(PY) -c 'import jax; print(jax.__version__)')" \
 		"flax==$$($(PY) -c 'import flax; print(flax.__version__)')" \
 		einops packaging pillow requests tensorboardX google-cloud-storage aqtp chex torch \
-		safetensors tensorflow qwix grain "transformers<5" "huggingface_hub<1.0" "datasets<4"
+		safetensors tensorflow qwix grain "transformers<5" "huggingface_hub<1.0" "datasets<4" \
+		jaxopt scikit-image
 	@echo "then: DIFFORGE_MAXDIFFUSION_PYTHON=$(CURDIR)/.venv-maxdiffusion/bin/python" \
 		"DIFFORGE_MAXDIFFUSION_SRC=$(MAXDIFFUSION_SRC) make bench"
