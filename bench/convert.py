@@ -42,7 +42,7 @@ class ConvertCase:
     items: tuple[int, int]  # (small, large) dataset sizes
 
     def pipeline(self, work: Path) -> Path:
-        from pipelines.demo.tiny import cached_tiny_pipeline
+        from pipelines.embedded.tiny import cached_tiny_pipeline
 
         if self.name == "tiny":
             return cached_tiny_pipeline("wan")
@@ -86,7 +86,7 @@ def s_model_yaml(work: Path, *, transformer: bool = False) -> Path:
 def _config(case: ConvertCase, pipeline: Path, output_dir: Path, items: int):
     """The shipped convert config on ``case``'s encoders and the synthetic shapes."""
     from jaxcore.config import load_config
-    from pipelines.demo.embedded import resolve
+    from pipelines.embedded.sources import resolve
     from stages.convert.config import ConvertConfig
 
     size = case.size

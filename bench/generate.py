@@ -96,7 +96,7 @@ def _write_prompts(path: Path, prompts: list[str]) -> Path:
 
 
 def _tiny_case(ctx: BenchContext) -> dict:
-    from pipelines.demo.tiny import build_tiny_wan_pipeline
+    from pipelines.embedded.tiny import build_tiny_wan_pipeline
     from stages.generate.run import run as run_stage
 
     work = ctx.scratch("generate")
@@ -160,7 +160,7 @@ def _diffusers_renderer(pipeline_dir: Path, out_dir: Path):
 def _s_case(ctx: BenchContext) -> list[dict]:
     """Steady-state seconds per prompt, difforge's stage vs diffusers' WanPipeline, size S."""
     from bench.convert import s_model_yaml
-    from pipelines.demo.tiny import cached_tiny_pipeline
+    from pipelines.embedded.tiny import cached_tiny_pipeline
     from stages.generate.run import run as run_stage
 
     work = ctx.scratch("generate_s")

@@ -229,7 +229,10 @@ def wan_train(case, config, mesh):
     scheduler_state = jax.tree.map(
         lambda x: sds(jnp.shape(x), jnp.result_type(x), rep), scheduler_state
     )
-    batch, (c, f, h, w) = case["batch"], case["latent_shape"]
+    # the trainer loads global_batch_size_to_load rows (a fractional per_device_batch_size
+    # loads as if it were 1) and its step trains on the first global_batch_size_to_train_on
+    batch = max(case["batch"], config.global_batch_size_to_load)
+    c, f, h, w = case["latent_shape"]
     data_sharding = NamedSharding(mesh, P(*config.data_sharding))
     data = {
         "latents": sds((batch, c, f, h, w), jnp.float32, data_sharding),

@@ -40,7 +40,7 @@ def _model(work: Path) -> list[str]:
             f"pretrained_model_name_or_path={demo / 'evaluate'}",
             f"model.base_pipeline={demo / 'assets/tiny_wan'}",
         ]
-    from pipelines.demo.tiny import build_tiny_wan_pipeline
+    from pipelines.embedded.tiny import build_tiny_wan_pipeline
 
     directory = work / "demo_dit_random"
     if not (directory / "model_index.json").exists():

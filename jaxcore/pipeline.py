@@ -470,10 +470,7 @@ class Pipeline:
         # this process's rows (all rows on one host); the scales are per local row too
         rows = latents.shape[0]
         latents = self.shard_batch(latents)
-        given = np.asarray(cfg_scale, np.float32)
-        scales, scales_2 = (given[:, 0], given[:, 1]) if given.ndim == 2 else (given, given)
-        scales = np.broadcast_to(scales, (rows,))
-        scales_2 = np.broadcast_to(scales_2, (rows,))
+        scales, scales_2 = _per_row_scales(cfg_scale, rows)
         # one compiled program for every host: generate groups a batch by CFG on/off, so the
         # hosts of a multi-host job agree on this
         use_cfg = bool((scales > 1.0).any())
@@ -502,54 +499,46 @@ class Pipeline:
         # do_classifier_free_guidance reads guidance_scale only)
         cfg_on = self.shard_batch(np.asarray(scales > 1.0))
         scales, scales_2 = self.shard_batch(np.array(scales)), self.shard_batch(np.array(scales_2))
-        steps = int(state.timesteps.shape[0])
-        expert = self.second_expert
-        guidance = (cfg_on, scales)
-        cache_in = None
-        if cache.enabled:
-            if expert is not None:
-                raise ValueError("step caching is not supported for two-expert pipelines yet")
-            schedule = None if cache_schedule is None else jnp.asarray(cache_schedule, bool)
-            if cache.kind == "magcache" and (schedule is None or schedule.shape != (steps,)):
-                raise ValueError(f"magcache needs a [{steps}] compute schedule")
-            cache_in = {"state": None, "schedule": schedule}
+        if cache.enabled and self.second_expert is not None:
+            raise ValueError("step caching is not supported for two-expert pipelines yet")
+        cache_in = _cache_input(cache, cache_schedule, int(state.timesteps.shape[0]))
+        loop = (state, step_fn, use_cfg, batched_cfg, cache, cache_in, rescale)
         with self.context():
-            if expert is None:
-                fn = sampling.denoise_fn(
-                    self.family, self.denoiser, step_fn, use_cfg, None, cache, batched_cfg
-                )
-                args = (cond, uncond, *guidance, state, 0, steps, None, cache_in, rescale)
-                x, _, cache_out = fn(self.denoiser_params, latents, *args)
-            elif expert.placement == "device":
-                fn = sampling.denoise_fn(
-                    self.family,
-                    self.denoiser,
-                    step_fn,
-                    use_cfg,
-                    expert.denoiser,
-                    cache,
-                    batched_cfg,
-                )
-                second = (expert.params, jnp.float32(expert.boundary), scales_2)
-                args = (cond, uncond, *guidance, state, 0, steps, second, cache_in, rescale)
-                x, _, cache_out = fn(self.denoiser_params, latents, *args)
-            else:
-                x = self._sample_swapping(
-                    latents,
-                    cond,
-                    uncond,
-                    cfg_on,
-                    scales,
-                    scales_2,
-                    state,
-                    step_fn,
-                    use_cfg,
-                    batched_cfg,
-                    rescale,
-                )
-                cache_out = None
+            x, cache_out = self._denoise(latents, cond, uncond, cfg_on, scales, scales_2, loop)
             x = self.family.finish_latents(x, cond)
         return x, _cache_stats(cache_out, use_cfg, batched_cfg)
+
+    def _denoise(self, latents, cond, uncond, cfg_on, scales, scales_2, loop):
+        """The whole loop on one denoiser, on both experts in one program, or (experts that
+        take turns on the devices) in two; (latents, the cache's output or None)."""
+        state, step_fn, use_cfg, batched_cfg, cache, cache_in, rescale = loop
+        expert = self.second_expert
+        steps = int(state.timesteps.shape[0])
+        if expert is not None and expert.placement != "device":
+            x = self._sample_swapping(
+                latents,
+                cond,
+                uncond,
+                cfg_on,
+                scales,
+                scales_2,
+                state,
+                step_fn,
+                use_cfg,
+                batched_cfg,
+                rescale,
+            )
+            return x, None
+        second_module = None if expert is None else expert.denoiser
+        fn = sampling.denoise_fn(
+            self.family, self.denoiser, step_fn, use_cfg, second_module, cache, batched_cfg
+        )
+        second = None
+        if expert is not None:
+            second = (expert.params, jnp.float32(expert.boundary), scales_2)
+        args = (cond, uncond, cfg_on, scales, state, 0, steps, second, cache_in, rescale)
+        x, _, cache_out = fn(self.denoiser_params, latents, *args)
+        return x, cache_out
 
     def _sample_swapping(
         self,
@@ -677,6 +666,24 @@ def _cache_stats(cache_out, use_cfg: bool, batched_cfg: bool) -> dict:
         else:
             stats["ratios"] = ratios
     return stats
+
+
+def _per_row_scales(cfg_scale, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first expert's, second expert's) CFG scale per row: one number, one per row, or a
+    ``[rows, 2]`` pair per row."""
+    given = np.asarray(cfg_scale, np.float32)
+    scales, scales_2 = (given[:, 0], given[:, 1]) if given.ndim == 2 else (given, given)
+    return np.broadcast_to(scales, (rows,)), np.broadcast_to(scales_2, (rows,))
+
+
+def _cache_input(cache: step_cache.CachePlan, cache_schedule, steps: int) -> dict | None:
+    """The loop's ``cache_in`` (None without a cache); MagCache needs its compute schedule."""
+    if not cache.enabled:
+        return None
+    schedule = None if cache_schedule is None else jnp.asarray(cache_schedule, bool)
+    if cache.kind == "magcache" and (schedule is None or schedule.shape != (steps,)):
+        raise ValueError(f"magcache needs a [{steps}] compute schedule")
+    return {"state": None, "schedule": schedule}
 
 
 def resolve_pipeline_dir(path_or_uri_or_repo_id: str | os.PathLike) -> Path:

@@ -32,6 +32,7 @@ step gets the unscaled ``x``; the caller multiplies the initial latents by
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -87,6 +88,20 @@ def rescale_guidance(guided: jax.Array, cond_prediction: jax.Array, rescale: jax
     return rescale * rescaled + (1 - rescale) * guided
 
 
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """What a compiled denoising loop is made of (see :func:`denoise_fn`); hashable, so one
+    compiled loop serves every call with the same parts."""
+
+    family: object
+    module: object
+    step_fn: object
+    use_cfg: bool
+    second_module: object = None
+    cache: step_cache.CachePlan = step_cache.NO_CACHE
+    batched_cfg: bool = False
+
+
 @functools.lru_cache(maxsize=32)
 def denoise_fn(
     family,
@@ -118,138 +133,169 @@ def denoise_fn(
     """
     if cache.enabled and second_module is not None:
         raise ValueError("step caching is not supported with two experts yet")
+    loop = Loop(family, module, step_fn, use_cfg, second_module, cache, batched_cfg)
+    return jax.jit(functools.partial(denoise, loop))
 
-    def call(mod, params, x, t, conditioning, cstate, compute_now):
-        if not cache.enabled:
-            return family.apply(mod, params, x, t, conditioning).astype(jnp.float32), cstate, None
-        run = step_cache.runner(cache, cstate, compute_now)
-        prediction, (cstate, info) = family.apply(mod, params, x, t, conditioning, run_stack=run)
-        return prediction.astype(jnp.float32), cstate, info
 
-    def stacked(cond, uncond):
-        if set(cond) != set(uncond):
-            raise ValueError(
-                f"batched CFG needs the same conditioning names in both branches, got "
-                f"{sorted(cond)} and {sorted(uncond)}"
-            )
-        return {k: jnp.concatenate([cond[k], uncond[k]], axis=0) for k in cond}
+def denoise(
+    loop: Loop,
+    params,
+    latents,
+    cond,
+    uncond,
+    cfg_on_b,
+    cfg_scale_b,
+    state,
+    start,
+    stop,
+    second,
+    cache_in,
+    rescale_b=None,
+):
+    """The steps ``start <= i < stop`` of ``loop`` as one ``fori_loop`` (:func:`denoise_fn`
+    gives the arguments' meaning)."""
+    batch = latents.shape[0]
+    guidance = per_sample_guidance(latents, cfg_on_b, cfg_scale_b, rescale_b)
+    schedule = cstate = ratios = None
+    if loop.cache.enabled:
+        schedule, cstate = cache_in["schedule"], cache_in["state"]
+        if cstate is None:
+            t0 = jnp.broadcast_to(state.timesteps[0].astype(jnp.float32), (batch,))
+            cstate = fresh_cache_state(loop, params, latents, t0, cond, uncond)
+        if loop.cache.kind == "calibrate":
+            rows = batch * (2 if loop.use_cfg else 1)
+            ratios = jnp.zeros((state.timesteps.shape[0], rows), jnp.float32)
 
-    def guided(mod, params, x, t, cond, uncond, cfg_on, scale, cstate, compute_now, rescale):
-        if not use_cfg:
-            return call(mod, params, x, t, cond, cstate, compute_now)
-        if batched_cfg:
-            both, cstate, info = call(
-                mod,
-                params,
-                jnp.concatenate([x, x], axis=0),
-                jnp.concatenate([t, t], axis=0),
-                stacked(cond, uncond),
-                cstate,
-                compute_now,
-            )
-            prediction, negative = jnp.split(both, 2, axis=0)
-        else:
-            first, second = cstate if cache.enabled else (None, None)
-            prediction, first, info_c = call(mod, params, x, t, cond, first, compute_now)
-            negative, second, info_u = call(mod, params, x, t, uncond, second, compute_now)
-            cstate = (first, second) if cache.enabled else cstate
-            info = None if info_c is None else jnp.concatenate([info_c, info_u])
-        # diffusers applies CFG only when the (first) scale is > 1; keep that per sample.
-        mixed = jnp.where(cfg_on, negative + scale * (prediction - negative), prediction)
-        if rescale is not None:
-            on, factor = rescale
-            mixed = jnp.where(on, rescale_guidance(mixed, prediction, factor), mixed)
-        return mixed, cstate, info
+    def body(i, carry):
+        return loop_step(loop, params, cond, uncond, guidance, second, schedule, i, carry)
 
-    def fresh_state(params, x, t, cond, uncond):
-        """A cache state sized by the streams the denoiser's block stack carries."""
+    x, state, cstate, ratios = jax.lax.fori_loop(
+        start, stop, body, (latents, state, cstate, ratios)
+    )
+    return x, state, ({"state": cstate, "ratios": ratios} if loop.cache.enabled else None)
 
-        def probe(streams, run_blocks, num_blocks):
-            return run_blocks(streams, 0, num_blocks), streams
 
-        def shapes(rows_x, rows_t, conditioning):
-            return jax.eval_shape(
-                lambda: family.apply(module, params, rows_x, rows_t, conditioning, run_stack=probe)
-            )[1]
+@dataclasses.dataclass(frozen=True)
+class PerSampleCfg:
+    """Per-sample CFG settings broadcast against the latents: ``cfg_on`` (apply CFG at all),
+    ``scale``, and ``rescale`` (None, or (where it applies, the factor))."""
 
-        if use_cfg and batched_cfg:
-            two = shapes(jnp.concatenate([x, x]), jnp.concatenate([t, t]), stacked(cond, uncond))
-            return step_cache.init_state(cache, two)
-        one = step_cache.init_state(cache, shapes(x, t, cond))
-        return (one, one) if use_cfg else one
+    cfg_on: jax.Array
+    scale: jax.Array
+    rescale: tuple | None
 
-    def denoise(
-        params,
-        latents,
-        cond,
-        uncond,
-        cfg_on_b,
-        cfg_scale_b,
-        state,
-        start,
-        stop,
-        second,
-        cache_in,
-        rescale_b=None,
-    ):
-        batch = latents.shape[0]
-        per_sample = (batch,) + (1,) * (latents.ndim - 1)
-        scale = cfg_scale_b.reshape(per_sample)
-        cfg_on = cfg_on_b.reshape(per_sample)
-        rescale = None
-        if rescale_b is not None:  # (where it applies, the factor), per sample
-            factor = rescale_b.reshape(per_sample).astype(jnp.float32)
-            rescale = (cfg_on & (factor > 0), factor)
-        schedule = cstate = ratios = None
-        if cache.enabled:
-            schedule, cstate = cache_in["schedule"], cache_in["state"]
-            if cstate is None:
-                t0 = jnp.broadcast_to(state.timesteps[0].astype(jnp.float32), (batch,))
-                cstate = fresh_state(params, latents, t0, cond, uncond)
-            if cache.kind == "calibrate":
-                rows = batch * (2 if use_cfg else 1)
-                ratios = jnp.zeros((state.timesteps.shape[0], rows), jnp.float32)
 
-        def body(i, carry):
-            x, st, cs, rs = carry
-            t_now = st.timesteps[i].astype(jnp.float32)
-            t = jnp.broadcast_to(t_now, (batch,))
-            compute_now = None if schedule is None else schedule[i]
-            x_in = schedulers.scale_model_input(st, x)  # x itself for all but Euler
-            if second is None:
-                prediction, cs, info = guided(
-                    module, params, x_in, t, cond, uncond, cfg_on, scale, cs, compute_now, rescale
-                )
-            else:
-                params_2, boundary, cfg_scale_2_b = second
-                scale_2 = cfg_scale_2_b.reshape(per_sample)
-                prediction, cs, info = jax.lax.cond(
-                    t_now >= boundary,
-                    lambda: guided(
-                        module, params, x_in, t, cond, uncond, cfg_on, scale, cs, None, rescale
-                    ),
-                    lambda: guided(
-                        second_module,
-                        params_2,
-                        x_in,
-                        t,
-                        cond,
-                        uncond,
-                        cfg_on,
-                        scale_2,
-                        cs,
-                        None,
-                        rescale,
-                    ),
-                )
-            if rs is not None:
-                rs = rs.at[i].set(info)
-            x, st = step_fn(st, prediction, x)
-            return x, st, cs, rs
+def per_sample_guidance(latents, cfg_on_b, cfg_scale_b, rescale_b) -> PerSampleCfg:
+    per_sample = (latents.shape[0],) + (1,) * (latents.ndim - 1)
+    cfg_on = cfg_on_b.reshape(per_sample)
+    rescale = None
+    if rescale_b is not None:
+        factor = rescale_b.reshape(per_sample).astype(jnp.float32)
+        rescale = (cfg_on & (factor > 0), factor)
+    return PerSampleCfg(cfg_on, cfg_scale_b.reshape(per_sample), rescale)
 
-        x, state, cstate, ratios = jax.lax.fori_loop(
-            start, stop, body, (latents, state, cstate, ratios)
+
+def loop_step(loop: Loop, params, cond, uncond, guidance, second, schedule, i, carry):
+    """One step: the (guided) prediction at the step's timestep, then the scheduler's update.
+    A two-expert loop asks the second expert below ``boundary``."""
+    x, st, cs, rs = carry
+    batch = x.shape[0]
+    t_now = st.timesteps[i].astype(jnp.float32)
+    t = jnp.broadcast_to(t_now, (batch,))
+    compute_now = None if schedule is None else schedule[i]
+    x_in = schedulers.scale_model_input(st, x)  # x itself for all but Euler
+    if second is None:
+        prediction, cs, info = guided(
+            loop, loop.module, params, x_in, t, cond, uncond, guidance, cs, compute_now
         )
-        return x, state, ({"state": cstate, "ratios": ratios} if cache.enabled else None)
+    else:
+        params_2, boundary, cfg_scale_2_b = second
+        guidance_2 = dataclasses.replace(
+            guidance, scale=cfg_scale_2_b.reshape(guidance.scale.shape)
+        )
+        prediction, cs, info = jax.lax.cond(
+            t_now >= boundary,
+            lambda: guided(loop, loop.module, params, x_in, t, cond, uncond, guidance, cs, None),
+            lambda: guided(
+                loop, loop.second_module, params_2, x_in, t, cond, uncond, guidance_2, cs, None
+            ),
+        )
+    if rs is not None:
+        rs = rs.at[i].set(info)
+    x, st = loop.step_fn(st, prediction, x)
+    return x, st, cs, rs
 
-    return jax.jit(denoise)
+
+def guided(
+    loop: Loop, mod, params, x, t, cond, uncond, guidance: PerSampleCfg, cstate, compute_now
+):
+    """The prediction with classifier-free guidance where it is on: ``negative + scale *
+    (prediction - negative)`` per sample (diffusers applies CFG only when the first scale is
+    > 1), then the guidance rescale; the branches batched as 2B rows or as two calls."""
+    if not loop.use_cfg:
+        return call(loop, mod, params, x, t, cond, cstate, compute_now)
+    if loop.batched_cfg:
+        both, cstate, info = call(
+            loop,
+            mod,
+            params,
+            jnp.concatenate([x, x], axis=0),
+            jnp.concatenate([t, t], axis=0),
+            stacked(cond, uncond),
+            cstate,
+            compute_now,
+        )
+        prediction, negative = jnp.split(both, 2, axis=0)
+    else:
+        first, second = cstate if loop.cache.enabled else (None, None)
+        prediction, first, info_c = call(loop, mod, params, x, t, cond, first, compute_now)
+        negative, second, info_u = call(loop, mod, params, x, t, uncond, second, compute_now)
+        cstate = (first, second) if loop.cache.enabled else cstate
+        info = None if info_c is None else jnp.concatenate([info_c, info_u])
+    mixed = jnp.where(
+        guidance.cfg_on, negative + guidance.scale * (prediction - negative), prediction
+    )
+    if guidance.rescale is not None:
+        on, factor = guidance.rescale
+        mixed = jnp.where(on, rescale_guidance(mixed, prediction, factor), mixed)
+    return mixed, cstate, info
+
+
+def call(loop: Loop, mod, params, x, t, conditioning, cstate, compute_now):
+    """One denoiser call in float32; with a step cache, through the cache's block runner
+    (returns the new cache state and what the cache measured)."""
+    if not loop.cache.enabled:
+        return loop.family.apply(mod, params, x, t, conditioning).astype(jnp.float32), cstate, None
+    run = step_cache.runner(loop.cache, cstate, compute_now)
+    prediction, (cstate, info) = loop.family.apply(mod, params, x, t, conditioning, run_stack=run)
+    return prediction.astype(jnp.float32), cstate, info
+
+
+def stacked(cond, uncond):
+    """The two branches' conditioning as one batch ``[cond; uncond]``."""
+    if set(cond) != set(uncond):
+        raise ValueError(
+            f"batched CFG needs the same conditioning names in both branches, got "
+            f"{sorted(cond)} and {sorted(uncond)}"
+        )
+    return {k: jnp.concatenate([cond[k], uncond[k]], axis=0) for k in cond}
+
+
+def fresh_cache_state(loop: Loop, params, x, t, cond, uncond):
+    """A step-cache state sized by the streams the denoiser's block stack carries."""
+
+    def probe(streams, run_blocks, num_blocks):
+        return run_blocks(streams, 0, num_blocks), streams
+
+    def shapes(rows_x, rows_t, conditioning):
+        return jax.eval_shape(
+            lambda: loop.family.apply(
+                loop.module, params, rows_x, rows_t, conditioning, run_stack=probe
+            )
+        )[1]
+
+    if loop.use_cfg and loop.batched_cfg:
+        two = shapes(jnp.concatenate([x, x]), jnp.concatenate([t, t]), stacked(cond, uncond))
+        return step_cache.init_state(loop.cache, two)
+    one = step_cache.init_state(loop.cache, shapes(x, t, cond))
+    return (one, one) if loop.use_cfg else one

@@ -75,6 +75,20 @@ def call_tokenizer(tokenizer, texts: list[str], **kwargs):
         return tokenizer(texts, **kwargs)
 
 
+def padded_token_ids(tokenizer, prompts, max_length: int) -> np.ndarray:
+    """The pipelines' plain tokenization (Flux's CLIP and T5, SD's CLIPs): padded to
+    ``max_length``, truncated; int32 ``[B, max_length]``."""
+    encoded = call_tokenizer(
+        tokenizer,
+        list(prompts),
+        padding="max_length",
+        max_length=max_length,
+        truncation=True,
+        return_tensors="np",
+    )
+    return np.asarray(encoded["input_ids"], np.int32)
+
+
 def tokenize_prompts(
     tokenizer, prompts: list[str], max_sequence_length: int = 512
 ) -> tuple[np.ndarray, np.ndarray]:

@@ -451,6 +451,61 @@ def init_placed(module, dummy_inputs, rng, *, mesh=None, rules=None) -> dict:
     return jax.jit(init, out_shardings=shardings)(rng)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelKind:
+    """How one model class is built, loaded, initialised, shaped and counted: the same four
+    functions every denoiser file needs, written once.
+
+    ``module``: the flax Module class, called ``module(config, **options)`` (``dtype``,
+    ``param_dtype``, ``attention``, ``mesh``, ``remat_policy``, ...: its own fields);
+    ``config``: its config dataclass (``from_dict`` of a diffusers ``config.json``);
+    ``dummy_inputs``: config -> the ShapeDtypeStructs ``init`` traces with;
+    ``weight_map``: (config, boxed abstract params) -> :data:`WeightMap` (diffusers keys);
+    ``ignore_unused``: config -> checkpoint keys the model does not use."""
+
+    module: type
+    config: type
+    dummy_inputs: Callable
+    weight_map: Callable
+    ignore_unused: Callable = lambda config: ()
+
+    def abstract_params(self, module) -> Mapping:
+        """The ``params`` collection as boxed ShapeDtypeStructs (``nn.Partitioned`` kept)."""
+        return abstract_from_inputs(module, self.dummy_inputs(module.config))
+
+    def load(self, directory: str | os.PathLike, *, mesh=None, rules=None, **options):
+        """``(module, params)`` of a diffusers model directory (config.json + safetensors):
+        params cast to ``param_dtype`` and placed on ``mesh`` by the logical axis ``rules``
+        when a mesh is given (else on the first device). Raises WeightsError naming
+        missing/unexpected keys or the parameter whose shape does not match, and the config's
+        error for a config key the model cannot represent."""
+        import jax.numpy as jnp
+
+        config = self.config.from_dict(read_config(directory))
+        module = self.module(config, mesh=mesh, **options)
+        boxed = self.abstract_params(module)
+        params = load_placed(
+            directory,
+            self.weight_map(config, boxed),
+            boxed,
+            mesh=mesh,
+            rules=rules,
+            dtype=options.get("param_dtype", jnp.float32),
+            ignore_unused=self.ignore_unused(config),
+        )
+        return module, params
+
+    def init(self, config, rng, *, mesh=None, rules=None, **options):
+        """``(module, params)`` random-initialised by the layers' own initialisers (training
+        from scratch), created already sharded when a mesh is given."""
+        module = self.module(config, mesh=mesh, **options)
+        return module, init_placed(module, self.dummy_inputs(config), rng, mesh=mesh, rules=rules)
+
+    def count_params(self, config) -> int:
+        """Number of parameters, from eval_shape (nothing is allocated)."""
+        return count_elements(self.abstract_params(self.module(config)))
+
+
 # Standard deviation of a standard normal truncated to [-2, 2] (flax's lecun_normal divides by it).
 TRUNCATED_NORMAL_STD = 0.87962566103423978
 

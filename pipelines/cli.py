@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(to_yaml(config))
             return 0
         if args.stage in (*STAGE_NAMES, "calibrate"):
-            from pipelines.demo.embedded import resolve
+            from pipelines.embedded.sources import resolve
 
             config = resolve(config)  # "tiny" models, "synthetic:" datasets -> local paths
         run = load_entry(entry.run)

@@ -443,7 +443,7 @@ def fit_model(path: str) -> FitModel:
     from jaxcore import families
     from jaxcore.families.base import read_scheduler_config
     from jaxcore.model_configs import read_model_yaml
-    from pipelines.demo import tiny
+    from pipelines.embedded import tiny
 
     name, _, which = path.partition(":")
     which = which or tiny.DEFAULT_FAMILY

@@ -13,7 +13,7 @@ import time
 from jaxcore import artifacts, storage
 from jaxcore.config import ConfigError
 from pipelines.config import PipelineConfig, load_pipeline_spec
-from pipelines.demo import embedded
+from pipelines.embedded import sources as embedded
 from pipelines.registry import STAGES, load_entry
 
 log = logging.getLogger(__name__)

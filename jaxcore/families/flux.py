@@ -19,13 +19,11 @@ Reference: ``diffusers/pipelines/flux/pipeline_flux.py`` (``FluxPipeline.__call_
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,7 +38,7 @@ from jaxcore.families.base import (
     TensorSpec,
 )
 from jaxcore.models import autoencoder_kl, clip_text, flux_transformer, t5
-from jaxcore.text import call_tokenizer, load_tokenizer
+from jaxcore.text import load_tokenizer
 
 # MagCache's published ratios for FLUX.1-dev at 28 steps (diffusers'
 # FLUX_MAG_RATIOS, from the MagCache repository); other models calibrate (difforge calibrate).
@@ -75,29 +73,6 @@ DEFAULT_SAMPLE_SIZE = 128  # FluxPipeline.default_sample_size (in latent pixels)
 # --- prompt encoding ----------------------------------------------------------------------------
 
 
-def _token_ids(tokenizer, prompts: Sequence[str], max_length: int) -> np.ndarray:
-    """FluxPipeline's tokenization: pad to ``max_length``, truncate, int32 ids [B, max_length]."""
-    encoded = call_tokenizer(
-        tokenizer,
-        list(prompts),
-        padding="max_length",
-        max_length=max_length,
-        truncation=True,
-        return_tensors="np",
-    )
-    return np.asarray(encoded["input_ids"], np.int32)
-
-
-@functools.lru_cache(maxsize=8)
-def _jitted_clip(module: clip_text.CLIPTextEncoder):
-    return jax.jit(lambda params, ids: module.apply({"params": params}, ids).pooler_output)
-
-
-@functools.lru_cache(maxsize=8)
-def _jitted_t5(module: t5.T5Encoder):
-    return jax.jit(lambda params, ids: module.apply({"params": params}, ids))
-
-
 def encode_text(components: dict, prompts: Sequence[str], max_sequence_length: int) -> dict:
     """``{encoder_hidden_states [B, L, D], pooled_projections [B, P]}`` float32 on the host."""
     clip, clip_params = components["text_encoder"]
@@ -105,14 +80,11 @@ def encode_text(components: dict, prompts: Sequence[str], max_sequence_length: i
     tokenizer = components["tokenizer"]
     clip_length = int(getattr(tokenizer, "model_max_length", 77) or 77)
     clip_length = min(clip_length, clip.config.max_position_embeddings)
-    clip_ids = _token_ids(tokenizer, prompts, clip_length)
-    t5_ids = _token_ids(components["tokenizer_2"], prompts, max_sequence_length)
-    pooled = _jitted_clip(clip)(clip_params, clip_ids)
-    hidden = _jitted_t5(encoder)(encoder_params, t5_ids)
-    return {
-        TEXT: np.asarray(hidden, np.float32),
-        POOLED: np.asarray(pooled, np.float32),
-    }
+    _, pooled, _ = clip_text.encode_prompts(tokenizer, clip, clip_params, prompts, clip_length)
+    hidden = t5.encode_prompts(
+        components["tokenizer_2"], encoder, encoder_params, prompts, max_sequence_length
+    )
+    return {TEXT: hidden, POOLED: pooled}
 
 
 def _load_text_encoders(directory: Path, compute: ComputeConfig, mesh=None) -> dict:

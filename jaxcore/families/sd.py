@@ -38,7 +38,6 @@ prompts, IP adapters, ``timestep_cond`` UNets (LCM), and convert/train (records)
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -64,7 +63,7 @@ from jaxcore.families.base import (
 )
 from jaxcore.models import autoencoder_kl, clip_text
 from jaxcore.models import unet_2d_condition as unet
-from jaxcore.text import call_tokenizer, load_tokenizer
+from jaxcore.text import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -111,47 +110,21 @@ def pooled_width(unet_config: unet.UNet2DConditionConfig) -> int:
 # --- prompt encoding ----------------------------------------------------------------------------
 
 
-def _token_ids(tokenizer, prompts: Sequence[str], max_position_embeddings: int) -> np.ndarray:
-    """encode_prompt's tokenization: pad to ``model_max_length``, truncate; int32 [B, L]."""
+def _encode(components: dict, which: str, prompts: Sequence[str], hidden_layer: int | None):
+    """(hidden states, text_embeds or None) of ``text_encoder{which}``: encode_prompt's
+    tokenization (padded to the tokenizer's ``model_max_length``, truncated)."""
+    module, params = components[f"text_encoder{which}"]
+    tokenizer = components[f"tokenizer{which}"]
     length = int(tokenizer.model_max_length)
-    if length > max_position_embeddings:
+    if length > module.config.max_position_embeddings:
         raise FamilyError(
             f"tokenizer model_max_length {length} exceeds the text encoder's "
-            f"max_position_embeddings {max_position_embeddings}"
+            f"max_position_embeddings {module.config.max_position_embeddings}"
         )
-    encoded = call_tokenizer(
-        tokenizer,
-        list(prompts),
-        padding="max_length",
-        max_length=length,
-        truncation=True,
-        return_tensors="np",
+    hidden, _, embeds = clip_text.encode_prompts(
+        tokenizer, module, params, prompts, length, hidden_layer
     )
-    return np.asarray(encoded["input_ids"], np.int32)
-
-
-@functools.lru_cache(maxsize=8)
-def _jitted_text(module: clip_text.CLIPTextEncoder, hidden_layer: int | None):
-    """jit(params, ids) -> (hidden states, text_embeds or None): the final-normed last hidden
-    state (``hidden_layer`` None) or ``hidden_states[hidden_layer]`` (before the final norm)."""
-
-    def run(params, ids):
-        out = module.apply({"params": params}, ids)
-        hidden = out.last_hidden_state if hidden_layer is None else out.hidden_states[hidden_layer]
-        return hidden, out.text_embeds
-
-    return jax.jit(run)
-
-
-def _encode(components: dict, which: str, prompts: Sequence[str], hidden_layer: int | None):
-    module, params = components[f"text_encoder{which}"]
-    ids = _token_ids(
-        components[f"tokenizer{which}"], prompts, module.config.max_position_embeddings
-    )
-    hidden, pooled = _jitted_text(module, hidden_layer)(params, ids)
-    return np.asarray(hidden, np.float32), None if pooled is None else np.asarray(
-        pooled, np.float32
-    )
+    return hidden, embeds
 
 
 def encode_text(components: dict, variant: SDVariant, prompts: Sequence[str]) -> dict:

@@ -29,6 +29,7 @@ weight map (:func:`encoder_layer_map`) and the config helpers are shared with th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -746,3 +747,34 @@ def load_clip_text(
         ignore_unused=unused,
     )
     return module, params
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_encoder(module: CLIPTextEncoder, hidden_layer: int | None):
+    """jit(params, ids) -> (hidden states, pooler_output, text_embeds or None): the final-normed
+    last hidden state (``hidden_layer`` None) or ``hidden_states[hidden_layer]`` (before the
+    final norm)."""
+
+    def run(params, ids):
+        out = module.apply({"params": params}, ids)
+        hidden = out.last_hidden_state if hidden_layer is None else out.hidden_states[hidden_layer]
+        return hidden, out.pooler_output, out.text_embeds
+
+    return jax.jit(run)
+
+
+def encode_prompts(
+    tokenizer, module: CLIPTextEncoder, params, prompts, max_length: int, hidden_layer=None
+):
+    """(hidden states ``[B, max_length, D]``, pooler output ``[B, D]``, text_embeds ``[B, P]`` or
+    None), float32 on the host, from ids padded to ``max_length``: what the pipelines take
+    from a CLIP text encoder (Flux the pooled output; SD the hidden states of ``hidden_layer``,
+    SDXL also the projected embeds). Every CLIP family encodes here."""
+    import numpy as np
+
+    from jaxcore.text import padded_token_ids
+
+    ids = padded_token_ids(tokenizer, prompts, max_length)
+    hidden, pooled, embeds = _jitted_encoder(module, hidden_layer)(params, ids)
+    as_host = (None if x is None else np.asarray(x, np.float32) for x in (hidden, pooled, embeds))
+    return tuple(as_host)

@@ -40,7 +40,6 @@ implemented.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -887,78 +886,17 @@ def _dummy_inputs(config: FluxTransformerConfig, batch: int = 1) -> tuple:
     )
 
 
-def abstract_params(module: FluxTransformer) -> dict:
-    """The ``params`` collection as boxed ShapeDtypeStructs (nn.Partitioned kept), no allocation."""
-    return weights.abstract_from_inputs(module, _dummy_inputs(module.config))
-
-
-def load_flux_transformer(
-    directory: str | os.PathLike,
-    *,
-    dtype: Dtype = jnp.float32,
-    param_dtype: Dtype = jnp.float32,
-    attention: str = "dot_product",
-    mesh: jax.sharding.Mesh | None = None,
-    rules=None,
-    remat_policy: str = "none",
-    scan_layers: bool = False,
-) -> tuple[FluxTransformer, dict]:
-    """Load a diffusers ``FluxTransformer2DModel`` directory (config.json + safetensors).
-
-    Returns ``(module, params)``; params are the unboxed ``params`` collection, cast to
-    ``param_dtype`` and placed on ``mesh`` by the logical axis ``rules`` when a mesh is given
-    (else on the first device). Raises WeightsError naming missing/unexpected keys or the
-    parameter whose shape does not match, FluxConfigError for a config we cannot represent.
-    """
-    config = FluxTransformerConfig.from_dict(weights.read_config(directory))
-    module = FluxTransformer(
-        config,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        attention=attention,
-        mesh=mesh,
-        remat_policy=remat_policy,
-        scan_layers=scan_layers,
-    )
-    params = weights.load_placed(
-        directory,
-        weight_map(config),
-        abstract_params(module),
-        mesh=mesh,
-        rules=rules,
-        dtype=param_dtype,
-    )
-    return module, params
-
-
-def init_flux_transformer(
-    config: FluxTransformerConfig,
-    rng: jax.Array,
-    *,
-    dtype: Dtype = jnp.float32,
-    param_dtype: Dtype = jnp.float32,
-    attention: str = "dot_product",
-    mesh: jax.sharding.Mesh | None = None,
-    rules=None,
-    remat_policy: str = "none",
-    scan_layers: bool = False,
-) -> tuple[FluxTransformer, dict]:
-    """Random-init (training from scratch). With a mesh, params are created already sharded."""
-    module = FluxTransformer(
-        config,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        attention=attention,
-        mesh=mesh,
-        remat_policy=remat_policy,
-        scan_layers=scan_layers,
-    )
-    return module, weights.init_placed(module, _dummy_inputs(config), rng, mesh=mesh, rules=rules)
-
-
-def count_params(config: FluxTransformerConfig) -> int:
-    """Number of parameters, from eval_shape (nothing is allocated)."""
-    return weights.count_elements(abstract_params(FluxTransformer(config)))
+# build / load / init / shape / count: one definition for every model (jaxcore.weights.ModelKind)
+KIND = weights.ModelKind(
+    FluxTransformer,
+    FluxTransformerConfig,
+    _dummy_inputs,
+    lambda config, boxed: weight_map(config),
+)
+abstract_params = KIND.abstract_params
+load_flux_transformer = KIND.load  # a diffusers FluxTransformer2DModel directory
+init_flux_transformer = KIND.init
+count_params = KIND.count_params
 
 
 def flops_per_forward(

@@ -28,6 +28,7 @@ from the transformers state-dict keys (``shared.weight`` or its tied twin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Mapping
@@ -644,3 +645,18 @@ def load_t5_encoder(
         ignore_unused=(*tied_twins, *UNUSED_PREFIXES),
     )
     return module, params
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_encoder(module: T5Encoder):
+    return jax.jit(lambda params, ids: module.apply({"params": params}, ids))
+
+
+def encode_prompts(tokenizer, module: T5Encoder, params, prompts, max_length: int) -> np.ndarray:
+    """Prompt embeddings as FluxPipeline's ``_get_t5_prompt_embeds`` makes them: ids padded to
+    ``max_length``, the encoder run without an attention mask, the last hidden state
+    ``[B, max_length, d_model]`` float32 on the host. Every T5 family encodes here."""
+    from jaxcore.text import padded_token_ids
+
+    ids = padded_token_ids(tokenizer, prompts, max_length)
+    return np.asarray(_jitted_encoder(module)(params, ids), np.float32)

@@ -87,7 +87,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -1227,73 +1226,19 @@ def _dummy_inputs(config: UNet2DConditionConfig, batch: int = 1) -> tuple:
     )
 
 
-def abstract_params(module: UNet2DConditionModel) -> dict:
-    """The ``params`` collection as boxed ShapeDtypeStructs (nn.Partitioned kept), no allocation."""
-    return weights.abstract_from_inputs(module, _dummy_inputs(module.config))
+# build / load / init / shape / count: one definition for every model (jaxcore.weights.ModelKind)
+KIND = weights.ModelKind(
+    UNet2DConditionModel,
+    UNet2DConditionConfig,
+    _dummy_inputs,
+    lambda config, boxed: _weight_map_for(boxed),
+)
+abstract_params = KIND.abstract_params
+load_unet_2d_condition = KIND.load  # a diffusers UNet2DConditionModel directory
+init_unet_2d_condition = KIND.init
+count_params = KIND.count_params
 
 
 def weight_map(config: UNet2DConditionConfig) -> dict:
     """{flax param path: (diffusers UNet2DConditionModel key, transform)} for every parameter."""
     return _weight_map_for(abstract_params(UNet2DConditionModel(config)))
-
-
-def count_params(config: UNet2DConditionConfig) -> int:
-    """Number of parameters, from eval_shape (nothing is allocated)."""
-    return weights.count_elements(abstract_params(UNet2DConditionModel(config)))
-
-
-def load_unet_2d_condition(
-    directory: str | os.PathLike,
-    *,
-    dtype: Dtype = jnp.float32,
-    param_dtype: Dtype = jnp.float32,
-    attention: str = "dot_product",
-    mesh: jax.sharding.Mesh | None = None,
-    rules=None,
-    remat_policy: str = "none",
-) -> tuple[UNet2DConditionModel, dict]:
-    """Load a diffusers ``UNet2DConditionModel`` directory (config.json + safetensors).
-
-    Returns ``(module, params)``: activations in ``dtype``, parameters cast to ``param_dtype`` and,
-    with a mesh, placed by the logical ``rules``. Raises WeightsError naming missing/unexpected
-    keys or the parameter path and diffusers key whose shapes disagree (pickle-only directories
-    are refused), and UNet2DConditionConfigError naming a config key it cannot represent.
-    """
-    config = UNet2DConditionConfig.from_dict(weights.read_config(directory))
-    module = UNet2DConditionModel(
-        config,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        attention=attention,
-        mesh=mesh,
-        remat_policy=remat_policy,
-    )
-    boxed = abstract_params(module)
-    params = weights.load_placed(
-        directory, _weight_map_for(boxed), boxed, mesh=mesh, rules=rules, dtype=param_dtype
-    )
-    return module, params
-
-
-def init_unet_2d_condition(
-    config: UNet2DConditionConfig,
-    rng: jax.Array,
-    *,
-    dtype: Dtype = jnp.float32,
-    param_dtype: Dtype = jnp.float32,
-    attention: str = "dot_product",
-    mesh: jax.sharding.Mesh | None = None,
-    rules=None,
-    remat_policy: str = "none",
-) -> tuple[UNet2DConditionModel, dict]:
-    """Random init (the layers' own initialisers; norms one, biases zero); returns
-    ``(module, params)`` unboxed, created already sharded when a mesh is given."""
-    module = UNet2DConditionModel(
-        config,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        attention=attention,
-        mesh=mesh,
-        remat_policy=remat_policy,
-    )
-    return module, weights.init_placed(module, _dummy_inputs(config), rng, mesh=mesh, rules=rules)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -822,79 +821,18 @@ def _dummy_inputs(config: WanTransformerConfig, batch: int = 1):
     return video, timestep, text, image
 
 
-def abstract_params(module: WanTransformer) -> dict:
-    """The ``params`` collection as boxed ShapeDtypeStructs (nn.Partitioned kept), no allocation."""
-    return weights.abstract_from_inputs(module, _dummy_inputs(module.config))
-
-
-def load_wan_transformer(
-    directory: str | os.PathLike,
-    *,
-    dtype: Dtype = jnp.float32,
-    param_dtype: Dtype = jnp.float32,
-    attention: str = "dot_product",
-    mesh: jax.sharding.Mesh | None = None,
-    rules=None,
-    remat_policy: str = "none",
-    scan_layers: bool = False,
-) -> tuple[WanTransformer, dict]:
-    """Load a diffusers ``WanTransformer3DModel`` directory (config.json + safetensors).
-
-    Returns ``(module, params)``; params are the unboxed ``params`` collection, cast to
-    ``param_dtype`` and placed on ``mesh`` by the logical axis ``rules`` when a mesh is given
-    (else on the first device). Raises WeightsError naming missing/unexpected keys or the
-    parameter whose shape does not match.
-    """
-    config = WanTransformerConfig.from_dict(weights.read_config(directory))
-    module = WanTransformer(
-        config,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        attention=attention,
-        mesh=mesh,
-        remat_policy=remat_policy,
-        scan_layers=scan_layers,
-    )
-    params = weights.load_placed(
-        directory,
-        weight_map(config),
-        abstract_params(module),
-        mesh=mesh,
-        rules=rules,
-        dtype=param_dtype,
-        ignore_unused=_ignored_checkpoint_keys(config),
-    )
-    return module, params
-
-
-def init_wan_transformer(
-    config: WanTransformerConfig,
-    rng: jax.Array,
-    *,
-    dtype: Dtype = jnp.float32,
-    param_dtype: Dtype = jnp.float32,
-    attention: str = "dot_product",
-    mesh: jax.sharding.Mesh | None = None,
-    rules=None,
-    remat_policy: str = "none",
-    scan_layers: bool = False,
-) -> tuple[WanTransformer, dict]:
-    """Random-init (training from scratch). With a mesh, params are created already sharded."""
-    module = WanTransformer(
-        config,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        attention=attention,
-        mesh=mesh,
-        remat_policy=remat_policy,
-        scan_layers=scan_layers,
-    )
-    return module, weights.init_placed(module, _dummy_inputs(config), rng, mesh=mesh, rules=rules)
-
-
-def count_params(config: WanTransformerConfig) -> int:
-    """Number of parameters, from eval_shape (nothing is allocated)."""
-    return weights.count_elements(abstract_params(WanTransformer(config)))
+# build / load / init / shape / count: one definition for every model (jaxcore.weights.ModelKind)
+KIND = weights.ModelKind(
+    WanTransformer,
+    WanTransformerConfig,
+    _dummy_inputs,
+    lambda config, boxed: weight_map(config),
+    _ignored_checkpoint_keys,
+)
+abstract_params = KIND.abstract_params
+load_wan_transformer = KIND.load  # a diffusers WanTransformer3DModel directory
+init_wan_transformer = KIND.init
+count_params = KIND.count_params
 
 
 def flops_per_forward(

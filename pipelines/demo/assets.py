@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pipelines.demo import shapes as synthetic
+from pipelines.embedded import shapes as synthetic
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ DEMO_HELD_OUT: tuple[tuple[str, str, str], ...] = (
 )
 
 # The demo's random-init UMT5 with its residual branches' output projections scaled by this
-# (pipelines.demo.tiny.scale_residual_branches). At 1.0 its two blocks mix so much of the
+# (pipelines.embedded.tiny.scale_residual_branches). At 1.0 its two blocks mix so much of the
 # sentence into each word that a word's output embedding changes from prompt to prompt almost as
 # much as between words (cosine of the colour word across the 24 prompts: mean 0.75, min 0.29),
 # so every colour/shape/background combination reached the DiT as its own random code and a
@@ -114,12 +114,12 @@ def make_demo_items(
     seed: int,
     held_out: Sequence[tuple[str, str, str]] = DEMO_HELD_OUT,
 ) -> list[dict]:
-    """Shape items of the demo palette, like :func:`pipelines.demo.shapes.make_items` makes them.
+    """Shape items of the demo palette, like :func:`pipelines.embedded.shapes.make_items` makes them.
 
     Combinations are dealt from a seeded shuffle of :func:`training_combinations` (every demo
     combination but ``held_out``; pass ``()`` for all 24), reshuffled each round, so with
     ``num_items`` >= their number every one is in the dataset and the classes stay balanced.
-    Position and size come from :func:`pipelines.demo.shapes.draw_shape`.
+    Position and size come from :func:`pipelines.embedded.shapes.draw_shape`.
     """
     if num_items < 1:
         raise ValueError(f"num_items must be >= 1, got {num_items}")
@@ -162,7 +162,7 @@ def write_demo_dataset(
     seed: int,
     held_out: Sequence[tuple[str, str, str]] = DEMO_HELD_OUT,
 ):
-    """The demo dataset in the ``imagefolder`` layout of :mod:`pipelines.demo.shapes` (PNGs plus
+    """The demo dataset in the ``imagefolder`` layout of :mod:`pipelines.embedded.shapes` (PNGs plus
     ``metadata.jsonl`` with ``file_name``, ``id``, ``text``, ``colour``, ``shape``,
     ``background``), readable with ``datasets.load_dataset(directory)``; without ``held_out``."""
     directory = Path(directory)
@@ -297,7 +297,7 @@ def check_image(
     """Does ``image`` (uint8 HxWx3) show a shape of the colour ``prompt`` asks for?
 
     Background = per-channel median of the border pixels; shape = pixels far from it; the
-    shape's colour = the palette colour (:data:`pipelines.demo.shapes.COLOURS`) with most votes
+    shape's colour = the palette colour (:data:`pipelines.embedded.shapes.COLOURS`) with most votes
     among shape pixels close to some palette colour. Blank images have no shape; noise has
     no shape colour with a majority; both fail.
     """
@@ -376,7 +376,7 @@ def fit_demo_vae(
 ) -> dict:
     """Fit the demo VAE on synthetic shapes, save it to ``out``, return held-out metrics.
 
-    Training images: :func:`pipelines.demo.shapes.make_items` (all 8 colours, 5 shapes) plus as
+    Training images: :func:`pipelines.embedded.shapes.make_items` (all 8 colours, 5 shapes) plus as
     many demo-palette items, so the VAE covers the demo and more. Held-out images use other
     seeds. ``latents_mean/std`` are measured on the training images.
 
@@ -527,12 +527,12 @@ def build_demo_assets(
     (:func:`demo_prompts`).
 
     ``shapes``: :func:`write_demo_dataset`; ``tiny_wan``: a random-init diffusers WanPipeline
-    from ``model_yaml`` (:func:`pipelines.demo.tiny.build_tiny_wan_pipeline`) whose ``vae/``
+    from ``model_yaml`` (:func:`pipelines.embedded.tiny.build_tiny_wan_pipeline`) whose ``vae/``
     is the fitted ``vae_dir``; ``prompts.jsonl``: :func:`demo_prompts`. Each folder is built
     aside and moved into place when finished; a stamp of its parameters marks it complete,
     so a rerun with other parameters rebuilds it.
     """
-    from pipelines.demo.tiny import build_tiny_wan_pipeline
+    from pipelines.embedded.tiny import build_tiny_wan_pipeline
 
     vae_dir = Path(vae_dir)
     _check_vae_dir(vae_dir)

@@ -1,17 +1,17 @@
 """Grading a rendered coloured-shapes image on colour, shape and background, one by one.
 
-Three small deterministic classifiers, written for the images :mod:`pipelines.demo.shapes`
+Three small deterministic classifiers, written for the images :mod:`pipelines.embedded.shapes`
 draws (one filled shape of one palette colour on a plain field of another), and size-agnostic:
 
 - background (:func:`classify_background`): each border pixel votes for its nearest palette
-  colour (:data:`pipelines.demo.shapes.COLOURS`, all 8); confidence = the winner's share;
+  colour (:data:`pipelines.embedded.shapes.COLOURS`, all 8); confidence = the winner's share;
 - colour (:func:`classify_colour`): pixels whose nearest palette colour is not the background
   and lies within ``palette_distance`` (anti-aliased edge pixels and noise vote for nothing)
   vote; confidence = the winner's share of the votes; no vote (a blank image) -> ``None``;
 - shape (:func:`classify_shape`): a soft mask (each pixel's position on the line from the
   measured background to the measured shape colour), cropped to the bounding box of its
   largest connected component and resampled to 16x16, is compared with one template per shape:
-  the mean of such masks over shapes drawn by :func:`pipelines.demo.shapes.draw_shape` at the
+  the mean of such masks over shapes drawn by :func:`pipelines.embedded.shapes.draw_shape` at the
   image's own size and random sizes/positions. Every shape draw_shape makes fills its box the
   same way whatever its size, so the normalised mask is the shape. Label = nearest template
   (mean absolute difference), or ``None`` when even that one is farther than
@@ -52,7 +52,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pipelines.demo import assets as demo_assets
-from pipelines.demo import shapes as synthetic
+from pipelines.embedded import shapes as synthetic
 
 ATTRIBUTES: tuple[str, ...] = ("colour", "shape", "background")
 TEMPLATE_SIDE = 16  # the side of the normalised shape masks compared with the templates
@@ -194,7 +194,7 @@ def _normalised(mask: np.ndarray) -> np.ndarray | None:
 
 @functools.cache
 def shape_templates(height: int, width: int) -> dict[str, tuple[np.ndarray, ...]]:
-    """Per shape of :data:`pipelines.demo.shapes.SHAPES`, two templates: the mean normalised
+    """Per shape of :data:`pipelines.embedded.shapes.SHAPES`, two templates: the mean normalised
     mask of ``TEMPLATE_SAMPLES`` shapes draw_shape draws at ``height`` x ``width``, sharp and
     blurred by :func:`degrade` (a render is often blurred); fixed seed."""
     rng = np.random.default_rng(12345)

@@ -40,7 +40,7 @@ class DatasetConfig:
     ``save_to_disk`` dataset), a parquet/JSON/CSV file or a hub id (when the network allows).
     A finished ``generate`` artifact is a source too: its renders, captioned with their prompts.
     The ``difforge`` command also accepts ``synthetic:shapes?num_items=N&seed=S&height=H&width=W``
-    (the demo's shapes dataset, see ``pipelines.demo.embedded``).
+    (the demo's shapes dataset, see ``pipelines.embedded.sources``).
     """
 
     source: str = ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -69,7 +70,6 @@ def _prompt_file_sha256(uri: str) -> str:
 def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     """Render every prompt not already rendered (same fingerprint), then commit the artifact."""
     import jax
-    from tqdm import tqdm
 
     from jaxcore.sharding import make_mesh
     from stages.common.distributed import maybe_initialize_distributed
@@ -78,29 +78,8 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     maybe_initialize_distributed()
     entries = read_prompt_entries(config.prompt_file)  # syntax errors before anything else
     source = model.describe(config)  # the family and its sizes, no weights
-    defaults = source.sampling_defaults()
-    # every line is checked against the model before any work
-    default_loras = tuple((lora.path, lora.scale, lora.expert) for lora in config.model.loras)
-    specs = resolve_prompts(
-        config.prompt_file,
-        entries,
-        config.sampling,
-        defaults,
-        source.geometry,
-        default_loras,
-        source.image_inputs,
-    )
-    source.check_guidance(specs)
-    scheduler = config.sampling.scheduler or defaults["scheduler"]
+    specs, scheduler = _checked_prompts(config, entries, source)
     cache = caching.prepare(config.cache)
-
-    def fingerprint(spec: PromptSpec) -> str:
-        steps, shift = spec.num_inference_steps, spec.flow_shift
-        extra = cache.fingerprint(scheduler, shift, steps)
-        if config.cache.compare_dense:
-            extra["compare_dense"] = True
-        return _fingerprint(spec, run_fp, lora_sha, image_sha, extra)
-
     prompt_sha = _prompt_file_sha256(config.prompt_file)
     writer = ArtifactWriter(config.output_dir, "generate", config, source.inputs)
     done = writer.existing(force)
@@ -116,50 +95,113 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     render.check_latent_files(specs, source.latent_shape)  # also before any rendering
     render.check_memory(specs, source.latent_shape, config.prompt_file)
     image_sha = render.check_image_files(specs)
-    mesh = make_mesh(config.mesh)
-    pipe = model.load(source, config.compute, mesh)
+    pipe = model.load(source, config.compute, make_mesh(config.mesh))
     # every LoRA set is read and checked against the model before anything renders
     pipe.check_loras({s.loras for s in specs}, strict=config.model.lora_strict)
     lora_sha = {path: lora.checksum for path, lora in pipe.lora_files.items()}
-    provenance = source.provenance
-    run_fp = _run_fingerprint(config, scheduler)
+    fingerprint = functools.partial(
+        _spec_fingerprint,
+        config,
+        cache,
+        scheduler,
+        _run_fingerprint(config, scheduler),
+        lora_sha,
+        image_sha,
+    )
     if jax.process_index() == 0:
         outputs.remove_stale_partials(writer.uri)
     _barrier("generate-start")
     finished = outputs.load_records(writer.uri)
     todo = [s for s in specs if finished.get(s.name, {}).get("fingerprint") != fingerprint(s)]
     log.info("generate: %d prompts, %d to render", len(specs), len(todo))
+    write = functools.partial(_write_prompt, config, writer.uri, scheduler, lora_sha, fingerprint)
+    started = time.perf_counter()
+    _render(config, pipe, specs, todo, finished, write, scheduler, cache, writer.uri)
+    elapsed = time.perf_counter() - started
+    _barrier("generate-rendered")
+    if jax.process_index() != 0:
+        return None  # process 0 writes the gallery and the manifest
+    checks = (fingerprint, lora_sha, prompt_sha)
+    return _finish(config, writer, specs, checks, source.provenance, len(todo), elapsed, scheduler)
 
-    def write_outputs(
-        spec: PromptSpec, video, seconds: float, batch_size: int, extra: dict
-    ) -> dict:
-        record = {
-            "id": spec.id,
-            "name": spec.name,
-            "index": spec.index,
-            "line": spec.line,
-            "params": spec.params(),
-            "scheduler": scheduler,
-            "loras": [{**lora_entry(*use), "sha256": lora_sha[use[0]]} for use in spec.loras],
-            "fingerprint": fingerprint(spec),
-            "seconds": seconds,
-            "batch_size": batch_size,
-            "process_index": jax.process_index(),
-        }
-        if "cache" in extra:
-            record["cache"] = {"kind": config.cache.kind, **extra["cache"]}
-        if "dense" in extra:
-            record["cache"].update(
-                outputs.write_dense(writer.uri, spec.name, video, extra["dense"])
-            )
-        return outputs.write_prompt_outputs(
-            writer.uri,
-            record,
-            video,
-            fps=config.output.fps,
-            save_arrays=config.output.save_arrays,
-            thumbnail_size=config.output.thumbnail_size,
-        )
+
+def _checked_prompts(config: GenerateConfig, entries, source):
+    """(the prompt file's specs, each checked against the model, the scheduler's name)."""
+    defaults = source.sampling_defaults()
+    default_loras = tuple((lora.path, lora.scale, lora.expert) for lora in config.model.loras)
+    specs = resolve_prompts(
+        config.prompt_file,
+        entries,
+        config.sampling,
+        defaults,
+        source.geometry,
+        default_loras,
+        source.image_inputs,
+    )
+    source.check_guidance(specs)
+    return specs, config.sampling.scheduler or defaults["scheduler"]
+
+
+def _spec_fingerprint(
+    config, cache, scheduler, run_fp, lora_sha, image_sha, spec: PromptSpec
+) -> str:
+    """What a prompt's render depends on (a finished render with the same one is kept)."""
+    extra = cache.fingerprint(scheduler, spec.flow_shift, spec.num_inference_steps)
+    if config.cache.compare_dense:
+        extra["compare_dense"] = True
+    return _fingerprint(spec, run_fp, lora_sha, image_sha, extra)
+
+
+def _write_prompt(
+    config,
+    uri,
+    scheduler,
+    lora_sha,
+    fingerprint,
+    spec: PromptSpec,
+    video,
+    seconds,
+    batch_size,
+    extra,
+) -> dict:
+    """A rendered prompt's files and its record (with the step cache's figures and, with
+    ``compare_dense``, the dense render's)."""
+    import jax
+
+    record = {
+        "id": spec.id,
+        "name": spec.name,
+        "index": spec.index,
+        "line": spec.line,
+        "params": spec.params(),
+        "scheduler": scheduler,
+        "loras": [{**lora_entry(*use), "sha256": lora_sha[use[0]]} for use in spec.loras],
+        "fingerprint": fingerprint(spec),
+        "seconds": seconds,
+        "batch_size": batch_size,
+        "process_index": jax.process_index(),
+    }
+    if "cache" in extra:
+        record["cache"] = {"kind": config.cache.kind, **extra["cache"]}
+    if "dense" in extra:
+        record["cache"].update(outputs.write_dense(uri, spec.name, video, extra["dense"]))
+    return outputs.write_prompt_outputs(
+        uri,
+        record,
+        video,
+        fps=config.output.fps,
+        save_arrays=config.output.save_arrays,
+        thumbnail_size=config.output.thumbnail_size,
+    )
+
+
+def _render(config, pipe, specs, todo, finished, write_outputs, scheduler, cache, uri) -> None:
+    """Render this process's share of the batches that hold an unfinished prompt; SIGTERM
+    stops after the batch in flight (:class:`Preempted`)."""
+    import jax
+    from tqdm import tqdm
+
+    from stages.generate import render
 
     batch_size = render.global_batch_size(config.per_device_batch_size, pipe.batch_ways)
     # The batches an uninterrupted run renders, less those wholly finished: a resumed run
@@ -178,7 +220,6 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
             return finished[spec.name]  # re-rendered for its batch's sake only
         return write_outputs(spec, video, seconds, batch_size, extra)
 
-    started = time.perf_counter()
     mine = sum(len(b.local_real()) for b in batches if not finished_batch(b))
     with (
         Preemption("generate") as preemption,
@@ -200,14 +241,8 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     if preemption.requested:
         raise Preempted(
             f"generate: stopped by SIGTERM with {len(records)} of this process's {mine} prompts "
-            f"rendered (kept in {writer.uri}); rerun to render the rest"
+            f"rendered (kept in {uri}); rerun to render the rest"
         )
-    elapsed = time.perf_counter() - started
-    _barrier("generate-rendered")
-    if jax.process_index() != 0:
-        return None  # process 0 writes the gallery and the manifest
-    checks = (fingerprint, lora_sha, prompt_sha)
-    return _finish(config, writer, specs, checks, provenance, len(todo), elapsed, scheduler)
 
 
 def _barrier(name: str) -> None:

@@ -39,7 +39,7 @@ from jaxcore import artifacts, storage
 from jaxcore.compute import ComputeConfig
 from jaxcore.sharding import make_mesh
 from pipelines import cli
-from pipelines.demo.tiny import build_tiny_wan_pipeline
+from pipelines.embedded.tiny import build_tiny_wan_pipeline
 from stages.common import checkpoints as checkpointing
 from stages.common.preemption import Preemption
 from tests.support import gcs_faults

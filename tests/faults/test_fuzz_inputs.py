@@ -25,7 +25,7 @@ import pytest
 
 from jaxcore import weights
 from pipelines import cli
-from pipelines.demo.tiny import build_tiny_wan_pipeline
+from pipelines.embedded.tiny import build_tiny_wan_pipeline
 from stages.generate.prompts import KNOWN_FIELDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]

@@ -8,7 +8,9 @@
   identifier or string naming a family or one of its models (everything model-specific is a
   call into ``jaxcore.families``);
 - nor does any product file outside ``jaxcore/families/``, ``jaxcore/models/``,
-  ``jaxcore/lora/`` and ``pipelines/demo/`` (the demo builds tiny models of each family);
+  ``jaxcore/lora/``, ``pipelines/demo/`` and ``pipelines/embedded/`` (tiny models of each
+  family);
+- nothing in the product outside ``pipelines/demo/`` imports the demo;
 - the product's import graph has no cycle, counting imports inside functions too (a lazy
   import that closes a cycle is still a cycle: the two modules cannot be read apart).
 """
@@ -154,7 +156,14 @@ def test_the_check_finds_what_it_looks_for(tmp_path):
 
 
 PRODUCT = ("jaxcore", "stages", "pipelines")
-MAY_NAME_FAMILIES = ("jaxcore/families/", "jaxcore/models/", "jaxcore/lora/", "pipelines/demo/")
+# the demo and the embedded default's tiny builders make a tiny model of each family
+MAY_NAME_FAMILIES = (
+    "jaxcore/families/",
+    "jaxcore/models/",
+    "jaxcore/lora/",
+    "pipelines/demo/",
+    "pipelines/embedded/",
+)
 
 
 def test_only_the_family_layers_name_a_family():
@@ -169,6 +178,16 @@ def test_only_the_family_layers_name_a_family():
                 if word:
                     found.append(f"{relative}:{line} names {word!r}: {text[:60]!r}")
     assert found == []
+
+
+def test_nothing_in_the_product_imports_the_demo():
+    paths = [
+        p
+        for package in PRODUCT
+        for p in _modules(package)
+        if not str(p.relative_to(REPO)).startswith("pipelines/demo/")
+    ]
+    assert _violations(paths, ("pipelines.demo",)) == []
 
 
 def _module_name(path: Path) -> str:

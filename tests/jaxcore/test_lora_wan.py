@@ -25,7 +25,7 @@ from jaxcore import weights
 from jaxcore.lora import wan
 from jaxcore.lora.base import LoraError, read_lora_file
 from jaxcore.models.wan_transformer import WanTransformerConfig
-from pipelines.demo.tiny import build_tiny_wan_pipeline
+from pipelines.embedded.tiny import build_tiny_wan_pipeline
 from tests.support import lora_wan_files as files
 
 TOLERANCE = 1e-6

@@ -24,7 +24,7 @@ from jaxcore.families import flux as flux_family
 from jaxcore.families import load_pipeline
 from jaxcore.models import flux_transformer
 from jaxcore.sampling import initial_latents
-from pipelines.demo.tiny import build_tiny_wan_pipeline
+from pipelines.embedded.tiny import build_tiny_wan_pipeline
 from tests.support.tiny_flux import build_flux_pipeline
 
 TOLERANCE = 1e-4

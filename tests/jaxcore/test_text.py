@@ -10,7 +10,7 @@ from diffusers.pipelines.wan.pipeline_wan import WanPipeline
 
 from jaxcore import text
 from jaxcore.models import umt5
-from pipelines.demo.tokenizers import build_tiny_tokenizer
+from pipelines.embedded.tokenizers import build_tiny_tokenizer
 
 # fp32 parity of the whole encode path (tokenize -> encoder -> trim/zero-pad); reached 1.3e-6 (max_len 16), 1.4e-6 (max_len 64).
 ATOL = 2e-5

@@ -140,7 +140,7 @@ def test_idle_expert_on_host_renders_the_same(
 
 
 def test_guidance_scale_2_needs_two_experts(tmp_path):
-    from pipelines.demo.tiny import build_tiny_wan_pipeline
+    from pipelines.embedded.tiny import build_tiny_wan_pipeline
 
     pipe = load_pipeline(build_tiny_wan_pipeline(tmp_path / "wan21"))
     with pytest.raises(FamilyError, match="guidance_scale_2=3.0: the pipeline has one"):

@@ -18,7 +18,7 @@ from jaxcore import families
 from jaxcore.families import load_pipeline
 from jaxcore.pipeline import Pipeline
 from jaxcore.sampling import initial_latents
-from pipelines.demo.tiny import build_tiny_wan_pipeline
+from pipelines.embedded.tiny import build_tiny_wan_pipeline
 from tests.support.encoder_calls import record_encoder_calls
 
 REPO = Path(__file__).resolve().parents[2]

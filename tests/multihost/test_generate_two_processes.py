@@ -15,7 +15,7 @@ from tests.multihost.test_train_two_processes import REPO, _env, _free_port
 
 @pytest.fixture(scope="module")
 def pipeline_dir(tmp_path_factory):
-    from pipelines.demo.tiny import build_tiny_wan_pipeline
+    from pipelines.embedded.tiny import build_tiny_wan_pipeline
 
     return build_tiny_wan_pipeline(tmp_path_factory.mktemp("wan"))
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pipelines.demo import assets as demo_assets
-from pipelines.demo import shapes as synthetic
+from pipelines.embedded import shapes as synthetic
 
 # Measured on the shipped VAE (32x32, the 24 seed-99 demo items below, posterior mean, fp32):
 # PSNR 35.3 dB (fit-vae's own held-out report: 34.4 dB demo palette, 31.3 dB all 8 colours);
@@ -305,7 +305,7 @@ def test_demo_text_encoder_keeps_each_word_recognisable_in_every_prompt(tmp_path
     random init of the same seed does not (the reason for the scale). Measured: plain min
     same-word cosine 0.29 / 0.75 / 0.48 (colour / shape / background); scaled 0.92 / 0.93 /
     0.95, different words <= 0.25."""
-    from pipelines.demo.tiny import build_tiny_wan_pipeline
+    from pipelines.embedded.tiny import build_tiny_wan_pipeline
 
     plain = build_tiny_wan_pipeline(
         tmp_path / "plain", seed=0, model_config=demo_assets.DEMO_MODEL_YAML
@@ -323,7 +323,7 @@ def test_demo_text_encoder_keeps_each_word_recognisable_in_every_prompt(tmp_path
 
 
 def test_scale_residual_branches_touches_only_the_branch_outputs():
-    from pipelines.demo.tiny import scale_residual_branches
+    from pipelines.embedded.tiny import scale_residual_branches
 
     tensors = {
         "shared.weight": np.ones((4, 2), np.float32),

@@ -10,7 +10,7 @@ from PIL import Image, ImageDraw
 
 from pipelines.demo import assets as demo_assets
 from pipelines.demo import grading
-from pipelines.demo import shapes as synthetic
+from pipelines.embedded import shapes as synthetic
 
 # The issue's bars on the classifiers' own accuracy. Reached (n=480, seed 0): 1.000 for every
 # attribute, clean and degraded; n=960 on seeds 1-3: shape 0.999-1.000 degraded, others 1.000.

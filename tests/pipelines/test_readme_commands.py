@@ -60,7 +60,7 @@ def _local(command: str, tmp: Path) -> list[str]:
 
 
 def _make_inputs(tmp: Path, pipeline: bool = True) -> None:
-    from pipelines.demo.tiny import build_tiny_wan_pipeline
+    from pipelines.embedded.tiny import build_tiny_wan_pipeline
     from tests.stages.test_convert_elements import _plain_imagefolder
 
     _plain_imagefolder(tmp / "imagefolder", [f"img{i}.png" for i in range(8)])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxcore.families import load_pipeline
-from pipelines.demo.tiny import build_tiny_flux_pipeline
+from pipelines.embedded.tiny import build_tiny_flux_pipeline
 
 
 @pytest.fixture(scope="module")

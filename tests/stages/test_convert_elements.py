@@ -11,7 +11,7 @@ import pytest
 
 from jaxcore.config import ConfigError, load_config
 from jaxcore.families import TensorSpec
-from pipelines.demo import shapes as synthetic
+from pipelines.embedded import shapes as synthetic
 from stages.convert import media, split
 from stages.convert.config import ConvertConfig, MediaConfig
 from stages.convert.encode import EncoderPlan

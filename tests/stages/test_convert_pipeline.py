@@ -17,7 +17,7 @@ import pytest
 
 from jaxcore import storage
 from pipelines.cli import main
-from pipelines.demo import shapes as synthetic
+from pipelines.embedded import shapes as synthetic
 from stages.common import records
 from stages.convert import media, split
 from stages.convert.config import EncoderConfig, MediaConfig, SplitConfig
@@ -37,7 +37,7 @@ TEXT = "encoder_hidden_states"
 def _write_encoder_pipeline(root: Path) -> Path:
     """A tiny random-init Wan pipeline (diffusers layout) with non-trivial latent statistics."""
     from jaxcore.model_configs import read_model_yaml
-    from pipelines.demo.tiny import build_tiny_wan_pipeline
+    from pipelines.embedded.tiny import build_tiny_wan_pipeline
 
     _, sections = read_model_yaml(REPO / "configs/models/wan_tiny.yml")
     sections["vae"] = dataclasses.replace(

@@ -120,7 +120,7 @@ def test_generate_refuses_sizes_and_frames_flux_cannot_make(flux_dir, tmp_path, 
 def test_convert_writes_flux_records(flux_dir, tmp_path):
     import tensorflow as tf
 
-    from pipelines.demo.shapes import make_items, make_shapes_dataset
+    from pipelines.embedded.shapes import make_items, make_shapes_dataset
     from stages.common import records
     from stages.convert.media import prepare_video
 

@@ -30,7 +30,7 @@ from jaxcore.families import load_pipeline
 from jaxcore.sampling import initial_latents
 from jaxcore.sharding import make_mesh
 from pipelines import cli
-from pipelines.demo.tiny import build_tiny_wan_pipeline
+from pipelines.embedded.tiny import build_tiny_wan_pipeline
 from tests.support.encoder_calls import record_encoder_calls
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from jaxcore.artifacts import open_artifact
 from jaxcore.families import load_pipeline
 from jaxcore.sampling import initial_latents
 from pipelines import cli
-from pipelines.demo.tiny import build_tiny_wan_pipeline
+from pipelines.embedded.tiny import build_tiny_wan_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8

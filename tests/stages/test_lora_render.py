@@ -19,7 +19,7 @@ from jaxcore.artifacts import open_artifact
 from jaxcore.families import load_pipeline
 from jaxcore.sampling import initial_latents
 from pipelines import cli
-from pipelines.demo.tiny import build_tiny_wan_pipeline
+from pipelines.embedded.tiny import build_tiny_wan_pipeline
 from tests.support.tiny_flux import build_flux_pipeline
 
 REPO = Path(__file__).resolve().parents[2]

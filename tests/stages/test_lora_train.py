@@ -17,7 +17,7 @@ from jaxcore.artifacts import open_artifact
 from jaxcore.config import load_config
 from jaxcore.sampling import initial_latents
 from pipelines import cli
-from pipelines.demo.tiny import build_tiny_wan_pipeline
+from pipelines.embedded.tiny import build_tiny_wan_pipeline
 from stages.train.config import TrainConfig
 from tests.support.convert_artifacts import FLUX, TinyDataConfig, write_convert_artifact
 from tests.support.tiny_flux import build_flux_pipeline

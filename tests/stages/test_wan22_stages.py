@@ -86,7 +86,7 @@ def test_one_expert_trains_and_loads_back_into_its_slot(two_expert_dir, tmp_path
 
 
 def test_expert_needs_a_two_expert_pipeline(tmp_path):
-    from pipelines.demo.tiny import build_tiny_wan_pipeline
+    from pipelines.embedded.tiny import build_tiny_wan_pipeline
 
     data_uri = str(tmp_path / "data")
     write_convert_artifact(data_uri, TinyDataConfig())
@@ -368,7 +368,7 @@ def test_two_expert_loras_match_diffusers(two_expert_dir, tmp_path, capsys):
     assert np.abs(both - only_low).max() > 1e-3  # each expert's LoRA matters
     assert np.abs(only_low - none).max() > 1e-3
 
-    from pipelines.demo.tiny import build_tiny_wan_pipeline
+    from pipelines.embedded.tiny import build_tiny_wan_pipeline
 
     one = build_tiny_wan_pipeline(tmp_path / "wan21")
     prompts.write_text(json.dumps({"prompt": "x", "loras": cases["low"]}) + "\n")

@@ -3,7 +3,7 @@
 
 Every parameter is perturbed (``p += 0.1 * randn``) so that a mis-mapped weight, a skipped
 norm or a wrong bias changes the output. The tokenizers are the offline tiny ones of
-``pipelines.demo.tokenizers`` (CLIP byte-pair for ``tokenizer``, T5 unigram for
+``pipelines.embedded.tokenizers`` (CLIP byte-pair for ``tokenizer``, T5 unigram for
 ``tokenizer_2``).
 """
 
@@ -102,7 +102,7 @@ def build_flux_pipeline(
         FluxTransformer2DModel,
     )
 
-    from pipelines.demo.tokenizers import build_tiny_clip_tokenizer, build_tiny_tokenizer
+    from pipelines.embedded.tokenizers import build_tiny_clip_tokenizer, build_tiny_tokenizer
 
     directory = Path(directory)
     clip_tokenizer = build_tiny_clip_tokenizer(

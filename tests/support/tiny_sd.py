@@ -4,7 +4,7 @@ with ``save_pretrained``: the reference the SD family is tested against.
 
 Every parameter is perturbed (``p += 0.1 * randn``) so that a mis-mapped weight, a skipped norm
 or a wrong bias changes the output. The tokenizers are the offline tiny CLIP byte-pair ones of
-``pipelines.demo.tokenizers``. Shapes are SD's in miniature: a 2-level VAE (2x), a 2-level UNet
+``pipelines.embedded.tokenizers``. Shapes are SD's in miniature: a 2-level VAE (2x), a 2-level UNet
 with linear projections, 8-multiple image sizes (diffusers' check), CLIP text encoders of
 SD 2's kind (gelu, last layer) and SDXL's (CLIP-L-like + a projected bigG-like, penultimate
 layers) with ``text_time`` added conditioning.
@@ -141,7 +141,7 @@ def _clip(tokenizer, config: dict, seed: int, projection: bool = False):
 
 
 def _tokenizer(directory: Path, name: str):
-    from pipelines.demo.tokenizers import build_tiny_clip_tokenizer
+    from pipelines.embedded.tokenizers import build_tiny_clip_tokenizer
 
     return build_tiny_clip_tokenizer(directory / f"_{name}", model_max_length=CLIP_MAX_LENGTH)
 

@@ -1,6 +1,6 @@
 """Tiny Wan 2.2 / image-to-video pipelines for parity tests, built from the tiny Wan 2.1 one.
 
-Each builder starts from :func:`pipelines.demo.tiny.build_tiny_wan_pipeline` (our own writer,
+Each builder starts from :func:`pipelines.embedded.tiny.build_tiny_wan_pipeline` (our own writer,
 which diffusers loads) and replaces or adds components the way diffusers' ``save_pretrained``
 lays them out; components our writer cannot make yet are made with diffusers / transformers
 PyTorch (random init) and ``save_pretrained``. Random-init transformers predict tiny
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipelines.demo.tiny import build_tiny_wan_pipeline
+from pipelines.embedded.tiny import build_tiny_wan_pipeline
 
 OUTPUT_SCALE = 20.0
 # The tiny Wan VAE of configs/models/wan_tiny.yml: z_dim 4, 2x compression in space and time.

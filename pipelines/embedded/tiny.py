@@ -188,7 +188,7 @@ def build_tiny_wan_pipeline(
     :func:`scale_residual_branches`).
     """
     from jaxcore.models import umt5, wan_transformer, wan_vae
-    from pipelines.demo.tokenizers import build_tiny_tokenizer
+    from pipelines.embedded.tokenizers import build_tiny_tokenizer
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
@@ -274,7 +274,7 @@ def build_tiny_flux_pipeline(
     """
     from jaxcore.model_configs import read_model_yaml
     from jaxcore.models import autoencoder_kl, clip_text, flux_transformer, t5
-    from pipelines.demo.tokenizers import build_tiny_clip_tokenizer, build_tiny_tokenizer
+    from pipelines.embedded.tokenizers import build_tiny_clip_tokenizer, build_tiny_tokenizer
 
     root = Path(directory)
     family, sections = read_model_yaml(model_config)
@@ -393,6 +393,8 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and sys.argv[2] not in BUILDERS):
-        sys.exit(f"usage: python -m pipelines.demo.tiny OUTPUT_DIRECTORY [{'|'.join(BUILDERS)}]")
+        sys.exit(
+            f"usage: python -m pipelines.embedded.tiny OUTPUT_DIRECTORY [{'|'.join(BUILDERS)}]"
+        )
     build, _ = BUILDERS[sys.argv[2] if len(sys.argv) == 3 else "wan"]
     print(build(sys.argv[1]))

@@ -7,9 +7,9 @@ the stages themselves only ever see real paths:
 - ``tiny`` or ``tiny:<family>`` (a model source: ``pretrained_model_name_or_path``,
   ``base_pipeline``): the random-init tiny pipeline of ``configs/models/wan_tiny.yml``
   (``tiny``, ``tiny:wan``) or ``configs/models/flux_tiny.yml`` (``tiny:flux``)
-  (:func:`pipelines.demo.tiny.cached_tiny_pipeline`), built once into the difforge cache;
+  (:func:`pipelines.embedded.tiny.cached_tiny_pipeline`), built once into the difforge cache;
 - ``synthetic:shapes?num_items=N&seed=S&height=H&width=W`` (a dataset ``source``): the
-  coloured-shapes imagefolder of :mod:`pipelines.demo.shapes`, written once into the cache.
+  coloured-shapes imagefolder of :mod:`pipelines.embedded.shapes`, written once into the cache.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ SOURCE_FIELDS = ("source",)
 
 def tiny_pipeline(name: str) -> Path:
     """The cached tiny pipeline ``name`` stands for: ``tiny`` (Wan) or ``tiny:<family>``."""
-    from pipelines.demo.tiny import BUILDERS, cached_tiny_pipeline
+    from pipelines.embedded.tiny import BUILDERS, cached_tiny_pipeline
 
     family = name.partition(":")[2] or "wan"
     if name.partition(":")[0] != TINY or family not in BUILDERS:
@@ -43,7 +43,7 @@ def tiny_pipeline(name: str) -> Path:
 
 def synthetic_directory(source: str) -> Path:
     """Write (once) and return the folder of a ``synthetic:shapes?...`` source."""
-    from pipelines.demo.shapes import make_shapes_dataset
+    from pipelines.embedded.shapes import make_shapes_dataset
 
     parsed = urllib.parse.urlparse(source)
     kind = parsed.path or parsed.netloc
