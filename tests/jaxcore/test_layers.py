@@ -385,3 +385,45 @@ def test_bf16_activations_round_once_as_torch_kernels_do(ours, torch_name, kwarg
     composite = {"gelu": lambda v: jax.nn.gelu(v, approximate="approximate" in kwargs)}
     composite["silu"] = jax.nn.silu
     assert np.mean(outputs(composite[torch_name]) != want) > 0.2
+
+
+def _rhs_ranks(fn, *args) -> list[int]:
+    """The kernel ranks of the dot_generals ``fn`` lowers to (StableHLO operand types)."""
+    import re
+
+    text = jax.jit(fn).lower(*args).as_text()
+    found = re.findall(r"stablehlo\.dot_general.*?\(tensor<[^>]*>, tensor<([^>]*)>\)", text)
+    return [len(shape.split("x")) - 1 for shape in found]
+
+
+@pytest.mark.parametrize(
+    "kernel_shape, in_dims", [((16, 4, 8), 1), ((5, 16, 8), 2)], ids=["mlp", "proj_out"]
+)
+def test_dense_general_flattens_unless_the_packed_axis_is_tensor_split(
+    kernel_shape, in_dims, xla_dots
+):
+    """A packed kernel ([D, 4, D], [5, D, D]) is one 2-D product (a free reshape: XLA on TPU
+    re-lays out a kernel with two contracting axes and keeps the copy for a whole loop), except
+    where the mesh splits the packed ``mlp`` axis: there the axes stay as they are. Both equal
+    the einsum."""
+    from jaxcore import sharding
+    from jaxcore.models.layers import dense_general
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 3, *kernel_shape[:in_dims]), np.float32))
+    kernel = jnp.asarray(rng.standard_normal(kernel_shape, np.float32))
+    bias = jnp.asarray(rng.standard_normal(kernel_shape[in_dims:], np.float32))
+    expected = np.tensordot(np.asarray(x), np.asarray(kernel), in_dims) + np.asarray(bias)
+
+    def call(x, kernel, bias):
+        return dense_general(x, kernel, bias, in_dims=in_dims)
+
+    untensored = sharding.make_mesh(sharding.MeshConfig(ici_data_parallelism=2), jax.devices()[:2])
+    tensored = sharding.make_mesh(
+        sharding.MeshConfig(ici_data_parallelism=1, ici_tensor_parallelism=2), jax.devices()[:2]
+    )
+    with jax.default_matmul_precision("highest"):
+        for mesh, rank in ((None, 2), (untensored, 2), (tensored, len(kernel_shape))):
+            with sharding.mesh_context(mesh):
+                assert _rhs_ranks(call, x, kernel, bias) == [rank], mesh
+                np.testing.assert_allclose(call(x, kernel, bias), expected, rtol=1e-5, atol=1e-5)
