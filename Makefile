@@ -59,6 +59,7 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/difforge prepare > /dev/null
 	$(PY) -m bench.run
+	$(PY) -m bench.readme --write  # docs/benchmarks.md quotes the run just made
 
 clean:
 	rm -rf $(VENV) outputs build *.egg-info
