@@ -243,10 +243,16 @@ def param_shardings(mesh: Mesh, abstract_variables, rules=None):
             return NamedSharding(mesh, PartitionSpec())
         return NamedSharding(mesh, divisible_spec(mesh, spec, leaf.shape))
 
+    # the boxed values as they are: nn.meta.unbox would constrain them to the active mesh
+    shapes = jax.tree.map(
+        lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x,
+        abstract_variables,
+        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
+    )
     return jax.tree.map(
         place,
         mesh_specs,
-        nn.meta.unbox(abstract_variables),
+        shapes,
         is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None,
     )
 

@@ -216,3 +216,13 @@ def test_a_batch_smaller_than_its_axes_folds_fsdp_into_context(given, batch, wan
     if moved:
         assert f"global batch {batch}" in note
         assert batch % sharding.batch_axis_size(sharding.make_mesh(folded)) == 0
+
+
+def test_param_shardings_inside_an_active_mesh():
+    """Models are built inside ``mesh_context``; reading the boxed shapes there must not
+    constrain them to the mesh (flax's unbox would, and abstract values cannot be)."""
+    mesh = make_mesh(MeshConfig(ici_data_parallelism=1, ici_fsdp_parallelism=8))
+    abstract = jax.eval_shape(_TinyModule().init, jax.random.key(0), jnp.ones((4, 8)))
+    with sharding.mesh_context(mesh):
+        kernel = sharding.param_shardings(mesh, abstract)["params"]["kernel"]
+    assert kernel.spec == PartitionSpec(("fsdp", "context"), "tensor")
