@@ -201,19 +201,12 @@ def wan_train(case, config, mesh):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-    from maxdiffusion import max_utils
     from maxdiffusion.schedulers import FlaxFlowMatchScheduler
     from maxdiffusion.trainers import wan_trainer
     from maxdiffusion.trainers.base_wan_trainer import TrainState
 
     _, graphdef, params, rest = abstract_wan(config, mesh, case["transformer"])
-    schedule = max_utils.create_learning_rate_schedule(
-        config.learning_rate,
-        config.learning_rate_schedule_steps,
-        config.warmup_steps_fraction,
-        config.max_train_steps,
-    )
-    tx = max_utils.create_optimizer(config, schedule)
+    tx = optimizer(config)
     state = jax.eval_shape(
         lambda p: TrainState.create(
             apply_fn=graphdef.apply, params=p, tx=tx, graphdef=graphdef, rest_of_state=rest
@@ -401,13 +394,7 @@ def flux_train(case, config, mesh):
     from maxdiffusion.trainers import flux_trainer
 
     transformer = flux_model(config, mesh, case["transformer"])
-    schedule = max_utils.create_learning_rate_schedule(
-        config.learning_rate,
-        config.learning_rate_schedule_steps,
-        config.warmup_steps_fraction,
-        config.max_train_steps,
-    )
-    tx = max_utils.create_optimizer(config, schedule)
+    tx = optimizer(config)
     init = functools.partial(
         transformer.init_weights, rngs=jax_key(), max_sequence_length=case["text_length"]
     )
@@ -467,6 +454,19 @@ def flux_train(case, config, mesh):
         f"{case['text_length']} tokens, attention={config.attention}, mesh {dict(mesh.shape)}"
     )
     return fn, (state, batch, rng), {}, what, 0
+
+
+def optimizer(config):
+    """Its trainers' optimizer: ``max_utils.create_optimizer`` on the config's schedule."""
+    from maxdiffusion import max_utils
+
+    schedule = max_utils.create_learning_rate_schedule(
+        config.learning_rate,
+        config.learning_rate_schedule_steps,
+        config.warmup_steps_fraction,
+        config.max_train_steps,
+    )
+    return max_utils.create_optimizer(config, schedule)
 
 
 def jax_key():

@@ -221,37 +221,20 @@ MAXDIFFUSION = (
 # batch and steps are difforge's row's (the same analytic FLOPs price both); see
 # bench/maxdiffusion_tpu.py for what is compiled.
 _WAN_GENERATE_PEER = ("attention=flash", "height=720", "width=1280", "num_frames=81")
+_WAN_TRAIN_PEER = (
+    "base_wan_14b.yml",
+    *_WAN_GENERATE_PEER,
+    "weights_dtype=bfloat16",
+    "activations_dtype=bfloat16",
+    "remat_policy=HIDDEN_STATE_WITH_OFFLOAD",
+    "flash_min_seq_length=0",
+    "ici_data_parallelism=1",
+    "ici_fsdp_parallelism=4",
+    "ici_tensor_parallelism=1",
+)
 PEER_CONFIGS = {
-    "wan2.1-14b/train/v5p-8": (
-        "base_wan_14b.yml",
-        "attention=flash",
-        "weights_dtype=bfloat16",
-        "activations_dtype=bfloat16",
-        "height=720",
-        "width=1280",
-        "num_frames=81",
-        "remat_policy=HIDDEN_STATE_WITH_OFFLOAD",
-        "flash_min_seq_length=0",
-        "per_device_batch_size=0.25",
-        "ici_data_parallelism=1",
-        "ici_fsdp_parallelism=4",
-        "ici_tensor_parallelism=1",
-    ),
-    "wan2.1-14b-b4/train/v5p-8": (
-        "base_wan_14b.yml",
-        "attention=flash",
-        "weights_dtype=bfloat16",
-        "activations_dtype=bfloat16",
-        "height=720",
-        "width=1280",
-        "num_frames=81",
-        "remat_policy=HIDDEN_STATE_WITH_OFFLOAD",
-        "flash_min_seq_length=0",
-        "per_device_batch_size=1",
-        "ici_data_parallelism=1",
-        "ici_fsdp_parallelism=4",
-        "ici_tensor_parallelism=1",
-    ),
+    "wan2.1-14b/train/v5p-8": (*_WAN_TRAIN_PEER, "per_device_batch_size=0.25"),
+    "wan2.1-14b-b4/train/v5p-8": (*_WAN_TRAIN_PEER, "per_device_batch_size=1"),
     "flux1-dev/train/v5p-8": (
         "base_flux_dev.yml",
         "dataset_type=synthetic",
