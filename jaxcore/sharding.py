@@ -120,13 +120,19 @@ def _sizes(config: MeshConfig, kind: str) -> list[int]:
     return [getattr(config, f"{kind}_{axis}_parallelism") for axis in MESH_AXES]
 
 
-def mesh_shape(config: MeshConfig, num_devices: int, num_slices: int = 1) -> dict[str, int]:
-    """Resolve -1 entries; returns {axis: size} with the product equal to num_devices."""
+def _resolved(config: MeshConfig, num_devices: int, num_slices: int):
+    """({axis: dcn size}, {axis: ici size}) with every -1 resolved."""
     if num_devices % num_slices:
         raise ShardingError(f"{num_devices} devices do not split into {num_slices} slices")
     dcn = _fill_auto(_sizes(config, "dcn"), num_slices, "dcn")
     ici = _fill_auto(_sizes(config, "ici"), num_devices // num_slices, "ici")
-    return {axis: d * i for axis, d, i in zip(MESH_AXES, dcn, ici, strict=True)}
+    return dict(zip(MESH_AXES, dcn, strict=True)), dict(zip(MESH_AXES, ici, strict=True))
+
+
+def mesh_shape(config: MeshConfig, num_devices: int, num_slices: int = 1) -> dict[str, int]:
+    """Resolve -1 entries; returns {axis: size} with the product equal to num_devices."""
+    dcn, ici = _resolved(config, num_devices, num_slices)
+    return {axis: dcn[axis] * ici[axis] for axis in MESH_AXES}
 
 
 def fold_batch_into_context(
@@ -142,11 +148,7 @@ def fold_batch_into_context(
     not even divide the data axis (``check_divisible`` names that); else the new config and a
     note saying what moved. Only the ici fsdp axis folds: a dcn fsdp axis would put a ring
     attention across slices."""
-    if num_devices % num_slices:
-        raise ShardingError(f"{num_devices} devices do not split into {num_slices} slices")
-    dcn = dict(zip(MESH_AXES, _fill_auto(_sizes(config, "dcn"), num_slices, "dcn"), strict=True))
-    ici = _fill_auto(_sizes(config, "ici"), num_devices // num_slices, "ici")
-    ici = dict(zip(MESH_AXES, ici, strict=True))
+    dcn, ici = _resolved(config, num_devices, num_slices)
     data, fsdp = dcn["data"] * ici["data"], dcn["fsdp"] * ici["fsdp"]
     if global_batch % (data * fsdp) == 0 or global_batch % (data * dcn["fsdp"]):
         return config, None
@@ -160,9 +162,9 @@ def fold_batch_into_context(
         ici_tensor_parallelism=ici["tensor"],
     )
     note = (
-        f"global batch {global_batch} does not fill data x fsdp = {data * fsdp}: "
-        f"ici fsdp {ici_fsdp} runs as fsdp {kept} x context {ici_fsdp // kept} (weights still sharded over those "
-        "chips, the tokens split over the context ways)"
+        f"global batch {global_batch} does not fill data x fsdp = {data * fsdp}: ici fsdp "
+        f"{ici_fsdp} runs as fsdp {kept} x context {ici_fsdp // kept} (weights still sharded "
+        "over those chips, the tokens split over the context ways)"
     )
     return folded, note
 

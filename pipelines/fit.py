@@ -166,17 +166,13 @@ def build(cfg: FitConfig):
     not split, unknown heads) is a ConfigError naming the stage and slice."""
     from jaxcore import aot, families, sharding
     from stages.common.errors import StageInputError
-    from stages.train.config import global_batch_size
+    from stages.train.config import batch_mesh
 
     slice_ = aot.topology(cfg.slice)
     try:
         mesh_config, folded = cfg.mesh, None
-        if cfg.stage == "train":
-            chips = slice_.chips * cfg.num_slices
-            batch = global_batch_size(cfg.per_device_batch_size, chips)
-            mesh_config, folded = sharding.fold_batch_into_context(
-                cfg.mesh, batch, chips, cfg.num_slices
-            )
+        if cfg.stage == "train":  # as the train stage will (it reads the same two keys)
+            mesh_config, folded = batch_mesh(cfg, slice_.chips * cfg.num_slices, cfg.num_slices)
         mesh = aot.topology_mesh(slice_, mesh_config, cfg.num_slices)
         built = program(cfg, mesh)
         if folded:

@@ -301,10 +301,11 @@ def global_batch_size(per_device_batch_size: float, num_devices: int) -> int:
     return int(round(total))
 
 
-def batch_mesh(config: TrainConfig, num_devices: int, num_slices: int = 1):
+def batch_mesh(config, num_devices: int, num_slices: int = 1):
     """(the mesh config this run's global batch trains on, a note or None): a global batch
     smaller than the batch axes splits its tokens over the fsdp ways it cannot fill
-    (:func:`jaxcore.sharding.fold_batch_into_context`)."""
+    (:func:`jaxcore.sharding.fold_batch_into_context`). ``config``: a TrainConfig, or anything
+    with its ``per_device_batch_size`` and ``mesh`` (``difforge fit``'s config)."""
     from jaxcore import sharding
 
     batch = global_batch_size(config.per_device_batch_size, num_devices)
