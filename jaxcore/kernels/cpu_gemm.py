@@ -97,17 +97,30 @@ def link_flags(runtime: Path) -> tuple[str, ...]:
     )
 
 
-def _unavailable_reason() -> str | None:
+def _refusal() -> str | None:
+    """Why MKL's products cannot run here whatever is built (switched off, no MKL), or None."""
     if os.environ.get(ENV) == "0":
         return f"{ENV}=0"
     refused = native.switched_off_or_unsupported()
     if refused is not None:
         return refused
-    path = find_library()
-    if path is None:
+    if find_library() is None:
         return "no libmkl_rt (pip install 'difforge[mkl]')"
+    return None
+
+
+def _library(*, compile: bool) -> Path:
+    """The product library (:func:`jaxcore.kernels.native.build`), for a :func:`_refusal`-free
+    machine."""
+    return native.build(KERNEL, (), link_flags(Path(find_library())), compile=compile)
+
+
+def _unavailable_reason() -> str | None:
+    refused = _refusal()
+    if refused is not None:
+        return refused
     try:
-        built = native.build(KERNEL, (), link_flags(Path(path)), compile=False)
+        built = _library(compile=False)
         # Local, and deep-bound: MKL's libraries stay out of the global symbol scope (where
         # PyTorch's own MKL would bind to them) and never bind to a PyTorch loaded before.
         library = ctypes.CDLL(str(built), mode=os.RTLD_LOCAL | os.RTLD_DEEPBIND)
@@ -122,16 +135,11 @@ def _unavailable_reason() -> str | None:
 
 def prepare() -> str:
     """Build the MKL product library (``difforge prepare``): its path, or why it is not built."""
-    if os.environ.get(ENV) == "0":
-        return f"not built: {ENV}=0"
-    refused = native.switched_off_or_unsupported()
-    path = find_library()
-    if refused is None and path is None:
-        refused = "no libmkl_rt (pip install 'difforge[mkl]')"
+    refused = _refusal()
     if refused is not None:
         return f"not built: {refused}"
     try:
-        return str(native.build(KERNEL, (), link_flags(Path(path))))
+        return str(_library(compile=True))
     except (native.NativeBuildError, OSError) as error:
         return f"not built: {error}"
 

@@ -8,14 +8,14 @@ header for why and for their exact semantics):
 Both include ``attention_common.h``. ``mkl_gemm.cc`` (dense products in Intel oneMKL) is built
 by the same :func:`build` and driven by :mod:`jaxcore.kernels.cpu_gemm`.
 
-A kernel is built by ``difforge prepare`` (:func:`prepare`; ``make install`` and ``make test``
-run it), never while a program traces, with the system's C++ compiler (``c++``, or ``$CXX``)
-against the XLA FFI headers jaxlib ships, into ``$DIFFORGE_CACHE/native/`` under a name that hashes
-the sources, the flags, jaxlib's version and the compiler's, so a changed source or jaxlib is
-rebuilt and concurrent processes never see a half-written library (temp file, then rename).
-Where one cannot run (not built, no compiler, not Linux x86_64, a CPU without its instructions,
-the OS refusing AMX's tile state, ``DIFFORGE_NATIVE_KERNELS=0``) the XLA path runs instead and one
-log line says why: the results agree within rounding either way
+A kernel is built by ``difforge prepare`` (:func:`prepare`; ``make install`` and the test
+suite run it), never while a program traces, with the system's C++ compiler (``c++``, or
+``$CXX``) against the XLA FFI headers jaxlib ships, into ``$DIFFORGE_CACHE/native/`` under a
+name that hashes the sources, the flags, jaxlib's version and the compiler's, so a changed
+source or jaxlib is rebuilt and concurrent processes never see a half-written library (temp
+file, then rename). Where one cannot run (not built, no compiler, not Linux x86_64, a CPU
+without its instructions, the OS refusing AMX's tile state, ``DIFFORGE_NATIVE_KERNELS=0``) the
+XLA path runs instead and one log line says why: the results agree within rounding either way
 (tests/jaxcore/test_native_attention.py).
 """
 
@@ -175,14 +175,23 @@ def switched_off_or_unsupported() -> str | None:
     return None
 
 
-def _unavailable_reason(kernel: AttentionKernel) -> str | None:
-    """None when ``kernel`` is registered and usable here, else why not."""
+def _refusal(kernel: AttentionKernel) -> str | None:
+    """Why ``kernel`` cannot run here whatever is built (switched off, another platform, a CPU
+    without its instructions), or None."""
     refused = switched_off_or_unsupported()
     if refused is not None:
         return refused
     missing = kernel.cpu_flags - cpu_flags()
     if missing:
         return f"this CPU lacks {', '.join(sorted(missing))}"
+    return None
+
+
+def _unavailable_reason(kernel: AttentionKernel) -> str | None:
+    """None when ``kernel`` is registered and usable here, else why not."""
+    refused = _refusal(kernel)
+    if refused is not None:
+        return refused
     try:
         library = ctypes.CDLL(str(build(kernel.name, kernel.flags, compile=False)))
     except (NativeBuildError, OSError) as error:
@@ -203,10 +212,7 @@ def prepare() -> dict[str, str]:
     prepare``): {kernel: its library's path, or why it is not built}."""
     out = {}
     for kernel in KERNELS:
-        refused = switched_off_or_unsupported()
-        missing = kernel.cpu_flags - cpu_flags()
-        if refused is None and missing:
-            refused = f"this CPU lacks {', '.join(sorted(missing))}"
+        refused = _refusal(kernel)
         if refused is not None:
             out[kernel.name] = f"not built: {refused}"
             continue
