@@ -35,7 +35,6 @@ demo: $(STAMP)
 	$(VENV)/bin/difforge demo root=outputs/demo
 
 test: $(STAMP)
-	$(VENV)/bin/difforge prepare > /dev/null
 	$(PY) -m pytest -q --durations=25
 
 test-slow: $(STAMP)
