@@ -50,8 +50,8 @@ GCS_BUCKET = "difforge-test"
 
 
 def pytest_sessionstart(session):
-    """The native CPU kernels built first (``difforge prepare``; ``make test`` ran it already,
-    this keeps a bare ``pytest`` equal): a run never compiles them while it traces."""
+    """The native CPU kernels built first, as ``difforge prepare`` builds them (``make test`` and
+    a bare ``pytest`` alike): a run never compiles them while it traces."""
     from jaxcore.kernels import cpu_gemm, native
 
     native.prepare()
