@@ -281,11 +281,17 @@ def divisible_spec(mesh: Mesh, spec: PartitionSpec, shape: Sequence[int]) -> Par
     return PartitionSpec(*entries, *tuple(spec)[len(entries) :])
 
 
+def logical_axis_size(mesh, logical: str, rules=None) -> int:
+    """How many ways the logical axis ``logical`` is split on ``mesh`` (a Mesh or the abstract
+    mesh being traced for) under the rules; mesh axes the mesh lacks count 1."""
+    spec = logical_to_spec((logical,), rules)[0]
+    axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
+    return math.prod(dict(mesh.shape).get(a, 1) for a in axes)
+
+
 def batch_axis_size(mesh: Mesh, rules=None) -> int:
     """How many ways the activation batch is split on this mesh."""
-    spec = logical_to_spec(("activation_batch",), rules)[0]
-    axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
-    return math.prod(mesh.shape[a] for a in axes)
+    return logical_axis_size(mesh, "activation_batch", rules)
 
 
 def check_divisible(mesh: Mesh, *, batch: int | None = None, heads: int | None = None) -> None:

@@ -92,9 +92,7 @@ def mlp_is_split() -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return False
-    axes = sharding.logical_to_spec(("mlp",), nn.get_logical_axis_rules() or None)[0]
-    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return math.prod(dict(mesh.shape).get(name, 1) for name in names) > 1
+    return sharding.logical_axis_size(mesh, "mlp", nn.get_logical_axis_rules() or None) > 1
 
 
 def conv2d(x_bhwc: jax.Array, kernel_hwio: jax.Array, strides, padding) -> jax.Array:
