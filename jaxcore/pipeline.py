@@ -502,16 +502,44 @@ class Pipeline:
         if cache.enabled and self.second_expert is not None:
             raise ValueError("step caching is not supported for two-expert pipelines yet")
         cache_in = _cache_input(cache, cache_schedule, int(state.timesteps.shape[0]))
-        loop = (state, step_fn, use_cfg, batched_cfg, cache, cache_in, rescale)
         with self.context():
-            x, cache_out = self._denoise(latents, cond, uncond, cfg_on, scales, scales_2, loop)
+            x, cache_out = self._denoise(
+                latents,
+                cond,
+                uncond,
+                cfg_on,
+                scales,
+                scales_2,
+                state,
+                step_fn,
+                use_cfg,
+                batched_cfg,
+                rescale,
+                cache,
+                cache_in,
+            )
             x = self.family.finish_latents(x, cond)
         return x, _cache_stats(cache_out, use_cfg, batched_cfg)
 
-    def _denoise(self, latents, cond, uncond, cfg_on, scales, scales_2, loop):
+    def _denoise(
+        self,
+        latents,
+        cond,
+        uncond,
+        cfg_on,
+        scales,
+        scales_2,
+        state,
+        step_fn,
+        use_cfg,
+        batched_cfg,
+        rescale,
+        cache,
+        cache_in,
+    ):
         """The whole loop on one denoiser, on both experts in one program, or (experts that
-        take turns on the devices) in two; (latents, the cache's output or None)."""
-        state, step_fn, use_cfg, batched_cfg, cache, cache_in, rescale = loop
+        take turns on the devices) in two; (latents, the cache's output or None). The arguments
+        are :meth:`_sample_swapping`'s and the step cache's."""
         expert = self.second_expert
         steps = int(state.timesteps.shape[0])
         if expert is not None and expert.placement != "device":
