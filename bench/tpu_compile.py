@@ -369,8 +369,7 @@ def peer_case(case: Case, cfg, built, slice_) -> dict:
     from pipelines import deploy, fit
 
     model = deploy.fit_model(cfg.model)
-    family = model.family.name if hasattr(model.family, "name") else case.model
-    kind = ("wan" if "wan" in str(family).lower() else "flux") + "_" + case.program
+    kind = f"{model.family.name}_{case.program}"  # wan_generate, flux_train, ...
     transformer = dataclasses.asdict(model.configs["transformer"])
     details = built.details
     out = {
