@@ -523,15 +523,8 @@ def train_program(config, model: FitModel, mesh, features=None):
     config's objective, donated buffers) as a :class:`jaxcore.aot.Program` with abstract
     params, optimiser state and batch: ``per_device_batch_size`` x the mesh's devices, of
     ``features`` (default: the config's synthetic shapes). Full fine-tuning only."""
-    import inspect
-
-    import jax
-    import jax.numpy as jnp
-
     from jaxcore import aot, sharding
-    from jaxcore.layer_stack import LayerStack
-    from stages.common import checkpoints, objective
-    from stages.common.data import batch_sharding, replicated
+    from stages.common import objective
     from stages.train import loop, trainer
     from stages.train.config import global_batch_size
     from stages.train.model import Model
@@ -550,17 +543,7 @@ def train_program(config, model: FitModel, mesh, features=None):
     built = Model(family, module, None, {"source": model.source})
     features = features or loop.batch_features(config, built, None)
     tx, schedule = trainer.make_optimizer(config.optimizer, config.max_train_steps)
-    params = checkpoints.abstract_params_with_shardings(family, module, mesh)
-    param_sh = checkpoints.param_shardings(family, module, mesh)
-    layers = LayerStack.of(module, params)  # compute.scan_layers: the run holds stacks
-    if layers is not None:
-        params, param_sh = layers.stack(params), layers.stack(param_sh)
-    opt_sh = trainer.opt_state_shardings(tx, params, param_sh, mesh)
-    opt_state = jax.tree.map(
-        lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
-        jax.eval_shape(tx.init, params),
-        opt_sh,
-    )
+    params, param_sh, opt_state, opt_sh = _abstract_train_state(family, module, tx, mesh)
     step = trainer.make_train_step(
         family,
         module,
@@ -575,23 +558,8 @@ def train_program(config, model: FitModel, mesh, features=None):
         target=target,
         **({"prior_loss_weight": config.prior_preservation.prior_loss_weight} if prior else {}),
     )
-    batch_args = {
-        f.name: jax.ShapeDtypeStruct(
-            (batch, *f.shape), jnp.dtype(f.dtype), sharding=batch_sharding(mesh, 1 + len(f.shape))
-        )
-        for f in features
-    }
-    index = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(mesh))
-    # the step's arguments by name (its positional order is the trainer's business): the
-    # trainable params, their AdamW state, the batch (and a prior-preservation run's class
-    # batch of the same rows) and the step number; no frozen base (full fine-tuning)
-    named = {"params": params, "opt_state": opt_state, "batch": batch_args, "step": index}
-    if prior:
-        named["prior"] = batch_args
-    names = list(inspect.signature(step.fn).parameters)
-    if not set(named) <= set(names):
-        raise FitCheckError(f"the train step takes {names}; the fit check knows {list(named)}")
-    args = tuple(named.get(name, {}) for name in names)
+    batch_args = _abstract_batch(features, batch, mesh)
+    args = _train_step_args(step.fn, params, opt_state, batch_args, prior, mesh)
     details = {
         "batch": batch,
         "features": {f.name: list(f.shape) for f in features},
@@ -611,6 +579,66 @@ def train_program(config, model: FitModel, mesh, features=None):
         details=details,
         attention_flops=loop.training_attention_flops(built, features, rows),
     )
+
+
+def _abstract_train_state(family, module, tx, mesh):
+    """(params, their shardings, AdamW state, its shardings) of full fine-tuning, abstract:
+    ShapeDtypeStructs carrying their shardings, nothing allocated."""
+    import jax
+
+    from jaxcore.layer_stack import LayerStack
+    from stages.common import checkpoints
+    from stages.train import trainer
+
+    params = checkpoints.abstract_params_with_shardings(family, module, mesh)
+    param_sh = checkpoints.param_shardings(family, module, mesh)
+    layers = LayerStack.of(module, params)  # compute.scan_layers: the run holds stacks
+    if layers is not None:
+        params, param_sh = layers.stack(params), layers.stack(param_sh)
+    opt_sh = trainer.opt_state_shardings(tx, params, param_sh, mesh)
+    opt_state = jax.tree.map(
+        lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
+        jax.eval_shape(tx.init, params),
+        opt_sh,
+    )
+    return params, param_sh, opt_state, opt_sh
+
+
+def _abstract_batch(features, batch: int, mesh) -> dict:
+    """A global batch of ``batch`` rows of ``features``, abstract, sharded on its batch axis."""
+    import jax
+    import jax.numpy as jnp
+
+    from stages.common.data import batch_sharding
+
+    return {
+        f.name: jax.ShapeDtypeStruct(
+            (batch, *f.shape), jnp.dtype(f.dtype), sharding=batch_sharding(mesh, 1 + len(f.shape))
+        )
+        for f in features
+    }
+
+
+def _train_step_args(step_fn, params, opt_state, batch_args: dict, prior: bool, mesh) -> tuple:
+    """The train step's arguments in the order its signature names them."""
+    import inspect
+
+    import jax
+    import jax.numpy as jnp
+
+    from stages.common.data import replicated
+
+    index = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(mesh))
+    # the step's arguments by name (its positional order is the trainer's business): the
+    # trainable params, their AdamW state, the batch (and a prior-preservation run's class
+    # batch of the same rows) and the step number; no frozen base (full fine-tuning)
+    named = {"params": params, "opt_state": opt_state, "batch": batch_args, "step": index}
+    if prior:
+        named["prior"] = batch_args
+    names = list(inspect.signature(step_fn).parameters)
+    if not set(named) <= set(names):
+        raise FitCheckError(f"the train step takes {names}; the fit check knows {list(named)}")
+    return tuple(named.get(name, {}) for name in names)
 
 
 def generate_program(config, model: FitModel, mesh):

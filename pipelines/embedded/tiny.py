@@ -256,9 +256,39 @@ def _transformers_config(architecture: str, config) -> dict:
     }
 
 
-def _save(folder: Path, name: str, tensors: Mapping) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    weights.save_safetensors(tensors, folder / name, {"format": "pt"})
+def _write_component(folder: Path, config: Mapping, weights_file: str, tensors: Mapping) -> None:
+    """A component's folder as diffusers and transformers save it: config.json, then the
+    weights (safetensors, PyTorch's names)."""
+    _write_json(folder / "config.json", config)
+    weights.save_safetensors(tensors, folder / weights_file, {"format": "pt"})
+
+
+def _clip_config_for(tokenizer, config):
+    """``config`` (a CLIP text encoder's) with ``tokenizer``'s vocabulary size and special ids."""
+    return dataclasses.replace(
+        config,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _flux_model_index(clip_tokenizer, t5_tokenizer) -> dict:
+    """model_index.json as diffusers' ``FluxPipeline.save_pretrained`` writes it."""
+    return {
+        "_class_name": "FluxPipeline",
+        "_diffusers_version": DIFFUSERS_VERSION,
+        "feature_extractor": [None, None],
+        "image_encoder": [None, None],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "text_encoder_2": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", type(clip_tokenizer).__name__],
+        "tokenizer_2": ["transformers", type(t5_tokenizer).__name__],
+        "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
 
 
 def build_tiny_flux_pipeline(
@@ -285,64 +315,41 @@ def build_tiny_flux_pipeline(
     )
     t5_cfg = sections["text_encoder_2"]
     t5_tokenizer = build_tiny_tokenizer(root / "tokenizer_2", vocab_size=t5_cfg.vocab_size)
-    clip_cfg = dataclasses.replace(
-        sections["text_encoder"],
-        vocab_size=len(clip_tokenizer),
-        bos_token_id=clip_tokenizer.bos_token_id,
-        eos_token_id=clip_tokenizer.eos_token_id,
-        pad_token_id=clip_tokenizer.pad_token_id,
-    )
+    clip_cfg = _clip_config_for(clip_tokenizer, sections["text_encoder"])
     keys = jax.random.split(jax.random.key(seed), 4)
 
     t_cfg = sections["transformer"]
     _, t_params = flux_transformer.init_flux_transformer(t_cfg, keys[0])
-    _write_json(
-        root / "transformer/config.json", _diffusers_config("FluxTransformer2DModel", t_cfg)
-    )
-    _save(
+    _write_component(
         root / "transformer",
+        _diffusers_config("FluxTransformer2DModel", t_cfg),
         "diffusion_pytorch_model.safetensors",
         weights.export_state_dict(t_params, flux_transformer.weight_map(t_cfg)),
     )
     v_cfg = sections["vae"]
     _, v_params = autoencoder_kl.init_autoencoder_kl(v_cfg, keys[1])
-    _write_json(root / "vae/config.json", _diffusers_config("AutoencoderKL", v_cfg))
-    _save(
+    _write_component(
         root / "vae",
+        _diffusers_config("AutoencoderKL", v_cfg),
         "diffusion_pytorch_model.safetensors",
         weights.export_state_dict(v_params, autoencoder_kl.weight_map(v_cfg)),
     )
     _, c_params = clip_text.init_clip_text(clip_cfg, keys[2])
-    _write_json(root / "text_encoder/config.json", _transformers_config("CLIPTextModel", clip_cfg))
-    _save(
+    _write_component(
         root / "text_encoder",
+        _transformers_config("CLIPTextModel", clip_cfg),
         "model.safetensors",
         weights.export_state_dict(c_params, clip_text.weight_map(clip_cfg)),
     )
     _, e_params = t5.init_t5_encoder(t5_cfg, keys[3])
-    _write_json(root / "text_encoder_2/config.json", _transformers_config("T5EncoderModel", t5_cfg))
-    _save(
+    _write_component(
         root / "text_encoder_2",
+        _transformers_config("T5EncoderModel", t5_cfg),
         "model.safetensors",
         weights.export_state_dict(e_params, t5.weight_map(t5_cfg, "shared.weight")),
     )
     _write_json(root / "scheduler/scheduler_config.json", FLUX_SCHEDULER_CONFIG)
-    _write_json(
-        root / "model_index.json",
-        {
-            "_class_name": "FluxPipeline",
-            "_diffusers_version": DIFFUSERS_VERSION,
-            "feature_extractor": [None, None],
-            "image_encoder": [None, None],
-            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-            "text_encoder": ["transformers", "CLIPTextModel"],
-            "text_encoder_2": ["transformers", "T5EncoderModel"],
-            "tokenizer": ["transformers", type(clip_tokenizer).__name__],
-            "tokenizer_2": ["transformers", type(t5_tokenizer).__name__],
-            "transformer": ["diffusers", "FluxTransformer2DModel"],
-            "vae": ["diffusers", "AutoencoderKL"],
-        },
-    )
+    _write_json(root / "model_index.json", _flux_model_index(clip_tokenizer, t5_tokenizer))
     return root
 
 

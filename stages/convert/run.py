@@ -65,33 +65,14 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
         _publish(config, done)
         return done
 
-    dataset = load_source(config.dataset)
-    info = describe(dataset, config.dataset)
-    ids, id_source = source_ids(dataset, config.dataset)
-    if not ids:
-        raise StageInputError(f"source {config.dataset.source}: the dataset has no rows")
-    if config.base and id_source == ID_ROW_INDEX:
-        raise StageInputError(
-            f"base={config.base}: an incremental convert needs stable ids, but "
-            "id_column=null uses row indices (which move when rows are added or removed)"
-        )
-    try:
-        encoders = plan_encoders(
-            config.encoder, config.media.height, config.media.width, config.media.num_frames
-        )
-    except EncoderLoadError as err:
-        raise StageInputError(str(err)) from None
+    dataset, info, ids, id_source = _open_source(config)
+    encoders = _encoder_plan(config)
     base = incremental.load_base(base_manifest) if base_manifest is not None else None
     if base is not None:
         incremental.check_compatible(base.manifest, _settings(config, encoders))
     new_indices = incremental.new_row_indices(ids, base)
     removed = incremental.removed_ids(ids, base)
-    ids_by_split = {s: [] for s in records.SPLITS}
-    for index in new_indices:
-        sid = ids[index]
-        which = split.assign_split(sid, config.split.eval_fraction, config.split.split_seed)
-        ids_by_split[which].append(sid)
-    expected = {s: len(v) for s, v in ids_by_split.items()}
+    ids_by_split = _split_ids(config, [ids[index] for index in new_indices])
     if base is not None:
         log.info(
             "convert: base %s knows %d ids; %d of %d source rows are new, %d removed",
@@ -101,27 +82,8 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
             len(ids),
             len(removed),
         )
-    plan = plan_shards(
-        expected,
-        encoders,
-        config.shards.records_per_shard,
-        config.shards.max_shard_bytes,
-        ids_by_split,
-        config.split.split_seed,
-    )
-    log.info(
-        "convert: %d rows (expected train %d, eval %d) -> %s shards of <= %d records",
-        len(ids),
-        expected["train"],
-        expected["eval"],
-        dict(plan.num_shards),
-        plan.records_per_shard,
-    )
-
-    for folder in WORK_FOLDERS:  # leftovers of a killed run (never a finished artifact)
-        storage.delete_tree(storage.join(writer.uri, folder))
-    for name in (incremental.IDS_FILE, incremental.REMOVED_FILE, records.EMPTY_PROMPT_FILE):
-        storage.delete(storage.join(writer.uri, name))
+    plan = _shard_plan(config, encoders, ids_by_split, len(ids))
+    _clear_leftovers(writer.uri)
 
     ranges = index_ranges(new_indices)
     first_bucket = base.eval_count() if base is not None else 0
@@ -145,6 +107,73 @@ def run(config: ConvertConfig, *, force: bool = False) -> Manifest | None:
     manifest = writer.commit(summary)
     _publish(config, manifest)
     return manifest
+
+
+def _open_source(config: ConvertConfig):
+    """(dataset, its description, the rows' ids, where the ids come from) of the source,
+    checked to have rows, and stable ids where an incremental convert needs them."""
+    dataset = load_source(config.dataset)
+    info = describe(dataset, config.dataset)
+    ids, id_source = source_ids(dataset, config.dataset)
+    if not ids:
+        raise StageInputError(f"source {config.dataset.source}: the dataset has no rows")
+    if config.base and id_source == ID_ROW_INDEX:
+        raise StageInputError(
+            f"base={config.base}: an incremental convert needs stable ids, but "
+            "id_column=null uses row indices (which move when rows are added or removed)"
+        )
+    return dataset, info, ids, id_source
+
+
+def _encoder_plan(config: ConvertConfig):
+    """The encoders' plan for the configured media size; a model that cannot be loaded is
+    the run's input error."""
+    try:
+        return plan_encoders(
+            config.encoder, config.media.height, config.media.width, config.media.num_frames
+        )
+    except EncoderLoadError as err:
+        raise StageInputError(str(err)) from None
+
+
+def _split_ids(config: ConvertConfig, new_ids) -> dict[str, list]:
+    """``new_ids`` by the split each is assigned to (a hash of the id: stable across runs)."""
+    ids_by_split = {s: [] for s in records.SPLITS}
+    for sid in new_ids:
+        which = split.assign_split(sid, config.split.eval_fraction, config.split.split_seed)
+        ids_by_split[which].append(sid)
+    return ids_by_split
+
+
+def _shard_plan(config: ConvertConfig, encoders, ids_by_split, num_rows: int):
+    """The shards each split's expected records go to."""
+    expected = {s: len(v) for s, v in ids_by_split.items()}
+    plan = plan_shards(
+        expected,
+        encoders,
+        config.shards.records_per_shard,
+        config.shards.max_shard_bytes,
+        ids_by_split,
+        config.split.split_seed,
+    )
+    log.info(
+        "convert: %d rows (expected train %d, eval %d) -> %s shards of <= %d records",
+        num_rows,
+        expected["train"],
+        expected["eval"],
+        dict(plan.num_shards),
+        plan.records_per_shard,
+    )
+    return plan
+
+
+def _clear_leftovers(uri: str) -> None:
+    """Delete the work folders and files a killed run left at ``uri`` (never a finished
+    artifact)."""
+    for folder in WORK_FOLDERS:
+        storage.delete_tree(storage.join(uri, folder))
+    for name in (incremental.IDS_FILE, incremental.REMOVED_FILE, records.EMPTY_PROMPT_FILE):
+        storage.delete(storage.join(uri, name))
 
 
 def _empty_prompt(uri: str, base) -> dict | None:

@@ -286,28 +286,9 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest, prior_manifest=
     features = batch_features(config, built, train_spec)
 
     empty = _empty_prompt(config, data_manifest, features)
-    tx, schedule = trainer.make_optimizer(config.optimizer, config.max_train_steps)
     param_sh = checkpoints.param_shardings(built.family, built.module, mesh)
-    trainable = model.make_trainable(built, config.lora, mesh, jax.random.key(config.seed + 1))
-    opt_sh = trainer.opt_state_shardings(tx, trainable.params, trainable.shardings, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(trainable.params)
-    step_fn = trainer.make_train_step(
-        built.family,
-        built.module,
-        tx,
-        schedule,
-        config.objective,
-        mesh,
-        trainable.shardings,
-        opt_sh,
-        features,
-        config.seed,
-        frozen_shardings=trainable.frozen_shardings,
-        effective=trainable.effective,
-        target=target,
-        prior_loss_weight=config.prior_preservation.prior_loss_weight if prior else None,
-        empty_prompt=empty,
-        proportion_empty_prompts=config.input.proportion_empty_prompts,
+    trainable, opt_state, step_fn = _trainable_and_step(
+        config, built, mesh, features, target, prior is not None, empty
     )
     ckpt = config.checkpointing
     mngr = checkpoints.manager(
@@ -340,18 +321,63 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest, prior_manifest=
         target=target,
     )
     if eval_spec is not None:
-        built.family.check_features(built.module.config, eval_spec.by_name, eval_spec.artifact_uri)
-        run.eval_fn = scoring.make_eval_fn(
-            built.family,
-            built.module,
-            mesh,
-            param_sh,
-            eval_spec,
-            config.evaluation.eval_seed,
-            run.embedded_inputs,
-            target,
-        )
+        run.eval_fn = _make_eval_fn(run)
     return run
+
+
+def _trainable_and_step(
+    config: TrainConfig,
+    built: model.Model,
+    mesh,
+    features,
+    target,
+    prior_preservation: bool,
+    empty_prompt,
+):
+    """(what the optimiser updates: the denoiser's params or LoRA adapters; their AdamW state,
+    placed on the mesh; the jitted train step) of one run."""
+    tx, schedule = trainer.make_optimizer(config.optimizer, config.max_train_steps)
+    trainable = model.make_trainable(built, config.lora, mesh, jax.random.key(config.seed + 1))
+    opt_sh = trainer.opt_state_shardings(tx, trainable.params, trainable.shardings, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(trainable.params)
+    step_fn = trainer.make_train_step(
+        built.family,
+        built.module,
+        tx,
+        schedule,
+        config.objective,
+        mesh,
+        trainable.shardings,
+        opt_sh,
+        features,
+        config.seed,
+        frozen_shardings=trainable.frozen_shardings,
+        effective=trainable.effective,
+        target=target,
+        prior_loss_weight=config.prior_preservation.prior_loss_weight
+        if prior_preservation
+        else None,
+        empty_prompt=empty_prompt,
+        proportion_empty_prompts=config.input.proportion_empty_prompts,
+    )
+    return trainable, opt_state, step_fn
+
+
+def _make_eval_fn(run: Run):
+    """The run's jitted per-record eval loss (:func:`stages.common.scoring.make_eval_fn`),
+    once the eval split's records are checked to hold the model's tensors."""
+    built, spec = run.model, run.eval_spec
+    built.family.check_features(built.module.config, spec.by_name, spec.artifact_uri)
+    return scoring.make_eval_fn(
+        built.family,
+        built.module,
+        run.mesh,
+        run.param_shardings,
+        spec,
+        run.config.evaluation.eval_seed,
+        run.embedded_inputs,
+        run.target,
+    )
 
 
 def resume(run: Run) -> None:

@@ -138,8 +138,6 @@ def make_train_step(
     (:func:`drop_captions`).
     """
     effective = effective or (lambda params, frozen: params)
-    batch_shardings = {f.name: batch_sharding(mesh, 1 + len(f.shape)) for f in features}
-    rep = replicated(mesh)
     embedded = objective.embedded_inputs(family, module.config, objective_cfg)
 
     def loss_fn(params, frozen, batch, prior, key):
@@ -156,6 +154,25 @@ def make_train_step(
             return jnp.mean(per_sample), {}
         return objective.prior_preservation_loss(per_sample, rows, prior_loss_weight)
 
+    in_shardings = _step_in_shardings(
+        mesh, features, param_shardings, opt_shardings, frozen_shardings, prior_loss_weight
+    )
+    jitted = jax.jit(
+        _optimiser_step(loss_fn, tx, schedule, seed),
+        in_shardings=in_shardings,
+        out_shardings=(param_shardings, opt_shardings, replicated(mesh)),
+        donate_argnums=(0, 1),
+        compiler_options=train_step_compiler_options(platform_of(mesh)),
+    )
+    return TrainStep(jitted, mesh)
+
+
+def _optimiser_step(loss_fn, tx, schedule, seed: int):
+    """``(params, opt_state, frozen, batch, prior, step) -> (params, opt_state, metrics)``: one
+    update of ``tx`` on the gradient of ``loss_fn(params, frozen, batch, prior, key)`` (which
+    returns the loss and extra metrics), its key ``fold_in(key(seed), step)``. The argument
+    names are the step's interface (``pipelines.deploy`` fills them by name)."""
+
     def step_fn(params, opt_state, frozen, batch, prior, step):
         key = jax.random.fold_in(jax.random.key(seed), step)
         (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(
@@ -171,20 +188,23 @@ def make_train_step(
         }
         return params, opt_state, metrics
 
+    return step_fn
+
+
+def _step_in_shardings(
+    mesh: Mesh, features, param_shardings, opt_shardings, frozen_shardings, prior_loss_weight
+) -> tuple:
+    """Shardings of the step's (params, opt_state, frozen, batch, prior, step): each batch
+    tensor on its batch axis, a prior-preservation run's class batch as the batch (else
+    empty), no frozen base unless given, the step number replicated."""
+    batch_shardings = {f.name: batch_sharding(mesh, 1 + len(f.shape)) for f in features}
     frozen_shardings = {} if frozen_shardings is None else frozen_shardings
     prior_shardings = batch_shardings if prior_loss_weight is not None else {}
-    jitted = jax.jit(
-        step_fn,
-        in_shardings=(
-            param_shardings,
-            opt_shardings,
-            frozen_shardings,
-            batch_shardings,
-            prior_shardings,
-            rep,
-        ),
-        out_shardings=(param_shardings, opt_shardings, rep),
-        donate_argnums=(0, 1),
-        compiler_options=train_step_compiler_options(platform_of(mesh)),
+    return (
+        param_shardings,
+        opt_shardings,
+        frozen_shardings,
+        batch_shardings,
+        prior_shardings,
+        replicated(mesh),
     )
-    return TrainStep(jitted, mesh)
