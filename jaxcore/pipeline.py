@@ -112,6 +112,31 @@ def _row_bucket(count: int) -> int:
     return 1 << max(0, count - 1).bit_length()
 
 
+@dataclasses.dataclass(frozen=True)
+class _LoopInputs:
+    """What :meth:`Pipeline.sample_with_stats` hands the denoising loop, placed like the batch
+    (the step cache's inputs travel beside it: the two-expert paths take none)."""
+
+    latents: jax.Array  # [B, ...] float32, already times init_noise_sigma
+    cond: dict[str, jax.Array]
+    uncond: dict[str, jax.Array]  # cond itself when none was given (no row uses CFG)
+    cfg_on: jax.Array  # [B] bool: CFG applies to the row
+    scales: jax.Array  # [B] the first expert's CFG scale
+    scales_2: jax.Array  # [B] the second expert's
+    state: Any  # the scheduler state
+    step_fn: schedulers.StepFn
+    use_cfg: bool  # any row uses CFG: the program computes the negative branch
+    batched_cfg: bool  # both CFG branches in one call of 2B rows
+    rescale: jax.Array | None  # [B] guidance_rescale, None: none compiled
+
+    def program(self, family, denoiser, second_denoiser=None, cache=step_cache.NO_CACHE):
+        """The jitted loop (:func:`jaxcore.sampling.denoise_fn`) of ``denoiser`` (and a second
+        expert's) with this render's sampler and CFG settings."""
+        return sampling.denoise_fn(
+            family, denoiser, self.step_fn, self.use_cfg, second_denoiser, cache, self.batched_cfg
+        )
+
+
 @dataclasses.dataclass
 class Pipeline:
     """Loaded components of one pipeline directory (see the module docstring)."""
@@ -502,106 +527,58 @@ class Pipeline:
         if cache.enabled and self.second_expert is not None:
             raise ValueError("step caching is not supported for two-expert pipelines yet")
         cache_in = _cache_input(cache, cache_schedule, int(state.timesteps.shape[0]))
+        loop = _LoopInputs(
+            latents=latents,
+            cond=cond,
+            uncond=uncond,
+            cfg_on=cfg_on,
+            scales=scales,
+            scales_2=scales_2,
+            state=state,
+            step_fn=step_fn,
+            use_cfg=use_cfg,
+            batched_cfg=batched_cfg,
+            rescale=rescale,
+        )
         with self.context():
-            x, cache_out = self._denoise(
-                latents,
-                cond,
-                uncond,
-                cfg_on,
-                scales,
-                scales_2,
-                state,
-                step_fn,
-                use_cfg,
-                batched_cfg,
-                rescale,
-                cache,
-                cache_in,
-            )
+            x, cache_out = self._denoise(loop, cache, cache_in)
             x = self.family.finish_latents(x, cond)
         return x, _cache_stats(cache_out, use_cfg, batched_cfg)
 
-    def _denoise(
-        self,
-        latents,
-        cond,
-        uncond,
-        cfg_on,
-        scales,
-        scales_2,
-        state,
-        step_fn,
-        use_cfg,
-        batched_cfg,
-        rescale,
-        cache,
-        cache_in,
-    ):
+    def _denoise(self, loop: _LoopInputs, cache: step_cache.CachePlan, cache_in: dict | None):
         """The whole loop on one denoiser, on both experts in one program, or (experts that
-        take turns on the devices) in two; (latents, the cache's output or None). The arguments
-        are :meth:`_sample_swapping`'s and the step cache's."""
+        take turns on the devices) in two; (latents, the cache's output or None)."""
         expert = self.second_expert
-        steps = int(state.timesteps.shape[0])
         if expert is not None and expert.placement != "device":
-            x = self._sample_swapping(
-                latents,
-                cond,
-                uncond,
-                cfg_on,
-                scales,
-                scales_2,
-                state,
-                step_fn,
-                use_cfg,
-                batched_cfg,
-                rescale,
-            )
-            return x, None
+            return self._sample_swapping(loop), None
         second_module = None if expert is None else expert.denoiser
-        fn = sampling.denoise_fn(
-            self.family, self.denoiser, step_fn, use_cfg, second_module, cache, batched_cfg
-        )
+        fn = loop.program(self.family, self.denoiser, second_module, cache)
         second = None
         if expert is not None:
-            second = (expert.params, jnp.float32(expert.boundary), scales_2)
-        args = (cond, uncond, cfg_on, scales, state, 0, steps, second, cache_in, rescale)
-        x, _, cache_out = fn(self.denoiser_params, latents, *args)
+            second = (expert.params, jnp.float32(expert.boundary), loop.scales_2)
+        steps = int(loop.state.timesteps.shape[0])
+        args = (loop.cond, loop.uncond, loop.cfg_on, loop.scales, loop.state, 0, steps, second)
+        x, _, cache_out = fn(self.denoiser_params, loop.latents, *args, cache_in, loop.rescale)
         return x, cache_out
 
-    def _sample_swapping(
-        self,
-        latents,
-        cond,
-        uncond,
-        cfg_on,
-        scales,
-        scales_2,
-        state,
-        step_fn,
-        use_cfg,
-        batched_cfg=False,
-        rescale=None,
-    ):
+    def _sample_swapping(self, loop: _LoopInputs):
         """Two experts, one on the devices at a time: the first for the steps at or above the
         boundary, then (its weights released) the second for the rest."""
-        expert = self.second_expert
+        expert, x, state = self.second_expert, loop.latents, loop.state
         split = sampling.first_expert_steps(state.timesteps, expert.boundary)
         steps = int(state.timesteps.shape[0])
-        x, phases = (
-            latents,
-            ((self.denoiser, 0, 0, split, scales), (expert.denoiser, 1, split, steps, scales_2)),
+        phases = (
+            (self.denoiser, 0, 0, split, loop.scales),
+            (expert.denoiser, 1, split, steps, loop.scales_2),
         )
         for module, which, start, stop, scale in phases:
             if start == stop:
                 continue
             host, shardings = self.host_experts()[which]
             params = jax.device_put(host, shardings)
-            fn = sampling.denoise_fn(
-                self.family, module, step_fn, use_cfg, None, step_cache.NO_CACHE, batched_cfg
-            )
-            x, state, _ = fn(
-                params, x, cond, uncond, cfg_on, scale, state, start, stop, None, None, rescale
-            )
+            fn = loop.program(self.family, module)
+            args = (loop.cond, loop.uncond, loop.cfg_on, scale, state, start, stop, None, None)
+            x, state, _ = fn(params, x, *args, loop.rescale)
             jax.block_until_ready(x)  # the weights may go only once the steps are done
             del params
         return x

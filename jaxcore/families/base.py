@@ -16,8 +16,9 @@ What a family tells the stages:
   encoders themselves (:meth:`Family.load_encoders`: media -> latents, captions -> tensors).
 - **media <-> latents**: which sizes it can encode (:meth:`Family.geometry`), the latent shape
   (:meth:`Family.latent_shape`), encode (in :class:`Encoders`) and decode (:meth:`Family.decode`).
-- **the denoiser**: config, build, init, load, shard (``abstract_params``), apply to
-  ``(latents, timestep, conditioning)``, export to diffusers format, FLOPs.
+- **the denoiser**: config, build, init, load, shard (``abstract_params``) and export to
+  diffusers format through the functions of its model module (:class:`DenoiserModel`, data);
+  apply to ``(latents, timestep, conditioning)``, FLOPs.
 - **sampling defaults**: scheduler and shift from the pipeline's scheduler config, and how the
   user's guidance settings become a CFG scale and the denoiser's own inputs
   (:meth:`Family.guidance`).
@@ -45,12 +46,15 @@ Timesteps at this interface are always on the scheduler's scale, ``[0, num_train
 from __future__ import annotations
 
 import abc
+import dataclasses
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxcore import sharding, weights
@@ -83,18 +87,57 @@ class Encoders(abc.ABC):
     def encode_text(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
         """Captions -> ``{conditioning name: [B, *shape]}`` float32."""
 
-    def _padded(self, rows, what: str):
-        """``rows`` repeated up to ``batch_size`` (one compiled program), and their count."""
-        count = len(rows)
+    def _check_batch(self, count: int, what: str) -> int:
+        """``count`` (rows of ``what``), checked to fit one call of ``batch_size`` rows."""
         if not 1 <= count <= self.batch_size:
             raise ValueError(f"{count} {what} do not fit in encoder batch_size={self.batch_size}")
+        return count
+
+    def _padded(self, rows, what: str):
+        """``rows`` repeated up to ``batch_size`` (one compiled program), and their count."""
+        count = self._check_batch(len(rows), what)
         return list(rows) + [rows[-1]] * (self.batch_size - count), count
+
+    def _padded_images(self, videos: np.ndarray, model: str) -> tuple[np.ndarray, int]:
+        """An image model's media, one-frame clips ``[B, 3, 1, H, W]`` (convert hands every
+        family its media as videos) -> the images ``[batch_size, 3, H, W]`` float32 padded as
+        :meth:`_padded` pads rows, and ``B``; ``model`` names the model in the error."""
+        videos = np.asarray(videos, np.float32)
+        if videos.ndim != 5 or videos.shape[2] != 1:
+            raise ValueError(
+                f"{model} encodes images: videos must be [B, 3, 1, H, W], got {videos.shape}"
+            )
+        padded, count = self._padded(list(videos[:, :, 0]), "images")
+        return np.stack(padded), count
 
     def encode_media_conditioning(self, videos: np.ndarray) -> dict[str, np.ndarray]:
         """``[B, 3, F, H, W]`` in [-1, 1] -> the conditioning a record takes from its own
         media (image-to-video: the first frame), ``{name: [B, *shape]}``. Default: none."""
         del videos
         return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class DenoiserModel:
+    """A family's denoiser as functions of its model module (``jaxcore/models/<model>.py``):
+    what the :class:`Family` denoiser methods call, with :meth:`Family.denoiser_kwargs`.
+
+    Attributes:
+      module: the Flax module class, ``module(config, mesh=, **kwargs)``.
+      init: ``init(config, rng, mesh=, rules=, **kwargs) -> (module, params)``, placed.
+      load: ``load(directory, mesh=, rules=, **kwargs) -> (module, params)`` from a diffusers
+        denoiser directory (config.json + safetensors).
+      abstract_params: ``abstract_params(module)``, the boxed ShapeDtypeStructs.
+      weight_map: ``weight_map(config)``, diffusers weight key -> our parameter.
+      config_error: what ``load`` raises for a config.json it refuses.
+    """
+
+    module: type
+    init: Callable[..., tuple]
+    load: Callable[..., tuple]
+    abstract_params: Callable[[Any], Mapping]
+    weight_map: Callable[[Any], Mapping]
+    config_error: type[Exception]
 
 
 class Family(abc.ABC):
@@ -108,6 +151,8 @@ class Family(abc.ABC):
     objective: str = "flow_matching"
     # PEFT-style target_modules a LoRA trains when the config names none
     lora_default_targets: tuple[str, ...] = ()
+    # the denoiser's model functions (every family sets its own)
+    denoiser_model: DenoiserModel
 
     # --- recognition, components -----------------------------------------------------------
     def __hash__(self) -> int:  # singletons; hashable so jitted functions can be cached on them
@@ -179,21 +224,31 @@ class Family(abc.ABC):
         cls = self.component_config_classes()[self.denoiser_component]
         return _from_dict(cls, data, where)
 
-    @abc.abstractmethod
+    def denoiser_kwargs(self, compute: ComputeConfig) -> dict:
+        """The keywords the denoiser module and its init / load functions take from
+        ``compute``; the default: all of ``compute.denoiser_kwargs``."""
+        return compute.denoiser_kwargs
+
     def make_denoiser(self, config, compute: ComputeConfig, mesh=None):
         """The denoiser module (no parameters)."""
+        return self.denoiser_model.module(config, mesh=mesh, **self.denoiser_kwargs(compute))
 
-    @abc.abstractmethod
     def abstract_params(self, module) -> Mapping:
         """The ``params`` collection as boxed ShapeDtypeStructs (logical partitioning kept)."""
+        return self.denoiser_model.abstract_params(module)
 
-    @abc.abstractmethod
     def init_denoiser(self, config, rng, compute: ComputeConfig, mesh=None, rules=None):
         """(module, params) randomly initialised, already placed on ``mesh``."""
+        kwargs = self.denoiser_kwargs(compute)
+        return self.denoiser_model.init(config, rng, mesh=mesh, rules=rules, **kwargs)
 
-    @abc.abstractmethod
     def load_denoiser(self, directory, compute: ComputeConfig, mesh=None, rules=None):
         """(module, params) from a diffusers denoiser directory (config.json + safetensors)."""
+        kwargs = self.denoiser_kwargs(compute)
+        try:
+            return self.denoiser_model.load(directory, mesh=mesh, rules=rules, **kwargs)
+        except self.denoiser_model.config_error as err:
+            raise FamilyError(f"{directory}/config.json: {err}") from None
 
     @abc.abstractmethod
     def apply(
@@ -209,9 +264,11 @@ class Family(abc.ABC):
         returns ``(prediction, extra)``. A family whose denoiser cannot do this raises
         FamilyError when given one."""
 
-    @abc.abstractmethod
     def export_denoiser(self, module, params) -> tuple[dict[str, np.ndarray], dict]:
-        """(diffusers state dict, config.json dict) of a trained denoiser."""
+        """(diffusers state dict, config.json dict) of a trained denoiser; the config names the
+        first of :attr:`denoiser_classes`."""
+        state = weights.export_state_dict(params, self.denoiser_model.weight_map(module.config))
+        return state, {"_class_name": self.denoiser_classes[0], **module.config.to_dict()}
 
     @abc.abstractmethod
     def flops_per_forward(self, config, batch: int, latent_shape, conditioning_shapes) -> int:
@@ -235,8 +292,9 @@ class Family(abc.ABC):
         raise FamilyError(f"{where}: LoRAs are not supported for the {self.name} family")
 
     def lora_weight_map(self, denoiser_config) -> Mapping:
-        """The denoiser's weight map (diffusers key -> our parameter) LoRA deltas merge through."""
-        raise FamilyError(f"LoRAs are not supported for the {self.name} family")
+        """The denoiser's weight map (diffusers key -> our parameter) LoRA deltas merge through
+        (whether the family takes LoRAs at all is :meth:`lora_to_diffusers`'s to say)."""
+        return self.denoiser_model.weight_map(denoiser_config)
 
     @abc.abstractmethod
     def check_heads(self, config, mesh) -> None:
@@ -498,6 +556,16 @@ def _from_dict(cls, data: Mapping, where) -> Any:
         return cls.from_dict(data)
     except (ValueError, TypeError, KeyError) as err:
         raise FamilyError(f"{where}: {err}") from None
+
+
+def decoded_frames(pixels: jax.Array) -> jax.Array:
+    """A VAE's decoded pixels in [-1, 1], ``[B, 3, F, H, W]`` (video) or ``[B, 3, H, W]``
+    (image), -> what :meth:`Family.decode` returns: frames ``[B, F, H, W, 3]`` float32 in
+    [0, 1] (diffusers' postprocessing, ``x / 2 + 0.5`` clamped)."""
+    if pixels.ndim == 4:
+        pixels = pixels[:, :, None]
+    frames = jnp.clip(pixels.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
+    return jnp.moveaxis(frames, 1, -1)
 
 
 # the variable-length sequences of records (their lengths are the records', not the model's)

@@ -27,15 +27,17 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcore import sharding, weights
+from jaxcore import sharding
 from jaxcore.compute import ComputeConfig
 from jaxcore.families.base import (
+    DenoiserModel,
     Encoders,
     Family,
     FamilyError,
     Geometry,
     Guidance,
     TensorSpec,
+    decoded_frames,
 )
 from jaxcore.models import autoencoder_kl, clip_text, flux_transformer, t5
 from jaxcore.text import load_tokenizer
@@ -147,13 +149,8 @@ class FluxEncoders(Encoders):
         log.info("loaded Flux encoders from %s in %.1fs", directory, time.perf_counter() - started)
 
     def encode_media(self, videos: np.ndarray) -> np.ndarray:
-        videos = np.asarray(videos, np.float32)
-        if videos.ndim != 5 or videos.shape[2] != 1:
-            raise ValueError(
-                f"Flux encodes images: videos must be [B, 3, 1, H, W], got {videos.shape}"
-            )
-        padded, count = self._padded(list(videos[:, :, 0]), "images")
-        posterior = autoencoder_kl.encode(self.vae, self.vae_params, np.stack(padded))
+        images, count = self._padded_images(videos, "Flux")
+        posterior = autoencoder_kl.encode(self.vae, self.vae_params, images)
         latents = autoencoder_kl.normalize_latents(
             posterior.mean.astype(jnp.float32), self.vae.config
         )
@@ -188,6 +185,15 @@ class FluxFamily(Family):
         "ff_context.net.2",
     )
 
+    denoiser_model = DenoiserModel(
+        module=flux_transformer.FluxTransformer,
+        init=flux_transformer.init_flux_transformer,
+        load=flux_transformer.load_flux_transformer,
+        abstract_params=flux_transformer.abstract_params,
+        weight_map=flux_transformer.weight_map,
+        config_error=flux_transformer.FluxConfigError,
+    )
+
     def component_config_classes(self) -> dict[str, type]:
         return {
             "transformer": flux_transformer.FluxTransformerConfig,
@@ -197,25 +203,6 @@ class FluxFamily(Family):
         }
 
     # --- the denoiser -----------------------------------------------------------------------
-    def make_denoiser(self, config, compute: ComputeConfig, mesh=None):
-        return flux_transformer.FluxTransformer(config, mesh=mesh, **compute.denoiser_kwargs)
-
-    def abstract_params(self, module):
-        return flux_transformer.abstract_params(module)
-
-    def init_denoiser(self, config, rng, compute: ComputeConfig, mesh=None, rules=None):
-        return flux_transformer.init_flux_transformer(
-            config, rng, mesh=mesh, rules=rules, **compute.denoiser_kwargs
-        )
-
-    def load_denoiser(self, directory, compute: ComputeConfig, mesh=None, rules=None):
-        try:
-            return flux_transformer.load_flux_transformer(
-                directory, mesh=mesh, rules=rules, **compute.denoiser_kwargs
-            )
-        except flux_transformer.FluxConfigError as err:
-            raise FamilyError(f"{directory}/config.json: {err}") from None
-
     def apply(self, module, params, latents, timestep, conditioning, run_stack=None):
         """Pack ``latents [B, C, h, w]``, run the transformer at ``timestep / 1000``, unpack."""
         _, _, h, w = latents.shape
@@ -240,10 +227,6 @@ class FluxFamily(Family):
         tokens, extra = tokens
         return flux_transformer.unpack_latents(tokens, h, w), extra
 
-    def export_denoiser(self, module, params):
-        state = weights.export_state_dict(params, flux_transformer.weight_map(module.config))
-        return state, {"_class_name": "FluxTransformer2DModel", **module.config.to_dict()}
-
     def flops_per_forward(self, config, batch, latent_shape, conditioning_shapes):
         text_tokens = conditioning_shapes[TEXT][0]
         image_tokens = self.tokens_per_example(config, latent_shape)
@@ -262,10 +245,6 @@ class FluxFamily(Family):
         from jaxcore.lora import flux
 
         return flux.to_diffusers(state_dict, denoiser_config, where)
-
-    def lora_weight_map(self, denoiser_config):
-        """diffusers weight keys of the denoiser -> our parameters (where LoRA deltas go)."""
-        return flux_transformer.weight_map(denoiser_config)
 
     def check_heads(self, config, mesh) -> None:
         sharding.check_divisible(mesh, heads=config.num_attention_heads)
@@ -329,9 +308,7 @@ class FluxFamily(Family):
     def decode(self, pipe, latents):
         vae, params = pipe.components["vae"]
         z = autoencoder_kl.denormalize_latents(jnp.asarray(latents, jnp.float32), vae.config)
-        image_bchw = autoencoder_kl.decode(vae, params, z.astype(vae.dtype))
-        image = jnp.clip(image_bchw.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
-        return jnp.transpose(image, (0, 2, 3, 1))[:, None]
+        return decoded_frames(autoencoder_kl.decode(vae, params, z.astype(vae.dtype)))
 
     def sampling_defaults(self, configs) -> dict:
         # FluxPipeline.__call__'s defaults

@@ -51,12 +51,14 @@ from jaxcore import sharding, weights
 from jaxcore.compute import ComputeConfig
 from jaxcore.families.base import (
     MICRO_CONDITIONING,
+    DenoiserModel,
     Encoders,
     Family,
     FamilyError,
     Geometry,
     Guidance,
     TensorSpec,
+    decoded_frames,
     read_json,
     read_model_index,
     read_scheduler_config,
@@ -276,13 +278,8 @@ class SDEncoders(Encoders):
         self.variant = SDVariant(xl=self.xl)
 
     def encode_media(self, videos: np.ndarray) -> np.ndarray:
-        videos = np.asarray(videos, np.float32)
-        if videos.ndim != 5 or videos.shape[2] != 1:
-            raise ValueError(
-                f"SD encodes images: videos must be [B, 3, 1, H, W], got {videos.shape}"
-            )
-        padded, count = self._padded(list(videos[:, :, 0]), "images")
-        posterior = autoencoder_kl.encode(self.vae, self.vae_params, np.stack(padded))
+        images, count = self._padded_images(videos, "SD")
+        posterior = autoencoder_kl.encode(self.vae, self.vae_params, images)
         latents = scale_latents(posterior.mean.astype(jnp.float32), self.vae_config, self.xl)
         return np.asarray(latents, np.float32)[:count]
 
@@ -406,6 +403,14 @@ class SDFamily(Family):
     # the class-level default; a pipeline's own comes from its scheduler config
     # (pipeline_objective: SD 2.1 768 and other v-models are "v_prediction")
     objective = "epsilon"
+    denoiser_model = DenoiserModel(
+        module=unet.UNet2DConditionModel,
+        init=unet.init_unet_2d_condition,
+        load=unet.load_unet_2d_condition,
+        abstract_params=unet.abstract_params,
+        weight_map=unet.weight_map,
+        config_error=unet.UNet2DConditionConfigError,
+    )
 
     def component_config_classes(self) -> dict[str, type]:
         return {
@@ -471,8 +476,7 @@ class SDFamily(Family):
             )
 
     # --- the denoiser -----------------------------------------------------------------------
-    @staticmethod
-    def _unet_kwargs(compute: ComputeConfig) -> dict:
+    def denoiser_kwargs(self, compute: ComputeConfig) -> dict:
         """compute's denoiser keywords for the UNet: its down/mid/up blocks differ in width and
         kind from one to the next, so there is no stack of equal layers to scan."""
         kwargs = dict(compute.denoiser_kwargs)
@@ -482,25 +486,6 @@ class SDFamily(Family):
                 "(it applies to the transformer families, wan and flux); set it to false"
             )
         return kwargs
-
-    def make_denoiser(self, config, compute: ComputeConfig, mesh=None):
-        return unet.UNet2DConditionModel(config, mesh=mesh, **self._unet_kwargs(compute))
-
-    def abstract_params(self, module):
-        return unet.abstract_params(module)
-
-    def init_denoiser(self, config, rng, compute: ComputeConfig, mesh=None, rules=None):
-        return unet.init_unet_2d_condition(
-            config, rng, mesh=mesh, rules=rules, **self._unet_kwargs(compute)
-        )
-
-    def load_denoiser(self, directory, compute: ComputeConfig, mesh=None, rules=None):
-        try:
-            return unet.load_unet_2d_condition(
-                directory, mesh=mesh, rules=rules, **self._unet_kwargs(compute)
-            )
-        except unet.UNet2DConditionConfigError as err:
-            raise FamilyError(f"{directory}/config.json: {err}") from None
 
     def apply(self, module, params, latents, timestep, conditioning, run_stack=None):
         """The UNet at the scheduler's own timestep (diffusers passes ``t`` as is); SDXL's
@@ -523,14 +508,6 @@ class SDFamily(Family):
         from jaxcore.lora import sd
 
         return sd.to_diffusers(state_dict, denoiser_config, where)
-
-    def lora_weight_map(self, denoiser_config):
-        """diffusers weight keys of the UNet -> our parameters (where LoRA deltas go)."""
-        return unet.weight_map(denoiser_config)
-
-    def export_denoiser(self, module, params):
-        state = weights.export_state_dict(params, unet.weight_map(module.config))
-        return state, {"_class_name": "UNet2DConditionModel", **module.config.to_dict()}
 
     def flops_per_forward(self, config, batch, latent_shape, conditioning_shapes):
         _, h, w = latent_shape
@@ -671,9 +648,7 @@ class SDFamily(Family):
     def decode(self, pipe, latents):
         vae, params = pipe.components["vae"]
         z = unscale_latents(jnp.asarray(latents, jnp.float32), vae.config, is_xl(pipe.configs))
-        image_bchw = autoencoder_kl.decode(vae, params, z.astype(vae.dtype))
-        image = jnp.clip(image_bchw.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
-        return jnp.transpose(image, (0, 2, 3, 1))[:, None]
+        return decoded_frames(autoencoder_kl.decode(vae, params, z.astype(vae.dtype)))
 
     def sampling_defaults(self, configs) -> dict:
         # the pipelines' __call__ defaults; the size is the UNet's sample_size in pixels

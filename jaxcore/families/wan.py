@@ -44,6 +44,7 @@ from jaxcore.compute import ComputeConfig
 from jaxcore.families.base import (
     IMAGE_TOKENS_FEATURE,
     TEXT_FEATURE,
+    DenoiserModel,
     Encoders,
     Family,
     FamilyError,
@@ -51,6 +52,7 @@ from jaxcore.families.base import (
     Guidance,
     ImageInputs,
     TensorSpec,
+    decoded_frames,
     read_model_index,
     read_scheduler_config,
 )
@@ -300,11 +302,6 @@ class WanEncoders(Encoders):
             self.image_encoder = _load_image_encoder(directory, compute)
         log.info("loaded Wan encoders from %s in %.1fs", directory, time.perf_counter() - started)
 
-    def _check_batch(self, count: int, what: str) -> int:
-        if not 1 <= count <= self.batch_size:
-            raise ValueError(f"{count} {what} do not fit in encoder batch_size={self.batch_size}")
-        return count
-
     def encode_media(self, videos: np.ndarray) -> np.ndarray:
         count = self._check_batch(len(videos), "videos")
         padded = _pad_rows(np.asarray(videos, np.float32), self.batch_size)
@@ -359,6 +356,14 @@ class WanFamily(Family):
     objective = "flow_matching"
     # the attention projections (self- and cross-attention), as diffusers' Wan LoRA scripts
     lora_default_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    denoiser_model = DenoiserModel(
+        module=wan_transformer.WanTransformer,
+        init=wan_transformer.init_wan_transformer,
+        load=wan_transformer.load_wan_transformer,
+        abstract_params=wan_transformer.abstract_params,
+        weight_map=wan_transformer.weight_map,
+        config_error=wan_transformer.WanConfigError,
+    )
 
     def component_config_classes(self) -> dict[str, type]:
         return {
@@ -484,25 +489,6 @@ class WanFamily(Family):
             )
 
     # --- the denoiser ---------------------------------------------------------------------
-    def make_denoiser(self, config, compute: ComputeConfig, mesh=None):
-        return wan_transformer.WanTransformer(config, mesh=mesh, **compute.denoiser_kwargs)
-
-    def abstract_params(self, module):
-        return wan_transformer.abstract_params(module)
-
-    def init_denoiser(self, config, rng, compute: ComputeConfig, mesh=None, rules=None):
-        return wan_transformer.init_wan_transformer(
-            config, rng, mesh=mesh, rules=rules, **compute.denoiser_kwargs
-        )
-
-    def load_denoiser(self, directory, compute: ComputeConfig, mesh=None, rules=None):
-        try:
-            return wan_transformer.load_wan_transformer(
-                directory, mesh=mesh, rules=rules, **compute.denoiser_kwargs
-            )
-        except wan_transformer.WanConfigError as err:
-            raise FamilyError(f"{directory}/config.json: {err}") from None
-
     def apply(self, module, params, latents, timestep, conditioning, run_stack=None):
         x = latents
         if FIRST_FRAME in conditioning:
@@ -521,10 +507,6 @@ class WanFamily(Family):
             return latents
         mask = _first_frame_mask(latents.shape, conditioning[FIRST_FRAME_WEIGHT])
         return (1 - mask) * conditioning[FIRST_FRAME] + mask * latents
-
-    def export_denoiser(self, module, params):
-        state = weights.export_state_dict(params, wan_transformer.weight_map(module.config))
-        return state, {"_class_name": "WanTransformer3DModel", **module.config.to_dict()}
 
     def flops_per_forward(self, config, batch, latent_shape, conditioning_shapes):
         text_tokens = conditioning_shapes[TEXT][0]
@@ -547,10 +529,6 @@ class WanFamily(Family):
         from jaxcore.lora import wan
 
         return wan.to_diffusers(state_dict, denoiser_config, where)
-
-    def lora_weight_map(self, denoiser_config):
-        """diffusers weight keys of the denoiser -> our parameters (where LoRA deltas go)."""
-        return wan_transformer.weight_map(denoiser_config)
 
     def check_heads(self, config, mesh) -> None:
         sharding.check_divisible(mesh, heads=config.num_attention_heads)
@@ -675,9 +653,7 @@ class WanFamily(Family):
     def decode(self, pipe, latents):
         vae, params = pipe.components["vae"]
         z = wan_vae.denormalize_latents(jnp.asarray(latents, jnp.float32), vae.config)
-        video_bcfhw = wan_vae.decode(vae, params, z.astype(vae.dtype))
-        video = jnp.clip(video_bcfhw.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
-        return jnp.transpose(video, (0, 2, 3, 4, 1))
+        return decoded_frames(wan_vae.decode(vae, params, z.astype(vae.dtype)))
 
     def sampling_defaults(self, configs) -> dict:
         # WanPipeline.__call__'s defaults

@@ -181,15 +181,10 @@ def _make_classic(name, num_inference_steps, config, seeds, sample_shape, option
     return pndm.make_pndm(num_inference_steps, config, sample_shape=shape, **noise), pndm.pndm_step
 
 
-def _identity_input(state, sample: jax.Array) -> jax.Array:
-    del state
-    return sample
-
-
 # state type -> (scale_model_input, init_noise_sigma or None for 1)
 _INPUT_SCALING = {
-    FlowEulerState: (_identity_input, None),
-    UniPCState: (_identity_input, None),
+    FlowEulerState: (classic.unscaled_model_input, None),
+    UniPCState: (classic.unscaled_model_input, None),
     ddim.DDIMState: (ddim.scale_model_input, ddim.init_noise_sigma),
     euler_discrete.EulerState: (
         euler_discrete.scale_model_input,

@@ -1,9 +1,10 @@
 """Shared pieces of the classic (DDPM-trained, discrete-timestep) samplers.
 
-The samplers in :mod:`~jaxcore.schedulers.ddim`, :mod:`~jaxcore.schedulers.euler_discrete` and
-:mod:`~jaxcore.schedulers.dpmsolver_multistep` follow diffusers' ``DDIMScheduler``,
-``EulerDiscreteScheduler``, ``EulerAncestralDiscreteScheduler`` and
-``DPMSolverMultistepScheduler``. What they share lives here:
+The samplers in :mod:`~jaxcore.schedulers.ddim`, :mod:`~jaxcore.schedulers.euler_discrete`,
+:mod:`~jaxcore.schedulers.dpmsolver_multistep` and :mod:`~jaxcore.schedulers.pndm` follow
+diffusers' ``DDIMScheduler``, ``EulerDiscreteScheduler``, ``EulerAncestralDiscreteScheduler``,
+``DPMSolverMultistepScheduler`` and ``PNDMScheduler``. What they share lives here (the
+flow-matching Euler sampler reuses the config-field checks and the sigma respacings):
 
 * the configuration: :class:`NoiseScheduleConfig` (the DDPM noise schedule every one of them
   reads) which each sampler's config extends, and :func:`read_config`, which reads a diffusers
@@ -112,10 +113,7 @@ class NoiseScheduleConfig:
     _prediction_types = PREDICTION_TYPES
 
     def __post_init__(self):
-        # field.type is the annotation string (``from __future__ import annotations``).
-        for field in dataclasses.fields(self):
-            value = _normalised(field.name, field.type, getattr(self, field.name))
-            object.__setattr__(self, field.name, value)
+        normalise_fields(self, ClassicConfigError, null_flags_are_false=True)
         if self.num_train_timesteps < 1:
             raise ClassicConfigError(
                 f"num_train_timesteps={self.num_train_timesteps}: must be >= 1"
@@ -141,17 +139,34 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
         raise ClassicConfigError(f"{name}={value!r} is not supported; expected one of {choices}")
 
 
-def _normalised(name: str, annotation: str, value: Any) -> Any:
-    """``value`` of field ``name`` checked against its annotation (JSON types), normalised.
+def normalise_fields(config: Any, error: type[ValueError], *, null_flags_are_false: bool) -> None:
+    """Checks every field of the frozen dataclass ``config`` against its annotation (JSON
+    types) and stores the normalised value; a mismatch raises ``error`` naming the field.
 
-    A null boolean is false: diffusers only tests those flags for truthiness (and types some of
-    them ``bool | None``).
+    ``null_flags_are_false``: a null boolean reads as false (diffusers only tests the classic
+    samplers' flags for truthiness, and types some of them ``bool | None``); otherwise it is
+    refused. The flow-matching Euler options are checked here too, refusing null flags.
     """
+    # field.type is the annotation string (the dataclass's module has
+    # ``from __future__ import annotations``).
+    for field in dataclasses.fields(config):
+        value = _normalised(
+            field.name, field.type, getattr(config, field.name), error, null_flags_are_false
+        )
+        object.__setattr__(config, field.name, value)
+
+
+def _normalised(
+    name: str, annotation: str, value: Any, error: type[ValueError], null_flags_are_false: bool
+) -> Any:
+    """``value`` of field ``name`` checked against its annotation, normalised."""
     optional = annotation.endswith(" | None")
     kind = annotation.removesuffix(" | None")
     if value is None and optional:
         return None
-    if kind == "bool" and (value is None or isinstance(value, bool | np.bool_)):
+    if kind == "bool" and value is None and null_flags_are_false:
+        return False
+    if kind == "bool" and isinstance(value, bool | np.bool_):
         return bool(value)
     if not isinstance(value, bool | np.bool_):
         if kind == "int" and isinstance(value, numbers.Integral):
@@ -163,7 +178,7 @@ def _normalised(name: str, annotation: str, value: Any) -> Any:
         if kind == "tuple[float, ...]" and _is_real_sequence(value):
             return tuple(float(v) for v in np.asarray(value, np.float64).ravel())
     expected = f"{kind} or null" if optional else kind
-    raise ClassicConfigError(f"{name}={value!r}: expected {expected}")
+    raise error(f"{name}={value!r}: expected {expected}")
 
 
 def _is_real_sequence(value: Any) -> bool:
@@ -341,14 +356,10 @@ def train_sigmas(alpha_bar: np.ndarray) -> np.ndarray:
 
 
 def spaced_timesteps(
-    spacing: str,
-    num_inference_steps: int,
-    num_train_timesteps: int,
-    steps_offset: int = 0,
-    *,
-    round_linspace: bool,
+    config: NoiseScheduleConfig, num_inference_steps: int, *, round_linspace: bool
 ) -> np.ndarray:
-    """The decreasing inference timesteps (float64) of DDIM and Euler's ``set_timesteps``.
+    """The decreasing inference timesteps (float64) of DDIM, PNDM and Euler's ``set_timesteps``
+    with ``config``'s ``timestep_spacing``, ``num_train_timesteps`` ``T`` and ``steps_offset``.
 
     ``leading``: multiples of ``T // N`` from 0, plus ``steps_offset``. ``trailing``: ``T - 1``
     down in steps of ``T / N``, rounded (diffusers' ``arange`` with a float step can give one
@@ -356,6 +367,7 @@ def spaced_timesteps(
     ``[0, T - 1]``, rounded to integers for DDIM (``round_linspace``) and kept fractional (float32)
     for Euler.
     """
+    spacing, num_train_timesteps = config.timestep_spacing, config.num_train_timesteps
     if num_inference_steps < 1:
         raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
     if spacing == "linspace":
@@ -364,9 +376,19 @@ def spaced_timesteps(
         return points[::-1].copy()
     if spacing == "leading":
         ratio = num_train_timesteps // num_inference_steps
-        return (np.arange(num_inference_steps) * ratio).round()[::-1] + steps_offset
+        return (np.arange(num_inference_steps) * ratio).round()[::-1] + config.steps_offset
     ratio = num_train_timesteps / num_inference_steps
     return np.round(np.arange(num_train_timesteps, 0, -ratio)) - 1
+
+
+def previous_alpha_bar(
+    alpha_bar: np.ndarray, previous: np.ndarray, set_alpha_to_one: bool
+) -> np.ndarray:
+    """``abar`` at each ``previous`` timestep (DDIM's and PLMS's step target); a negative one,
+    before the first training step, reads 1 with ``set_alpha_to_one``, else ``abar_0``
+    (diffusers' ``final_alpha_cumprod``)."""
+    final = f32(1.0) if set_alpha_to_one else alpha_bar[0]
+    return np.where(previous >= 0, alpha_bar[np.maximum(previous, 0)], final)
 
 
 def sigma_to_timestep(sigmas: np.ndarray, log_train_sigmas: np.ndarray) -> np.ndarray:
@@ -429,12 +451,37 @@ def sigma_spacing(config: Any) -> str | None:
     return None
 
 
-def check_one_sigma_spacing(config: Any) -> None:
-    """At most one of the Karras / exponential / beta respacings may be on (as diffusers)."""
+def check_one_sigma_spacing(config: Any, error: type[ValueError] = ClassicConfigError) -> None:
+    """At most one of the Karras / exponential / beta respacings may be on (as diffusers);
+    raises ``error`` naming them otherwise."""
     chosen = [f"use_{kind}_sigmas" for kind in ("karras", "exponential", "beta")]
     chosen = [name for name in chosen if getattr(config, name)]
     if len(chosen) > 1:
-        raise ClassicConfigError(f"{' and '.join(chosen)} are all true; at most one may be")
+        raise error(f"{' and '.join(chosen)} are all true; at most one may be")
+
+
+# ---------------------------------------------------------------- stepping, model input, initial noise
+
+
+def float32_step_inputs(model_output: jax.Array, sample: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(model_output, sample)`` in float32, in which every classic step computes (diffusers
+    upcasts the sample), once they are checked to have one shape."""
+    if model_output.shape != sample.shape:
+        raise ValueError(f"model_output shape {model_output.shape} != sample shape {sample.shape}")
+    return model_output.astype(jnp.float32), sample.astype(jnp.float32)
+
+
+def unscaled_model_input(state: Any, sample: jax.Array) -> jax.Array:
+    """``scale_model_input`` of every sampler but Euler: the model sees the sample itself."""
+    del state
+    return sample
+
+
+def unit_noise_sigma(state: Any) -> jax.Array:
+    """``init_noise_sigma`` of DDIM, DPM-Solver and PLMS: 1 (the latents start as standard
+    normal), a float32 scalar."""
+    del state
+    return jnp.ones((), jnp.float32)
 
 
 # ---------------------------------------------------------------- training objective
@@ -527,6 +574,9 @@ __all__ = [
     "check_choice",
     "as_config",
     "betas",
+    "float32_step_inputs",
+    "normalise_fields",
+    "previous_alpha_bar",
     "read_config",
     "rescale_zero_terminal_snr",
     "sigma_to_timestep",
@@ -534,5 +584,7 @@ __all__ = [
     "step_noise",
     "torch_linspace",
     "train_sigmas",
+    "unit_noise_sigma",
+    "unscaled_model_input",
     "velocity",
 ]

@@ -108,13 +108,7 @@ def ddim_timesteps(config: DDIMConfig, num_inference_steps: int) -> np.ndarray:
             f"num_inference_steps={num_inference_steps} > num_train_timesteps="
             f"{config.num_train_timesteps} (diffusers refuses it too)"
         )
-    spaced = classic.spaced_timesteps(
-        config.timestep_spacing,
-        num_inference_steps,
-        config.num_train_timesteps,
-        config.steps_offset,
-        round_linspace=True,
-    )
+    spaced = classic.spaced_timesteps(config, num_inference_steps, round_linspace=True)
     return spaced.astype(np.int64)
 
 
@@ -127,10 +121,9 @@ def ddim_coefficients(
     can produce, reads the last entry).
     """
     alpha_bar = classic.alphas_cumprod(config)
-    final = f32(1.0) if config.set_alpha_to_one else alpha_bar[0]
     prev_timesteps = timesteps - config.num_train_timesteps // num_inference_steps
     alpha_t = alpha_bar[timesteps]
-    alpha_prev = np.where(prev_timesteps >= 0, alpha_bar[np.maximum(prev_timesteps, 0)], final)
+    alpha_prev = classic.previous_alpha_bar(alpha_bar, prev_timesteps, config.set_alpha_to_one)
     beta_t, beta_prev = f32(1.0) - alpha_t, f32(1.0) - alpha_prev
     with np.errstate(divide="ignore", invalid="ignore"):
         variance = (beta_prev / beta_t) * (f32(1.0) - alpha_t / alpha_prev)
@@ -208,11 +201,9 @@ def ddim_step(
     ``model_output`` is the model's prediction at ``sample`` and
     ``state.timesteps[state.step_index]``. Computed in float32; the result has ``sample``'s dtype.
     """
-    if model_output.shape != sample.shape:
-        raise ValueError(f"model_output shape {model_output.shape} != sample shape {sample.shape}")
+    output, x = classic.float32_step_inputs(model_output, sample)
     index = state.step_index
-    x = sample.astype(jnp.float32)
-    x0, eps = _predictions(state, index, model_output.astype(jnp.float32), x)
+    x0, eps = _predictions(state, index, output, x)
     if state.clip_range is not None:
         x0 = jnp.clip(x0, -state.clip_range, state.clip_range)
     if state.use_clipped_model_output:
@@ -223,16 +214,9 @@ def ddim_step(
     return prev.astype(sample.dtype), state.replace(step_index=index + 1)
 
 
-def scale_model_input(state: DDIMState, sample: jax.Array) -> jax.Array:
-    """The model input at the current step: DDIM feeds the sample unscaled."""
-    del state
-    return sample
-
-
-def init_noise_sigma(state: DDIMState) -> jax.Array:
-    """Standard deviation of the initial noise: 1 (the latents start as standard normal)."""
-    del state
-    return jnp.ones((), jnp.float32)
+# DDIM feeds the model the sample unscaled, and its latents start as standard normal.
+scale_model_input = classic.unscaled_model_input
+init_noise_sigma = classic.unit_noise_sigma
 
 
 __all__ = [

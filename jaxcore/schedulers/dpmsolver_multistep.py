@@ -456,8 +456,7 @@ def dpmsolver_step(
     ``model_output`` is the model's prediction at ``sample`` and
     ``state.timesteps[state.step_index]``. Computed in float32; the result has ``sample``'s dtype.
     """
-    if model_output.shape != sample.shape:
-        raise ValueError(f"model_output shape {model_output.shape} != sample shape {sample.shape}")
+    output, x = classic.float32_step_inputs(model_output, sample)
     if state.model_outputs is None:
         state = _with_history(state, sample.shape)
     elif state.model_outputs.shape[1:] != sample.shape:
@@ -466,8 +465,7 @@ def dpmsolver_step(
             f"{state.model_outputs.shape[1:]}"
         )
     index = state.step_index
-    x = sample.astype(jnp.float32)
-    converted = _converted_output(state, index, model_output.astype(jnp.float32), x)
+    converted = _converted_output(state, index, output, x)
     history = jnp.concatenate([state.model_outputs[1:], converted[None]], axis=0)
     prev = _update(state, index, x, history)
     if state.step_noise is not None:
@@ -476,16 +474,9 @@ def dpmsolver_step(
     return prev.astype(sample.dtype), new_state
 
 
-def scale_model_input(state: DPMSolverState, sample: jax.Array) -> jax.Array:
-    """The model input at the current step: DPM-Solver feeds the sample unscaled."""
-    del state
-    return sample
-
-
-def init_noise_sigma(state: DPMSolverState) -> jax.Array:
-    """Standard deviation of the initial noise: 1 (the latents start as standard normal)."""
-    del state
-    return jnp.ones((), jnp.float32)
+# DPM-Solver feeds the model the sample unscaled, and its latents start as standard normal.
+scale_model_input = classic.unscaled_model_input
+init_noise_sigma = classic.unit_noise_sigma
 
 
 __all__ = [

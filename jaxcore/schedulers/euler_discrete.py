@@ -153,13 +153,7 @@ def euler_schedule(
     ``Euler[Ancestral]DiscreteScheduler(**config).set_timesteps(N)``, bit for bit."""
     alpha_bar = classic.alphas_cumprod(config, zero_snr_floor=True)
     table = classic.train_sigmas(alpha_bar)
-    spaced = classic.spaced_timesteps(
-        config.timestep_spacing,
-        num_inference_steps,
-        config.num_train_timesteps,
-        config.steps_offset,
-        round_linspace=False,
-    )
+    spaced = classic.spaced_timesteps(config, num_inference_steps, round_linspace=False)
     if isinstance(config, EulerAncestralConfig):
         sigmas = np.interp(spaced, np.arange(len(table)), table)
         return np.concatenate([sigmas, [0.0]]).astype(f32), spaced.astype(f32)
@@ -298,11 +292,9 @@ def euler_step(
     ``state.timesteps[state.step_index]``; ``sample`` is the unscaled latents. Computed in
     float32; the result has ``sample``'s dtype.
     """
-    if model_output.shape != sample.shape:
-        raise ValueError(f"model_output shape {model_output.shape} != sample shape {sample.shape}")
+    output, x = classic.float32_step_inputs(model_output, sample)
     index = state.step_index
-    x = sample.astype(jnp.float32)
-    x0 = _data_prediction(state, index, model_output.astype(jnp.float32), x)
+    x0 = _data_prediction(state, index, output, x)
     derivative = (x - x0) / state.sigmas[index]
     prev = x + derivative * state.dt[index]
     if state.step_noise is not None:

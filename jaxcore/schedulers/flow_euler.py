@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from jaxcore.schedulers import classic
 
 
 @struct.dataclass
@@ -77,7 +78,6 @@ def shift_sigmas(sigmas, shift: float):
 
 FLOW_EULER_CLASS_NAME = "FlowMatchEulerDiscreteScheduler"
 TIME_SHIFT_TYPES = ("exponential", "linear")
-_SIGMA_SCHEDULES = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
 
 
 class FlowEulerConfigError(ValueError):
@@ -118,10 +118,7 @@ class FlowEulerOptions:
     stochastic_sampling: bool = False
 
     def __post_init__(self):
-        # field.type is the annotation string (``from __future__ import annotations``).
-        for field in dataclasses.fields(self):
-            value = _checked_type(field.name, field.type, getattr(self, field.name))
-            object.__setattr__(self, field.name, value)
+        classic.normalise_fields(self, FlowEulerConfigError, null_flags_are_false=False)
         if self.num_train_timesteps < 1:
             raise FlowEulerConfigError(
                 f"num_train_timesteps must be >= 1, got {self.num_train_timesteps}"
@@ -137,34 +134,13 @@ class FlowEulerOptions:
             raise FlowEulerConfigError(
                 f"shift_terminal={self.shift_terminal!r}: must be in (0, 1) (or null for none)"
             )
-        chosen = [name for name in _SIGMA_SCHEDULES if getattr(self, name)]
-        if len(chosen) > 1:
-            raise FlowEulerConfigError(f"{' and '.join(chosen)} are all true; at most one may be")
+        classic.check_one_sigma_spacing(self, FlowEulerConfigError)
         if self.stochastic_sampling:
             raise FlowEulerConfigError(
                 "stochastic_sampling=True is not supported: diffusers then re-noises every step "
                 "with fresh torch noise ((1 - sigma_next) x0 + sigma_next noise), which this "
                 "deterministic sampler does not reproduce"
             )
-
-
-def _checked_type(name: str, annotation: str, value: Any) -> Any:
-    """``value`` of field ``name`` checked against its annotation (JSON types), normalised."""
-    optional = annotation.endswith(" | None")
-    kind = annotation.removesuffix(" | None")
-    if value is None and optional:
-        return None
-    if kind == "bool" and isinstance(value, bool | np.bool_):
-        return bool(value)
-    if not isinstance(value, bool | np.bool_):
-        if kind == "int" and isinstance(value, numbers.Integral):
-            return int(value)
-        if kind == "float" and isinstance(value, numbers.Real):
-            return float(value)
-        if kind == "str" and isinstance(value, str):
-            return value
-    expected = f"{kind} or null" if optional else kind
-    raise FlowEulerConfigError(f"{name}={value!r}: expected {expected}")
 
 
 def flow_euler_options(config: Mapping[str, Any], where: str) -> FlowEulerOptions:
@@ -264,35 +240,6 @@ def stretch_to_terminal(sigmas: np.ndarray, shift_terminal: float) -> np.ndarray
     return 1 - one_minus / scale
 
 
-def karras_sigmas(sigmas: np.ndarray, num_inference_steps: int, rho: float = 7.0) -> np.ndarray:
-    """``num_inference_steps`` sigmas between ``sigmas[0]`` and ``sigmas[-1]``, linear in
-    ``sigma^(1/rho)`` (Karras et al. 2022, eq. 5); float64."""
-    first, last = sigmas[0].item(), sigmas[-1].item()
-    first_root, last_root = first ** (1 / rho), last ** (1 / rho)
-    ramp = np.linspace(0, 1, num_inference_steps)
-    return (first_root + ramp * (last_root - first_root)) ** rho
-
-
-def exponential_sigmas(sigmas: np.ndarray, num_inference_steps: int) -> np.ndarray:
-    """``num_inference_steps`` sigmas between ``sigmas[0]`` and ``sigmas[-1]``, linear in
-    ``log sigma``; float64."""
-    first, last = sigmas[0].item(), sigmas[-1].item()
-    return np.exp(np.linspace(math.log(first), math.log(last), num_inference_steps))
-
-
-def beta_sigmas(
-    sigmas: np.ndarray, num_inference_steps: int, alpha: float = 0.6, beta: float = 0.6
-) -> np.ndarray:
-    """``num_inference_steps`` sigmas between ``sigmas[0]`` and ``sigmas[-1]`` at the quantiles
-    of a Beta(alpha, beta) distribution (Lee et al. 2024); float64. Needs scipy (a jax
-    dependency)."""
-    import scipy.stats  # imported here: only this option needs it
-
-    first, last = sigmas[0].item(), sigmas[-1].item()
-    quantiles = scipy.stats.beta.ppf(1 - np.linspace(0, 1, num_inference_steps), alpha, beta)
-    return last + quantiles * (first - last)
-
-
 def _check_num_steps(num_inference_steps: int) -> None:
     if num_inference_steps < 1:
         raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
@@ -361,12 +308,10 @@ def flow_euler_schedule(
         shifted = shift_sigmas(base, options.shift)
     if options.shift_terminal:
         shifted = stretch_to_terminal(shifted, options.shift_terminal)
-    if options.use_karras_sigmas:
-        shifted = karras_sigmas(shifted, num_inference_steps)
-    elif options.use_exponential_sigmas:
-        shifted = exponential_sigmas(shifted, num_inference_steps)
-    elif options.use_beta_sigmas:
-        shifted = beta_sigmas(shifted, num_inference_steps)
+    spacing = classic.sigma_spacing(options)
+    if spacing is not None:  # respaced between the shifted schedule's own ends
+        first, last = shifted[0].item(), shifted[-1].item()
+        shifted = classic.respaced_sigmas(spacing, first, last, num_inference_steps)
 
     sigmas32 = np.asarray(shifted).astype(np.float32)
     final = 0.0

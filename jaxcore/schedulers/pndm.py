@@ -105,13 +105,8 @@ def pndm_timesteps(config: PNDMConfig, num_inference_steps: int) -> np.ndarray:
     if num_inference_steps < 2:
         # diffusers indexes the second-to-last spaced timestep, which one step does not have
         raise ValueError(f"PLMS needs num_inference_steps >= 2, got {num_inference_steps}")
-    spaced = classic.spaced_timesteps(
-        config.timestep_spacing,
-        num_inference_steps,
-        config.num_train_timesteps,
-        config.steps_offset,
-        round_linspace=True,
-    ).astype(np.int64)
+    spaced = classic.spaced_timesteps(config, num_inference_steps, round_linspace=True)
+    spaced = spaced.astype(np.int64)
     return np.concatenate([spaced[:1], spaced[1:2], spaced[1:]])
 
 
@@ -123,9 +118,8 @@ def _transfer_coefficients(config: PNDMConfig, current: np.ndarray, previous: np
             f"timestep {int(current.max())} is beyond num_train_timesteps="
             f"{config.num_train_timesteps} (diffusers fails on it too)"
         )
-    final = f32(1.0) if config.set_alpha_to_one else alpha_bar[0]
     a = alpha_bar[current]
-    a_prev = np.where(previous >= 0, alpha_bar[np.maximum(previous, 0)], final)
+    a_prev = classic.previous_alpha_bar(alpha_bar, previous, config.set_alpha_to_one)
     beta, beta_prev = f32(1.0) - a, f32(1.0) - a_prev
     denominator = a * np.sqrt(beta_prev) + np.sqrt(a * beta * a_prev)
     return np.sqrt(a_prev / a), (a_prev - a) / denominator, np.sqrt(a), np.sqrt(beta)
@@ -204,13 +198,10 @@ def pndm_step(
     ``model_output`` is the model's prediction at ``sample`` and
     ``state.timesteps[state.step_index]``. Computed in float32; the result has ``sample``'s dtype.
     """
-    if model_output.shape != sample.shape:
-        raise ValueError(f"model_output shape {model_output.shape} != sample shape {sample.shape}")
+    output, x = classic.float32_step_inputs(model_output, sample)
     if state.history is None:
         state = _with_history(state, sample.shape)
     index = state.step_index
-    x = sample.astype(jnp.float32)
-    output = model_output.astype(jnp.float32)
     # every output but the second joins the history (diffusers keeps the last four)
     pushed = jnp.concatenate([state.history[1:], output[None]], axis=0)
     history = jnp.where(index == 1, state.history, pushed)
@@ -224,16 +215,9 @@ def pndm_step(
     return prev.astype(sample.dtype), new_state
 
 
-def scale_model_input(state: PNDMState, sample: jax.Array) -> jax.Array:
-    """The model input at the current step: PLMS feeds the sample unscaled."""
-    del state
-    return sample
-
-
-def init_noise_sigma(state: PNDMState) -> jax.Array:
-    """Standard deviation of the initial noise: 1 (the latents start as standard normal)."""
-    del state
-    return jnp.ones((), jnp.float32)
+# PLMS feeds the model the sample unscaled, and its latents start as standard normal.
+scale_model_input = classic.unscaled_model_input
+init_noise_sigma = classic.unit_noise_sigma
 
 
 __all__ = [
