@@ -538,6 +538,7 @@ def record(case: Case, report: dict) -> dict:
         "alias_bytes",
         "temp_bytes",
         "generated_code_bytes",
+        "host_bytes",
         "xla_flops",
         "model_flops",
         "optimal_seconds",

@@ -392,6 +392,9 @@ class FitReport:
     alias_bytes: int | None = None
     temp_bytes: int | None = None
     generated_code_bytes: int | None = None
+    # pinned host memory the program uses per chip (a remat policy's offloaded activations);
+    # not HBM, so not in total_bytes
+    host_bytes: int | None = None
     xla_flops: float | None = None  # per chip, loop bodies once (see the module docstring)
     model_flops: float | None = None  # analytic, the whole call over all chips
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -453,7 +456,10 @@ class FitReport:
             ("temporaries", self.temp_bytes),
             ("code", self.generated_code_bytes),
         )
-        return ", ".join(f"{name} {(b or 0) / GIB:.2f}" for name, b in parts) + " GiB"
+        text = ", ".join(f"{name} {(b or 0) / GIB:.2f}" for name, b in parts) + " GiB"
+        if self.host_bytes:
+            text += f"; pinned host {self.host_bytes / GIB:.2f} GiB"
+        return text
 
     def check(self) -> None:
         """Raise :class:`DoesNotFit` (naming program, topology, bytes needed and HBM)."""
@@ -527,6 +533,10 @@ MEMORY_KINDS = (
 )
 
 
+# each kind's field in jax's memory analysis (``host_`` + the same: in pinned host memory)
+_ANALYSIS_FIELD = {kind: kind.replace("_bytes", "_size_in_bytes") for kind in MEMORY_KINDS}
+
+
 def total_bytes(kinds: Mapping[str, int]) -> int:
     """A program's bytes per chip from its memory analysis by kind (:data:`MEMORY_KINDS`):
     arguments + outputs - aliased (donated) + temporaries + code, as MaxText sums them."""
@@ -582,14 +592,9 @@ def compile_program(
         )
     seconds = time.perf_counter() - lowered_at
     memory = compiled.memory_analysis()
-    kinds = {
-        "argument_bytes": int(memory.argument_size_in_bytes),
-        "output_bytes": int(memory.output_size_in_bytes),
-        "alias_bytes": int(memory.alias_size_in_bytes),
-        "temp_bytes": int(memory.temp_size_in_bytes),
-        "generated_code_bytes": int(memory.generated_code_size_in_bytes),
-    }
+    kinds = {kind: int(getattr(memory, _ANALYSIS_FIELD[kind])) for kind in MEMORY_KINDS}
     total = total_bytes(kinds)
+    host = {kind: int(getattr(memory, "host_" + _ANALYSIS_FIELD[kind])) for kind in MEMORY_KINDS}
     text = compiled.as_text()
     xla_flops, optimal = _cost(compiled, "flops"), _cost(compiled, "optimal_seconds")
     estimate = None
@@ -609,6 +614,7 @@ def compile_program(
         **common,
         **kinds,
         total_bytes=total,
+        host_bytes=total_bytes(host),
         xla_flops=xla_flops,
         collectives=count_collectives(text),
         optimal_seconds=optimal,
@@ -720,16 +726,8 @@ def generate_program(
     name = family.denoiser_component
     module, params = abstract_denoiser(family, configs[name], compute, mesh, rules)
     pipe = Pipeline(family, module, params, {}, dict(configs), dict(scheduler_config), mesh, rules)
-    pipe.geometry.check(height, width, num_frames, where="generate_program")
-    shape = pipe.latent_shape(height, width, num_frames)
-    ways = pipe.batch_ways
-    if batch % ways:
-        raise sharding.ShardingError(
-            f"a generate batch of {batch} does not split over the mesh's {ways} batch ways"
-        )
-    family.check_heads(module.config, mesh)
+    shape = _checked_latent_shape(pipe, family, module, mesh, batch, height, width, num_frames)
     guidance = pipe.guidance(guidance_scale, true_cfg_scale)
-    use_cfg = guidance.uses_cfg
     state, step_fn = family.make_seeded_schedule(
         pipe,
         scheduler or pipe.default_scheduler,
@@ -738,54 +736,18 @@ def generate_program(
         (batch, *shape),
         seeds=list(range(batch)),
     )
-    rep = replicated(mesh)
-    cond = {
-        spec.name: batch_array(mesh, (batch, *spec.shape), jnp.float32, rules)
-        for spec in family.conditioning_specs(
-            module.config, text_length, shape, family.image_tokens(configs)
-        )
-    }
-    for embedded in guidance.embedded:
-        cond[embedded] = batch_array(mesh, (batch,), jnp.float32, rules)
-    second_module, second = None, None
-    second_component = family.second_expert_component(configs)
-    if second_component is not None:
-        second_module, params_2 = abstract_denoiser(
-            family, configs[second_component], compute, mesh, rules
-        )
-        boundary = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)  # traced: any value
-        second = (params_2, boundary, batch_array(mesh, (batch,), jnp.float32, rules))
+    cond = _abstract_conditioning(
+        family, module, configs, guidance, mesh, batch, text_length, shape, rules
+    )
+    second_module, second = _abstract_second_expert(family, configs, compute, mesh, batch, rules)
     fn = sampling.denoise_fn(
-        family, module, step_fn, use_cfg, second_module, step_cache.NO_CACHE, batched_cfg
+        family, module, step_fn, guidance.uses_cfg, second_module, step_cache.NO_CACHE, batched_cfg
     )
-    index = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep, weak_type=True)
-    args = (
-        params,
-        batch_array(mesh, (batch, *shape), jnp.float32, rules),
-        cond,
-        cond,  # the negative branch has the conditioning's shapes
-        batch_array(mesh, (batch,), jnp.bool_, rules),
-        batch_array(mesh, (batch,), jnp.float32, rules),
-        abstract(state, lambda _: rep),
-        index,
-        index,
-        second,
-        None,
-    )
-    rows = batch * (2 if use_cfg else 1)
-    shapes = {k: tuple(v.shape[1:]) for k, v in cond.items()}
-    forward = family.flops_per_forward(module.config, rows, shape, shapes)
-    attention = family.attention_flops_per_forward(module.config, rows, shape, shapes)
-    details = {
-        "batch": batch,
-        "size": [height, width, num_frames],
-        "latent_shape": list(shape),
-        "steps": num_inference_steps,
-        "cfg": use_cfg,
-        "text_length": text_length,
-        "weights_dtype": compute.weights_dtype,
-        "attention": compute.attention,
-    }
+    args = _loop_args(mesh, rules, params, (batch, *shape), cond, state, second)
+    rows = batch * (2 if guidance.uses_cfg else 1)
+    forward, attention = _forward_flops(family, module.config, rows, shape, cond)
+    size = (height, width, num_frames)
+    details = _loop_details(compute, batch, size, shape, num_inference_steps, guidance, text_length)
     return Program(
         "generate_loop",
         fn,
@@ -797,6 +759,92 @@ def generate_program(
         attention_flops=None if attention is None else float(num_inference_steps * attention),
         repeats=num_inference_steps,
     )
+
+
+def _checked_latent_shape(pipe, family, module, mesh: Mesh, batch, height, width, num_frames):
+    """The latents' shape (batch axis left out) of one prompt of this size, after checking
+    that the size suits the model, the batch splits over the mesh's batch ways and the
+    attention heads over its tensor axis."""
+    pipe.geometry.check(height, width, num_frames, where="generate_program")
+    shape = pipe.latent_shape(height, width, num_frames)
+    ways = pipe.batch_ways
+    if batch % ways:
+        raise sharding.ShardingError(
+            f"a generate batch of {batch} does not split over the mesh's {ways} batch ways"
+        )
+    family.check_heads(module.config, mesh)
+    return shape
+
+
+def _abstract_conditioning(
+    family, module, configs, guidance, mesh: Mesh, batch, text_length, shape, rules
+) -> dict:
+    """The denoiser's conditioning for ``batch`` prompts as abstract batch arrays by name:
+    the family's tensors and the scalars the guidance embeds (Flux dev's guidance)."""
+    cond = {
+        spec.name: batch_array(mesh, (batch, *spec.shape), jnp.float32, rules)
+        for spec in family.conditioning_specs(
+            module.config, text_length, shape, family.image_tokens(configs)
+        )
+    }
+    for embedded in guidance.embedded:
+        cond[embedded] = batch_array(mesh, (batch,), jnp.float32, rules)
+    return cond
+
+
+def _abstract_second_expert(family, configs, compute, mesh: Mesh, batch, rules):
+    """(module, (params, boundary, its guidance scale per row)) of a two-expert model's second
+    expert, abstract as the first; (None, None) for a model of one."""
+    component = family.second_expert_component(configs)
+    if component is None:
+        return None, None
+    module, params = abstract_denoiser(family, configs[component], compute, mesh, rules)
+    boundary = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated(mesh))  # traced: any value
+    return module, (params, boundary, batch_array(mesh, (batch,), jnp.float32, rules))
+
+
+def _loop_args(mesh: Mesh, rules, params, latents_shape, cond, state, second) -> tuple:
+    """The denoise loop's arguments in its order, abstract: params, latents, conditioning and
+    the negative branch's, per-row flags and scales, the scheduler state, the step range,
+    the second expert and no step cache."""
+    rep = replicated(mesh)
+    batch = latents_shape[0]
+    index = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep, weak_type=True)
+    return (
+        params,
+        batch_array(mesh, latents_shape, jnp.float32, rules),
+        cond,
+        cond,  # the negative branch has the conditioning's shapes
+        batch_array(mesh, (batch,), jnp.bool_, rules),
+        batch_array(mesh, (batch,), jnp.float32, rules),
+        abstract(state, lambda _: rep),
+        index,
+        index,
+        second,
+        None,
+    )
+
+
+def _loop_details(compute, batch, size, shape, steps, guidance, text_length) -> dict:
+    """What the generate loop is made of, for the report."""
+    return {
+        "batch": batch,
+        "size": list(size),
+        "latent_shape": list(shape),
+        "steps": steps,
+        "cfg": guidance.uses_cfg,
+        "text_length": text_length,
+        "weights_dtype": compute.weights_dtype,
+        "attention": compute.attention,
+    }
+
+
+def _forward_flops(family, config, rows: int, shape, cond) -> tuple[float, float | None]:
+    """(FLOPs, attention FLOPs or None) of one denoiser forward over ``rows`` rows."""
+    shapes = {k: tuple(v.shape[1:]) for k, v in cond.items()}
+    forward = family.flops_per_forward(config, rows, shape, shapes)
+    attention = family.attention_flops_per_forward(config, rows, shape, shapes)
+    return forward, attention
 
 
 def param_count(params) -> int:

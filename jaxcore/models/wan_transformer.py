@@ -52,10 +52,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxcore import compute, sharding, weights
 from jaxcore.attention import attention as attention_fn
-from jaxcore.compute import remat_block
+from jaxcore.compute import BLOCK_INPUT, remat_block
 from jaxcore.config import config_json_kwargs
 from jaxcore.models.layers import (
     MLP2,
@@ -511,6 +512,7 @@ class WanBlock(nn.Module):
     @nn.compact
     def __call__(self, x_bld, context_bmd, temb_6d, rope_cos, rope_sin, image_bsd=None):
         cfg = self.config
+        x_bld = checkpoint_name(x_bld, BLOCK_INPUT)  # what an offloading remat policy keeps
         table = _modulation_table(self, 6, cfg.hidden_dim, self.param_dtype)
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = _split_modulation(
             table, temb_6d, 6

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -357,6 +358,43 @@ def test_tpu_refuses_what_does_not_fit():
     report = aot.compile_program(aot.Program("big", fn, (rows,), mesh), slice_)
     assert not report.compiled and not report.fits
     assert report.total_bytes > slice_.hbm_bytes and "RESOURCE_EXHAUSTED" in report.error
+
+
+@needs_libtpu
+def test_tpu_report_counts_what_a_remat_policy_offloads_to_the_host():
+    """Blocks whose inputs the offload_block_inputs policy moves to pinned host memory: the
+    report's host_bytes counts them, whole block inputs ([4096, 512] bf16 a chip: 4 MiB; XLA
+    moves those it finds worth moving, 5 of the 8 here), and the same blocks under full remat
+    put nothing on the host."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    from jaxcore import compute
+
+    slice_ = aot.topology("v5p-8")
+    mesh = sharding.make_mesh(sharding.MeshConfig(), devices=slice_.devices())
+
+    def grad_program(policy):
+        def block(w, x):
+            x = checkpoint_name(x, compute.BLOCK_INPUT)
+            return x + jnp.tanh(jnp.tanh(x @ w) @ w.T)
+
+        step = jax.checkpoint(block, policy=compute.REMAT_POLICIES[policy])
+
+        def loss(ws, x):
+            for w in ws:
+                x = step(w, x)
+            return jnp.mean(x.astype(jnp.float32) ** 2)
+
+        ws = [jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)] * 8
+        x = aot.batch_array(mesh, (4 * 4096, 512), jnp.bfloat16)
+        return aot.Program(policy, jax.jit(jax.grad(loss)), (ws, x), mesh)
+
+    offloaded = aot.compile_program(grad_program("offload_block_inputs"), slice_)
+    one_input = 4096 * 512 * 2
+    assert offloaded.fits and offloaded.host_bytes >= one_input
+    assert offloaded.host_bytes % one_input == 0
+    assert "pinned host" in offloaded.breakdown()
+    assert not aot.compile_program(grad_program("full"), slice_).host_bytes
 
 
 @pytest.mark.slow

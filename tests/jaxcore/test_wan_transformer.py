@@ -5,7 +5,9 @@ Parity tolerance: max abs diff <= 2e-5 on outputs of magnitude ~1-5 (reached: ~3
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import json
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 import yaml
 from flax import linen as nn
+from jax.ad_checkpoint import print_saved_residuals
 
 from jaxcore import sharding, weights
 from jaxcore.layer_stack import LayerStack
@@ -470,6 +473,37 @@ def test_remat_same_output_and_gradients(tiny_checkpoint, policy):
     np.testing.assert_allclose(loss_remat, loss_plain, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grad_remat, grad_plain)
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grad_plain))
+
+
+def _saved_residuals(fn, *args) -> list[str]:
+    """What jax keeps from ``fn``'s forward for its backward, one line each."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(fn, *args)
+    return out.getvalue().splitlines()
+
+
+def test_offload_policy_moves_each_block_input_to_the_host(tmp_path):
+    """offload_block_inputs keeps each block's input in pinned host memory and nothing else
+    from the blocks (full remat keeps nothing on the host); the gradients are the plain
+    model's."""
+    _save_reference(tmp_path, dict(TINY, num_layers=2))
+    plain, params = wt.load_wan_transformer(tmp_path)
+    video, timestep, text = _inputs(TINY, 1, 2, 4, 4, 3)
+
+    def loss(module):
+        return lambda p: jnp.mean(module.apply({"params": p}, video, timestep, text) ** 2)
+
+    offload = wt.WanTransformer(plain.config, remat_policy="offload_block_inputs")
+    on_host = [line for line in _saved_residuals(loss(offload), params) if "<host>" in line]
+    dim = TINY["num_attention_heads"] * TINY["attention_head_dim"]
+    assert [line.split()[0] for line in on_host] == [f"f32<host>[1,8,{dim}]"] * 2  # 8 tokens
+    full = wt.WanTransformer(plain.config, remat_policy="full")
+    assert not any("<host>" in line for line in _saved_residuals(loss(full), params))
+
+    grad_plain = jax.jit(jax.grad(loss(plain)))(params)
+    grad_offload = jax.jit(jax.grad(loss(offload)))(params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grad_offload, grad_plain)
 
 
 def test_init_from_scratch_on_a_mesh():
