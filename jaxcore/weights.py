@@ -420,21 +420,23 @@ def shapes_of_init(init, *inputs):
     return jax.eval_shape(lambda *args: init(jax.random.key(0), *args), *inputs)
 
 
-def abstract_from_inputs(module, dummy_inputs) -> Mapping:
+def abstract_from_inputs(module, dummy_inputs, method=None) -> Mapping:
     """A module's ``params`` collection as boxed ShapeDtypeStructs (``nn.Partitioned`` kept),
-    traced on ``dummy_inputs`` (ShapeDtypeStructs or None); nothing is allocated. The mesh is
-    dropped for tracing: parameters do not depend on it."""
+    traced through ``method`` (None: ``__call__``) on ``dummy_inputs`` (ShapeDtypeStructs or
+    None); nothing is allocated. The mesh is dropped for tracing: parameters do not depend on
+    it."""
     shapes_only = module.clone(mesh=None)
 
     def init(rng):
-        return shapes_only.init(rng, *(_zeros_like(s) for s in dummy_inputs))
+        return shapes_only.init(rng, *(_zeros_like(s) for s in dummy_inputs), method=method)
 
     return shapes_of_init(init)["params"]
 
 
-def init_placed(module, dummy_inputs, rng, *, mesh=None, rules=None) -> dict:
-    """Random-init ``params`` of ``module`` (its own initialisers), created already placed by
-    their logical partitioning on ``mesh`` (else on the default device), unboxed."""
+def init_placed(module, dummy_inputs, rng, *, mesh=None, rules=None, method=None) -> dict:
+    """Random-init ``params`` of ``module`` (its own initialisers, traced through ``method``),
+    created already placed by their logical partitioning on ``mesh`` (else on the default
+    device), unboxed."""
     from flax import linen as nn
 
     from jaxcore import sharding
@@ -442,36 +444,53 @@ def init_placed(module, dummy_inputs, rng, *, mesh=None, rules=None) -> dict:
     unmeshed = module.clone(mesh=None)  # a dummy batch of 1 need not divide the mesh
 
     def init(key):
-        return nn.meta.unbox(unmeshed.init(key, *(_zeros_like(s) for s in dummy_inputs))["params"])
+        variables = unmeshed.init(key, *(_zeros_like(s) for s in dummy_inputs), method=method)
+        return nn.meta.unbox(variables["params"])
 
     if mesh is None:
         return jax.jit(init)(rng)
-    boxed = abstract_from_inputs(module, dummy_inputs)
+    boxed = abstract_from_inputs(module, dummy_inputs, method)
     shardings = nn.meta.unbox(sharding.param_shardings(mesh, boxed, rules))
     return jax.jit(init, out_shardings=shardings)(rng)
+
+
+def weight_map_by_path(boxed_params: Mapping, source_entry: Callable) -> dict:
+    """``{param path: source_entry(path, ndim)}`` for every leaf of ``boxed_params``: the
+    weight map of a model whose checkpoint keys follow from its parameter paths (the
+    diffusers VAEs and UNet, whose module names mirror diffusers' attribute names)."""
+    from flax import linen as nn
+
+    flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(boxed_params))[0]
+    entries = {}
+    for keypath, leaf in flat:
+        path = tuple(str(k.key) for k in keypath)
+        entries[path] = source_entry(path, len(leaf.shape))
+    return entries
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelKind:
     """How one model class is built, loaded, initialised, shaped and counted: the same four
-    functions every denoiser file needs, written once.
+    functions every denoiser and VAE file needs, written once.
 
     ``module``: the flax Module class, called ``module(config, **options)`` (``dtype``,
     ``param_dtype``, ``attention``, ``mesh``, ``remat_policy``, ...: its own fields);
     ``config``: its config dataclass (``from_dict`` of a diffusers ``config.json``);
     ``dummy_inputs``: config -> the ShapeDtypeStructs ``init`` traces with;
     ``weight_map``: (config, boxed abstract params) -> :data:`WeightMap` (diffusers keys);
-    ``ignore_unused``: config -> checkpoint keys the model does not use."""
+    ``ignore_unused``: config -> checkpoint keys the model does not use;
+    ``trace_method``: the method ``init`` traces to create every parameter (None: ``__call__``)."""
 
     module: type
     config: type
     dummy_inputs: Callable
     weight_map: Callable
     ignore_unused: Callable = lambda config: ()
+    trace_method: str | Callable | None = None
 
     def abstract_params(self, module) -> Mapping:
         """The ``params`` collection as boxed ShapeDtypeStructs (``nn.Partitioned`` kept)."""
-        return abstract_from_inputs(module, self.dummy_inputs(module.config))
+        return abstract_from_inputs(module, self.dummy_inputs(module.config), self.trace_method)
 
     def load(self, directory: str | os.PathLike, *, mesh=None, rules=None, **options):
         """``(module, params)`` of a diffusers model directory (config.json + safetensors):
@@ -499,11 +518,71 @@ class ModelKind:
         """``(module, params)`` random-initialised by the layers' own initialisers (training
         from scratch), created already sharded when a mesh is given."""
         module = self.module(config, mesh=mesh, **options)
-        return module, init_placed(module, self.dummy_inputs(config), rng, mesh=mesh, rules=rules)
+        params = init_placed(
+            module, self.dummy_inputs(config), rng, mesh=mesh, rules=rules, method=self.trace_method
+        )
+        return module, params
 
     def count_params(self, config) -> int:
         """Number of parameters, from eval_shape (nothing is allocated)."""
         return count_elements(self.abstract_params(self.module(config)))
+
+
+# The checkpoint keys only decoding reads, in diffusers' AutoencoderKL and AutoencoderKLWan alike.
+VAE_DECODER_PREFIXES = ("decoder.", "post_quant_conv.")
+
+
+@dataclasses.dataclass(frozen=True)
+class VAEKind(ModelKind):
+    """The :class:`ModelKind` of a convolutional VAE: it also loads its encoder alone, and
+    random-inits without running the layers' initialisers.
+
+    ``encoder_method``: the method that, traced on ``dummy_inputs``, creates the encoder's
+    (and quant_conv's) parameters alone; ``fill``: ``(leaf name, shape, dtype) -> array`` for
+    every parameter but the kernels (:func:`init_kernels_fan_in`), as the layers declare them."""
+
+    encoder_method: str | Callable = "encode"
+    fill: Callable | None = None
+
+    def encoder_part(self) -> ModelKind:
+        """The kind whose whole model is this VAE's encoder: an encoder-only load creates and
+        reads the encoder's parameters alone and leaves the decoder's keys unread."""
+        return ModelKind(
+            self.module,
+            self.config,
+            self.dummy_inputs,
+            self.weight_map,
+            lambda config: VAE_DECODER_PREFIXES,
+            self.encoder_method,
+        )
+
+    def abstract_params(self, module, *, encoder_only: bool = False) -> Mapping:
+        """The ``params`` collection as boxed ShapeDtypeStructs (``nn.Partitioned`` kept), no
+        allocation; ``encoder_only``: the encoder's and quant_conv's alone."""
+        if encoder_only:
+            return self.encoder_part().abstract_params(module)
+        return super().abstract_params(module)
+
+    def load(self, directory: str | os.PathLike, *, encoder_only: bool = False, **options):
+        """:meth:`ModelKind.load`; ``encoder_only``: read the encoder's parameters alone
+        (encoding: convert, image conditioning); the module cannot decode then."""
+        if encoder_only:
+            return self.encoder_part().load(directory, **options)
+        return super().load(directory, **options)
+
+    def init(self, config, rng, *, mesh=None, rules=None, **options):
+        """``(module, params)``, unboxed (sharded if a mesh): kernels LeCun normal (normal
+        truncated at +-2 sigma, variance 1 / fan_in: flax's ``lecun_normal``, the layers'
+        declared init), every other parameter ``fill``. ``module.init`` would compile the
+        whole forward (minutes on CPU) with one RNG draw per parameter, so shapes come from
+        ``eval_shape`` and all kernels share one truncated-normal draw."""
+        import jax.numpy as jnp
+
+        module = self.module(config, mesh=mesh, **options)
+        dtype = options.get("param_dtype", jnp.float32)
+        boxed = self.abstract_params(module)
+        params = init_kernels_fan_in(boxed, rng, dtype, self.fill, mesh=mesh, rules=rules)
+        return module, params
 
 
 # Standard deviation of a standard normal truncated to [-2, 2] (flax's lecun_normal divides by it).

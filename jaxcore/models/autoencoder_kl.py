@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -66,7 +65,7 @@ from jaxcore.attention import attention as attention_fn
 from jaxcore.config import config_json_kwargs
 from jaxcore.models import layers
 from jaxcore.models.layers import gelu_erf, silu
-from jaxcore.models.wan_vae import DECODER_PREFIXES, LOGVAR_RANGE, DiagonalGaussian
+from jaxcore.models.wan_vae import LOGVAR_RANGE, DiagonalGaussian
 
 Dtype = Any
 
@@ -420,16 +419,18 @@ class Upsample(nn.Module):
         return Conv2d(self.channels, name="conv", **kw)(x)
 
 
-class DownEncoderBlock(nn.Module):
-    """diffusers ``DownEncoderBlock2D``: resnets, then (but on the last level) a Downsample2D.
+# ResnetLevel's resample -> (the resampler, its diffusers attribute name)
+_RESAMPLERS = {"down": (Downsample, "downsamplers_0"), "up": (Upsample, "upsamplers_0")}
 
-    Downsample2D with ``padding=0`` (what the Encoder passes): zero pad one row at the bottom
-    and one column at the right, then a 3x3 stride-2 conv without padding.
-    """
+
+class ResnetLevel(nn.Module):
+    """One level of resnets, then (but on the last level) a resampler: diffusers
+    ``DownEncoderBlock2D`` with ``resample="down"`` (a Downsample2D), ``UpDecoderBlock2D`` with
+    ``"up"`` (an Upsample2D); ``None`` on the last level."""
 
     out_channels: int
     num_layers: int
-    add_downsample: bool
+    resample: str | None
     num_groups: int
     act_fn: str
     dtype: Dtype = jnp.float32
@@ -442,97 +443,83 @@ class DownEncoderBlock(nn.Module):
             x = ResnetBlock(
                 self.out_channels, self.num_groups, self.act_fn, name=f"resnets_{j}", **kw
             )(x)
-        if self.add_downsample:
-            x = Downsample(self.out_channels, name="downsamplers_0", **kw)(x)
+        if self.resample is not None:
+            resampler, name = _RESAMPLERS[self.resample]
+            x = resampler(self.out_channels, name=name, **kw)(x)
         return x
 
 
-class UpDecoderBlock(nn.Module):
-    """diffusers ``UpDecoderBlock2D``: resnets, then (but on the last level) an Upsample2D."""
-
-    out_channels: int
-    num_layers: int
-    add_upsample: bool
-    num_groups: int
-    act_fn: str
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        for j in range(self.num_layers):
-            x = ResnetBlock(
-                self.out_channels, self.num_groups, self.act_fn, name=f"resnets_{j}", **kw
-            )(x)
-        if self.add_upsample:
-            x = Upsample(self.out_channels, name="upsamplers_0", **kw)(x)
-        return x
-
-
-class Encoder(nn.Module):
-    """diffusers ``vae.Encoder`` (double_z): conv_in, down blocks, mid block, head -> 2 x latent."""
+class _EncoderOrDecoder(nn.Module):
+    """What diffusers' ``vae.Encoder`` and ``vae.Decoder`` share: their fields, the mid block
+    and the head (GroupNorm, SiLU whatever ``act_fn`` says, conv_out)."""
 
     config: AutoencoderKLConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention: str = "dot_product"
     mesh: jax.sharding.Mesh | None = None
+
+    @property
+    def _kw(self) -> dict:
+        return {"dtype": self.dtype, "param_dtype": self.param_dtype}
+
+    @property
+    def _resnet_kw(self) -> dict:
+        return {"num_groups": self.config.norm_num_groups, "act_fn": self.config.act_fn, **self._kw}
+
+    def _mid_block(self, x: jax.Array) -> jax.Array:
+        return MidBlock(
+            add_attention=self.config.mid_block_add_attention,
+            attention=self.attention,
+            mesh=self.mesh,
+            name="mid_block",
+            **self._resnet_kw,
+        )(x)
+
+    def _head(self, x: jax.Array, out_channels: int) -> jax.Array:
+        x = silu(GroupNorm(self.config.norm_num_groups, name="conv_norm_out", **self._kw)(x))
+        return Conv2d(out_channels, name="conv_out", **self._kw)(x)
+
+
+class Encoder(_EncoderOrDecoder):
+    """diffusers ``vae.Encoder`` (double_z): conv_in, down blocks, mid block, head -> 2 x latent."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
-        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        res = {"num_groups": cfg.norm_num_groups, "act_fn": cfg.act_fn, **kw}
-        x = Conv2d(cfg.block_out_channels[0], name="conv_in", **kw)(x)
+        x = Conv2d(cfg.block_out_channels[0], name="conv_in", **self._kw)(x)
         last = len(cfg.block_out_channels) - 1
         for i, channels in enumerate(cfg.block_out_channels):
-            block = DownEncoderBlock(
-                channels, cfg.layers_per_block, i != last, name=f"down_blocks_{i}", **res
+            resample = "down" if i != last else None
+            block = ResnetLevel(
+                channels, cfg.layers_per_block, resample, name=f"down_blocks_{i}", **self._resnet_kw
             )
             x = _constrain_image(block(x))
-        x = MidBlock(
-            add_attention=cfg.mid_block_add_attention,
-            attention=self.attention,
-            mesh=self.mesh,
-            name="mid_block",
-            **res,
-        )(x)
-        x = silu(GroupNorm(cfg.norm_num_groups, name="conv_norm_out", **kw)(x))
-        return Conv2d(2 * cfg.latent_channels, name="conv_out", **kw)(x)
+        x = self._mid_block(x)
+        return self._head(x, 2 * cfg.latent_channels)
 
 
-class Decoder(nn.Module):
+class Decoder(_EncoderOrDecoder):
     """diffusers ``vae.Decoder`` (norm_type="group"): conv_in, mid block, up blocks, head."""
-
-    config: AutoencoderKLConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-    attention: str = "dot_product"
-    mesh: jax.sharding.Mesh | None = None
 
     @nn.compact
     def __call__(self, z: jax.Array) -> jax.Array:
         cfg = self.config
-        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        res = {"num_groups": cfg.norm_num_groups, "act_fn": cfg.act_fn, **kw}
-        x = Conv2d(cfg.block_out_channels[-1], name="conv_in", **kw)(z)
-        x = MidBlock(
-            add_attention=cfg.mid_block_add_attention,
-            attention=self.attention,
-            mesh=self.mesh,
-            name="mid_block",
-            **res,
-        )(x)
+        x = Conv2d(cfg.block_out_channels[-1], name="conv_in", **self._kw)(z)
+        x = self._mid_block(x)
         last = len(cfg.block_out_channels) - 1
         for i, channels in enumerate(reversed(cfg.block_out_channels)):
+            resample = "up" if i != last else None
             # diffusers gives every decoder level one resnet more than the encoder's.
-            block = UpDecoderBlock(
-                channels, cfg.layers_per_block + 1, i != last, name=f"up_blocks_{i}", **res
+            block = ResnetLevel(
+                channels,
+                cfg.layers_per_block + 1,
+                resample,
+                name=f"up_blocks_{i}",
+                **self._resnet_kw,
             )
             x = _constrain_image(block(x))
-        x = silu(GroupNorm(cfg.norm_num_groups, name="conv_norm_out", **kw)(x))
-        return Conv2d(cfg.out_channels, name="conv_out", **kw)(x)
+        return self._head(x, cfg.out_channels)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -702,23 +689,6 @@ def denormalize_latents(z: jax.Array, config: AutoencoderKLConfig) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 
 
-def abstract_params(module: AutoencoderKL, *, encoder_only: bool = False) -> dict:
-    """The ``params`` collection as boxed ShapeDtypeStructs (nn.Partitioned kept), no allocation.
-
-    Traces one image of one latent pixel (``s x s``), which creates every layer (with
-    ``encoder_only``, through ``encode``: the encoder's and quant_conv's alone).
-    """
-    s = module.config.spatial_compression
-    shape = (1, module.config.in_channels, s, s)
-    shapes_only = module.clone(mesh=None)  # parameters do not depend on the mesh
-    method = "encode" if encoder_only else None
-
-    def init(rng):
-        return shapes_only.init(rng, jnp.zeros(shape, jnp.float32), method=method)
-
-    return weights.shapes_of_init(init)["params"]
-
-
 def _source_entry(path: tuple[str, ...], ndim: int) -> tuple[str, weights.Transform]:
     """Flax param path -> (diffusers key, transform). Module names mirror diffusers attribute
     names, with list indices written ``name_3`` for diffusers' ``name.3``."""
@@ -734,87 +704,34 @@ def _source_entry(path: tuple[str, ...], ndim: int) -> tuple[str, weights.Transf
     raise ValueError(f"no diffusers name for parameter {'/'.join(path)} ({ndim}-d)")
 
 
-def _weight_map_for(boxed: Mapping) -> dict:
-    flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(boxed))[0]
-    entries = {}
-    for keypath, leaf in flat:
-        path = tuple(str(k.key) for k in keypath)
-        entries[path] = _source_entry(path, len(leaf.shape))
-    return entries
+def _dummy_inputs(config: AutoencoderKLConfig) -> tuple:
+    """One image of one latent pixel (``s x s``): it creates every layer (through ``encode``,
+    the encoder's and quant_conv's alone)."""
+    s = config.spatial_compression
+    return (jax.ShapeDtypeStruct((1, config.in_channels, s, s), jnp.float32),)
+
+
+def _fill(name: str, shape: tuple[int, ...], dtype: Dtype) -> jax.Array:
+    """Random init of every parameter but the kernels: norm scales one, biases zero."""
+    return jnp.full(shape, 1.0 if name == "scale" else 0.0, dtype)
+
+
+# build / load / init / shape / count, as the Wan VAE's (jaxcore.weights.VAEKind)
+KIND = weights.VAEKind(
+    AutoencoderKL,
+    AutoencoderKLConfig,
+    _dummy_inputs,
+    lambda config, boxed: weights.weight_map_by_path(boxed, _source_entry),
+    encoder_method="encode",
+    fill=_fill,
+)
+abstract_params = KIND.abstract_params
+# a diffusers AutoencoderKL directory; activations in ``dtype``, parameters in ``param_dtype``
+load_autoencoder_kl = KIND.load
+init_autoencoder_kl = KIND.init
+count_params = KIND.count_params
 
 
 def weight_map(config: AutoencoderKLConfig) -> dict:
     """{flax param path: (diffusers AutoencoderKL key, transform)} for every parameter."""
-    return _weight_map_for(abstract_params(AutoencoderKL(config)))
-
-
-def count_params(config: AutoencoderKLConfig) -> int:
-    """Number of parameters, from eval_shape (nothing is allocated)."""
-    return weights.count_elements(abstract_params(AutoencoderKL(config)))
-
-
-def load_autoencoder_kl(
-    directory: str | os.PathLike,
-    *,
-    dtype: Dtype = jnp.float32,
-    param_dtype: Dtype = jnp.float32,
-    attention: str = "dot_product",
-    mesh: jax.sharding.Mesh | None = None,
-    rules=None,
-    encoder_only: bool = False,
-) -> tuple[AutoencoderKL, dict]:
-    """Load a diffusers ``AutoencoderKL`` directory (config.json + safetensors).
-
-    Returns ``(module, params)``: activations in ``dtype``, parameters cast to ``param_dtype``
-    and, with a mesh, placed by the logical ``rules`` (replicated under the default rules).
-    ``encoder_only``: read the encoder's parameters alone (convert); the decoder's keys are
-    left unread and the module cannot decode.
-    Raises WeightsError naming missing/unexpected keys or the parameter path and diffusers key
-    whose shapes disagree (pickle-only directories are refused), and AutoencoderKLConfigError
-    naming a config key it cannot represent.
-    """
-    config = AutoencoderKLConfig.from_dict(weights.read_config(directory))
-    module = AutoencoderKL(
-        config, dtype=dtype, param_dtype=param_dtype, attention=attention, mesh=mesh
-    )
-    boxed = abstract_params(module, encoder_only=encoder_only)
-    params = weights.load_placed(
-        directory,
-        _weight_map_for(boxed),
-        boxed,
-        mesh=mesh,
-        rules=rules,
-        dtype=param_dtype,
-        ignore_unused=DECODER_PREFIXES if encoder_only else (),
-    )
-    return module, params
-
-
-def init_autoencoder_kl(
-    config: AutoencoderKLConfig,
-    rng: jax.Array,
-    *,
-    dtype: Dtype = jnp.float32,
-    param_dtype: Dtype = jnp.float32,
-    attention: str = "dot_product",
-    mesh: jax.sharding.Mesh | None = None,
-    rules=None,
-) -> tuple[AutoencoderKL, dict]:
-    """Random init; returns ``(module, params)`` with unboxed params (sharded if a mesh).
-
-    Kernels are LeCun normal (normal truncated at +-2 sigma, variance 1 / fan_in: flax's
-    ``lecun_normal``, the layers' declared init), biases zero, norm scales one. One RNG draw
-    per parameter (``module.init``) compiles for minutes on CPU, so shapes come from
-    ``eval_shape`` and all kernels share one truncated-normal draw.
-    """
-    module = AutoencoderKL(
-        config, dtype=dtype, param_dtype=param_dtype, attention=attention, mesh=mesh
-    )
-
-    def fill(name, shape, dtype):  # norm scales one, biases zero
-        return jnp.full(shape, 1.0 if name == "scale" else 0.0, dtype)
-
-    params = weights.init_kernels_fan_in(
-        abstract_params(module), rng, param_dtype, fill, mesh=mesh, rules=rules
-    )
-    return module, params
+    return KIND.weight_map(config, abstract_params(AutoencoderKL(config)))

@@ -22,8 +22,8 @@ from the transformers state-dict keys (``text_model.*``, or the same keys withou
 as transformers 5 saves a ``CLIPTextModel``, and ``text_projection.weight``).
 
 The encoder layer (:class:`CLIPBlock`, with :class:`CLIPAttention` and :class:`CLIPMLP`), its
-weight map (:func:`encoder_layer_map`) and the config helpers are shared with the vision tower,
-:mod:`jaxcore.models.clip_vision`.
+weight map (:func:`encoder_layer_map`), the projection, the config helpers and the loading
+(:class:`TowerKind`) are shared with the vision tower, :mod:`jaxcore.models.clip_vision`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import flax.struct
@@ -125,6 +125,15 @@ def check_encoder_config(config, error: type[ValueError], extra_positive=()) -> 
         )
 
 
+def check_projection_dim(config, error: type[ValueError]) -> None:
+    """A CLIP tower's ``projection_dim``: a positive int, or None (no projection possible)."""
+    value = config.projection_dim
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise error(
+            f"{type(config).__name__}.projection_dim must be a positive int or None, got {value!r}"
+        )
+
+
 def config_kwargs(
     cls,
     raw: Mapping[str, object],
@@ -191,13 +200,7 @@ class CLIPTextConfig:
         check_encoder_config(
             self, CLIPTextConfigError, extra_positive=("vocab_size", "max_position_embeddings")
         )
-        if self.projection_dim is not None and (
-            not isinstance(self.projection_dim, int) or self.projection_dim < 1
-        ):
-            raise CLIPTextConfigError(
-                f"CLIPTextConfig.projection_dim must be a positive int or None, "
-                f"got {self.projection_dim!r}"
-            )
+        check_projection_dim(self, CLIPTextConfigError)
         if not isinstance(self.eos_token_id, int) or isinstance(self.eos_token_id, bool):
             raise CLIPTextConfigError(
                 f"CLIPTextConfig.eos_token_id must be one int (it picks the pooled position), "
@@ -318,6 +321,21 @@ def _dense(features: int, stddev: float, axes: tuple[str, str], dtype, param_dty
         param_dtype=param_dtype,
         kernel_init=nn.with_logical_partitioning(_normal(stddev), axes),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (axes[1],)),
+        name=name,
+    )
+
+
+def projection_layer(config, dtype, param_dtype, name: str) -> nn.Dense:
+    """The bias-free projection of a tower's pooled output to ``projection_dim``
+    (``text_projection`` / ``visual_projection``)."""
+    return nn.Dense(
+        config.projection_dim,
+        use_bias=False,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=nn.with_logical_partitioning(
+            _normal(config.hidden_size**-0.5), ("embed", None)
+        ),
         name=name,
     )
 
@@ -521,16 +539,8 @@ class CLIPTextEncoder(nn.Module):
         pooled_be = last_ble[jnp.arange(batch), pooled_positions(input_ids, c.eos_token_id)]
         text_embeds = None
         if self.with_projection:
-            text_embeds = nn.Dense(
-                c.projection_dim,
-                use_bias=False,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                kernel_init=nn.with_logical_partitioning(
-                    _normal(c.hidden_size**-0.5), ("embed", None)
-                ),
-                name="text_projection",
-            )(pooled_be)
+            projection = projection_layer(c, self.dtype, self.param_dtype, "text_projection")
+            text_embeds = projection(pooled_be)
         return CLIPTextOutput(
             last_hidden_state=last_ble,
             pooler_output=pooled_be,
@@ -623,45 +633,17 @@ def weight_map(
     return mapping
 
 
-def abstract_variables(module: CLIPTextEncoder):
+def _dummy_inputs(config: CLIPTextConfig) -> tuple:
     ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    return weights.shapes_of_init(module.init, ids, ids)  # input ids, attention mask
-
-
-def count_params(config: CLIPTextConfig, with_projection: bool = False) -> int:
-    """Number of parameters, from shapes only (nothing is allocated)."""
-    module = CLIPTextEncoder(config, with_projection=with_projection)
-    return weights.count_elements(abstract_variables(module)["params"])
-
-
-def init_clip_text(
-    config: CLIPTextConfig,
-    rng: jax.Array,
-    with_projection: bool = False,
-    *,
-    dtype=jnp.float32,
-    param_dtype=None,
-    mesh: jax.sharding.Mesh | None = None,
-) -> tuple[CLIPTextEncoder, dict]:
-    """Random-init encoder -> (module, params); params is the unboxed ``params`` collection."""
-    module = CLIPTextEncoder(
-        config,
-        dtype=dtype,
-        param_dtype=param_dtype or dtype,
-        with_projection=with_projection,
-        mesh=mesh,
-    )
-    ids = jnp.zeros((1, 1), jnp.int32)
-    variables = jax.jit(module.init)(rng, ids, jnp.ones((1, 1), jnp.int32))
-    return module, nn.meta.unbox(variables)["params"]
+    return ids, ids  # input ids, attention mask
 
 
 def resolve_projection(
     raw: Mapping[str, object],
     reader: weights.SafetensorsReader,
     with_projection: bool | None,
-    projection_key: str = PROJECTION_KEY,
-    architectures: Mapping[str, bool] = ARCHITECTURES,
+    projection_key: str,
+    architectures: Mapping[str, bool],
 ) -> bool:
     """Whether to load the projection ``projection_key``: the checkpoint's keys decide unless
     the caller does; ``architectures`` (class name -> has the projection) in config.json only
@@ -688,10 +670,7 @@ def resolve_projection(
 
 
 def checkpoint_prefix(
-    reader: weights.SafetensorsReader,
-    prefixes: tuple[str, ...] = PREFIXES,
-    probe: str = "final_layer_norm.weight",
-    what: str = "CLIP text",
+    reader: weights.SafetensorsReader, prefixes: tuple[str, ...], probe: str, what: str
 ) -> str:
     """The first of ``prefixes`` under which ``probe`` is in the checkpoint."""
     for prefix in prefixes:
@@ -703,50 +682,117 @@ def checkpoint_prefix(
     )
 
 
-def load_clip_text(
-    directory: str | os.PathLike,
-    *,
-    dtype=jnp.float32,
-    param_dtype=None,
-    mesh: jax.sharding.Mesh | None = None,
-    rules=None,
-    with_projection: bool | None = None,
-) -> tuple[CLIPTextEncoder, dict]:
-    """Load a transformers CLIP text directory (config.json + safetensors).
+@dataclasses.dataclass(frozen=True)
+class TowerKind:
+    """How a CLIP tower is built, loaded, initialised, shaped and counted: the text tower
+    (:data:`TOWER`) and the vision tower (``clip_vision.TOWER``) differ only in this data.
 
-    Keys may carry the ``text_model.`` prefix (hub checkpoints) or not (a ``CLIPTextModel``
-    saved by transformers 5).
+    ``module``: the flax Module class, called ``module(config, dtype=, param_dtype=,
+    with_projection=, mesh=)``; ``config``: its config dataclass (``from_dict`` of a
+    transformers ``config.json``); ``dummy_inputs``: config -> the ShapeDtypeStructs ``init``
+    traces with; ``weight_map``: ``(config, with_projection, prefix)`` -> its weight map;
+    ``prefixes``: the key prefixes a checkpoint may hold the tower under; ``probe``: a key
+    (after the prefix) every checkpoint of the tower holds; ``projection_key`` and
+    ``architectures``: see :func:`resolve_projection`; ``name``: the tower, in errors."""
 
-    Returns ``(module, params)``; call ``module.apply({"params": params}, ids, mask)``.
-    ``with_projection``: None = as the checkpoint has it (``text_projection.weight`` present);
-    False loads only the text model of a checkpoint with projection; True requires it.
-    ``dtype`` is the activation dtype and, unless ``param_dtype`` is given, the weight dtype.
-    With a ``mesh`` every parameter is placed on its logical sharding (``rules``: logical axis
-    rules, default :data:`jaxcore.sharding.LOGICAL_AXIS_RULES`).
-    """
-    raw = weights.read_config(directory)
-    config = CLIPTextConfig.from_dict(raw)
-    reader = weights.SafetensorsReader(directory)
-    with_projection = resolve_projection(raw, reader, with_projection)
-    module = CLIPTextEncoder(
-        config,
-        dtype=dtype,
-        param_dtype=param_dtype or dtype,
-        with_projection=with_projection,
-        mesh=mesh,
-    )
-    prefix = checkpoint_prefix(reader)
-    unused = (f"{prefix}{POSITION_IDS_KEY}",) + (() if with_projection else (PROJECTION_KEY,))
-    params = weights.load_placed(
-        reader,
-        weight_map(config, with_projection, prefix),
-        abstract_variables(module)["params"],
-        mesh=mesh,
-        rules=rules,
-        dtype=param_dtype or dtype,
-        ignore_unused=unused,
-    )
-    return module, params
+    module: type
+    config: type
+    dummy_inputs: Callable
+    weight_map: Callable
+    prefixes: tuple[str, ...]
+    probe: str
+    projection_key: str
+    architectures: Mapping[str, bool]
+    name: str
+
+    def build(
+        self, config, with_projection=False, *, dtype=jnp.float32, param_dtype=None, mesh=None
+    ):
+        """The module; ``param_dtype`` None: ``dtype``."""
+        return self.module(
+            config,
+            dtype=dtype,
+            param_dtype=param_dtype or dtype,
+            with_projection=with_projection,
+            mesh=mesh,
+        )
+
+    def abstract_variables(self, module):
+        return weights.shapes_of_init(module.init, *self.dummy_inputs(module.config))
+
+    def count_params(self, config, with_projection: bool = False) -> int:
+        """Number of parameters, from shapes only (nothing is allocated)."""
+        module = self.build(config, with_projection)
+        return weights.count_elements(self.abstract_variables(module)["params"])
+
+    def init(self, config, rng: jax.Array, with_projection: bool = False, **options):
+        """Random-init encoder -> (module, params); params is the unboxed ``params`` collection,
+        on the default device (``mesh`` is only kept on the module). ``options``: ``dtype``,
+        ``param_dtype``, ``mesh`` (see :meth:`build`)."""
+        module = self.build(config, with_projection, **options)
+        return module, weights.init_placed(module, self.dummy_inputs(config), rng)
+
+    def load(
+        self,
+        directory: str | os.PathLike,
+        *,
+        dtype=jnp.float32,
+        param_dtype=None,
+        mesh: jax.sharding.Mesh | None = None,
+        rules=None,
+        with_projection: bool | None = None,
+    ):
+        """Load a transformers directory of the tower (config.json + safetensors), its keys
+        under any of ``prefixes`` (the hub layout, or a bare model as transformers 5 saves it).
+
+        Returns ``(module, params)``; call ``module.apply({"params": params}, ...)``.
+        ``with_projection``: None = as the checkpoint has it (``projection_key`` present);
+        False loads only the tower of a checkpoint with projection; True requires it.
+        ``dtype`` is the activation dtype and, unless ``param_dtype`` is given, the weight
+        dtype. With a ``mesh`` every parameter is placed on its logical sharding (``rules``:
+        logical axis rules, default :data:`jaxcore.sharding.LOGICAL_AXIS_RULES`).
+        """
+        raw = weights.read_config(directory)
+        config = self.config.from_dict(raw)
+        reader = weights.SafetensorsReader(directory)
+        with_projection = resolve_projection(
+            raw, reader, with_projection, self.projection_key, self.architectures
+        )
+        module = self.build(
+            config, with_projection, dtype=dtype, param_dtype=param_dtype, mesh=mesh
+        )
+        prefix = checkpoint_prefix(reader, self.prefixes, self.probe, self.name)
+        unused = (f"{prefix}{POSITION_IDS_KEY}",)
+        if not with_projection:
+            unused += (self.projection_key,)
+        params = weights.load_placed(
+            reader,
+            self.weight_map(config, with_projection, prefix),
+            self.abstract_variables(module)["params"],
+            mesh=mesh,
+            rules=rules,
+            dtype=module.param_dtype,
+            ignore_unused=unused,
+        )
+        return module, params
+
+
+# build / load / init / shape / count (the vision tower: clip_vision.TOWER)
+TOWER = TowerKind(
+    CLIPTextEncoder,
+    CLIPTextConfig,
+    _dummy_inputs,
+    weight_map,
+    PREFIXES,
+    "final_layer_norm.weight",
+    PROJECTION_KEY,
+    ARCHITECTURES,
+    "CLIP text",
+)
+abstract_variables = TOWER.abstract_variables
+count_params = TOWER.count_params
+init_clip_text = TOWER.init
+load_clip_text = TOWER.load  # a transformers CLIPTextModel[WithProjection] directory
 
 
 @functools.lru_cache(maxsize=8)

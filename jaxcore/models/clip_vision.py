@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Mapping
 
 import flax.struct
@@ -43,7 +42,13 @@ from flax import linen as nn
 
 from jaxcore import sharding, weights
 from jaxcore.models import clip_text
-from jaxcore.models.clip_text import CLIPBlock, encoder_layer_map, layer_norm, norm_map
+from jaxcore.models.clip_text import (
+    CLIPBlock,
+    encoder_layer_map,
+    layer_norm,
+    norm_map,
+    projection_layer,
+)
 
 # --- config ------------------------------------------------------------------------------------
 
@@ -91,13 +96,7 @@ class CLIPVisionConfig:
                 f"CLIPVisionConfig.patch_size {self.patch_size} exceeds image_size "
                 f"{self.image_size}"
             )
-        if self.projection_dim is not None and (
-            not isinstance(self.projection_dim, int) or self.projection_dim < 1
-        ):
-            raise CLIPVisionConfigError(
-                f"CLIPVisionConfig.projection_dim must be a positive int or None, "
-                f"got {self.projection_dim!r}"
-            )
+        clip_text.check_projection_dim(self, CLIPVisionConfigError)
 
     @property
     def head_dim(self) -> int:
@@ -268,6 +267,35 @@ class CLIPVisionEncoder(nn.Module):
         ``-2``). Both keywords are static: bind them (``functools.partial``) before ``jit``.
         """
         c = self.config
+        self._check_pixels(pixel_values, interpolate_pos_encoding)
+        stop = c.num_hidden_layers
+        if hidden_layer is not None:
+            stop = normalize_layer(hidden_layer, c.num_hidden_layers)
+        x_ble = self._embed(pixel_values, interpolate_pos_encoding)
+        hidden_states = [x_ble]
+        for i in range(stop):
+            x_ble = CLIPBlock(c, self.dtype, self.param_dtype, name=f"block_{i}")(x_ble, None)
+            hidden_states.append(x_ble)
+        if hidden_layer is not None:
+            return x_ble
+        pooled_be = layer_norm(c.layer_norm_eps, self.dtype, self.param_dtype, "post_norm")(
+            x_ble[:, 0]
+        )
+        image_embeds = None
+        if self.with_projection:
+            projection = projection_layer(c, self.dtype, self.param_dtype, "visual_projection")
+            image_embeds = projection(pooled_be)
+        return CLIPVisionOutput(
+            last_hidden_state=x_ble,
+            pooler_output=pooled_be,
+            hidden_states=tuple(hidden_states),
+            image_embeds=image_embeds,
+        )
+
+    def _check_pixels(self, pixel_values: jax.Array, interpolate_pos_encoding: bool) -> None:
+        """Raise naming what does not fit: the image's shape, or (without
+        ``interpolate_pos_encoding``) its size."""
+        c = self.config
         if self.with_projection and c.projection_dim is None:
             raise CLIPVisionConfigError("with_projection needs CLIPVisionConfig.projection_dim")
         if pixel_values.ndim != 4 or pixel_values.shape[1] != c.num_channels:
@@ -282,11 +310,11 @@ class CLIPVisionEncoder(nn.Module):
                 f"({c.image_size}*{c.image_size}); pass interpolate_pos_encoding=True to resize "
                 "the position embeddings"
             )
-        stop = c.num_hidden_layers
-        if hidden_layer is not None:
-            stop = normalize_layer(hidden_layer, c.num_hidden_layers)
-        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
 
+    def _embed(self, pixel_values: jax.Array, interpolate_pos_encoding: bool) -> jax.Array:
+        """[B, 1 + N, E]: the class token, then the patches, plus their positions, pre-normed
+        (transformers' ``CLIPVisionEmbeddings`` and ``pre_layrnorm``)."""
+        c = self.config
         kernel = self.param(
             "patch_embedding",
             nn.with_logical_partitioning(_normal(0.02), (None, None, "conv_in", "embed")),
@@ -305,6 +333,7 @@ class CLIPVisionEncoder(nn.Module):
             (c.num_positions, c.hidden_size),
             self.param_dtype,
         )
+        height, width = pixel_values.shape[2:]
         grid = patch_grid(height, width, c.patch_size)
         patches = patchify(pixel_values.astype(self.dtype), c.patch_size)
         patch_bye = jnp.einsum("byxhwc,hwce->byxe", patches, kernel.astype(self.dtype))
@@ -317,35 +346,9 @@ class CLIPVisionEncoder(nn.Module):
         else:
             positions = position_table
         x_ble = jnp.concatenate([cls_b1e, patch_ble], axis=1) + positions.astype(self.dtype)
-        x_ble = layer_norm(c.layer_norm_eps, **kw, name="pre_norm")(x_ble)
-        x_ble = sharding.constrain(
+        x_ble = layer_norm(c.layer_norm_eps, self.dtype, self.param_dtype, "pre_norm")(x_ble)
+        return sharding.constrain(
             x_ble, ("activation_batch", "activation_length", "activation_embed")
-        )
-
-        hidden_states = [x_ble]
-        for i in range(stop):
-            x_ble = CLIPBlock(c, **kw, name=f"block_{i}")(x_ble, None)
-            hidden_states.append(x_ble)
-        if hidden_layer is not None:
-            return x_ble
-
-        pooled_be = layer_norm(c.layer_norm_eps, **kw, name="post_norm")(x_ble[:, 0])
-        image_embeds = None
-        if self.with_projection:
-            image_embeds = nn.Dense(
-                c.projection_dim,
-                use_bias=False,
-                **kw,
-                kernel_init=nn.with_logical_partitioning(
-                    _normal(c.hidden_size**-0.5), ("embed", None)
-                ),
-                name="visual_projection",
-            )(pooled_be)
-        return CLIPVisionOutput(
-            last_hidden_state=x_ble,
-            pooler_output=pooled_be,
-            hidden_states=tuple(hidden_states),
-            image_embeds=image_embeds,
         )
 
 
@@ -375,8 +378,6 @@ def encode_fn(
 # "vision_model."; transformers 5 saves a bare CLIPVisionModel without it.
 PREFIXES = ("vision_model.", "")
 PROJECTION_KEY = "visual_projection.weight"
-# Checkpoints written before transformers 4.31 also hold the position_ids buffer.
-POSITION_IDS_KEY = "embeddings.position_ids"
 
 
 def weight_map(
@@ -404,85 +405,27 @@ def weight_map(
     return mapping
 
 
-def abstract_variables(module: CLIPVisionEncoder):
-    c = module.config
-    pixels = jax.ShapeDtypeStruct((1, c.num_channels, c.image_size, c.image_size), jnp.float32)
-    return weights.shapes_of_init(module.init, pixels)
+def _dummy_inputs(config: CLIPVisionConfig) -> tuple:
+    size = config.image_size
+    return (jax.ShapeDtypeStruct((1, config.num_channels, size, size), jnp.float32),)
 
 
-def count_params(config: CLIPVisionConfig, with_projection: bool = False) -> int:
-    """Number of parameters, from shapes only (nothing is allocated)."""
-    module = CLIPVisionEncoder(config, with_projection=with_projection)
-    return weights.count_elements(abstract_variables(module)["params"])
-
-
-def init_clip_vision(
-    config: CLIPVisionConfig,
-    rng: jax.Array,
-    with_projection: bool = False,
-    *,
-    dtype=jnp.float32,
-    param_dtype=None,
-    mesh: jax.sharding.Mesh | None = None,
-) -> tuple[CLIPVisionEncoder, dict]:
-    """Random-init encoder -> (module, params); params is the unboxed ``params`` collection."""
-    module = CLIPVisionEncoder(
-        config,
-        dtype=dtype,
-        param_dtype=param_dtype or dtype,
-        with_projection=with_projection,
-        mesh=mesh,
-    )
-    pixels = jnp.zeros((1, config.num_channels, config.image_size, config.image_size), dtype)
-    variables = jax.jit(module.init)(rng, pixels)
-    return module, nn.meta.unbox(variables)["params"]
-
-
-def load_clip_vision(
-    directory: str | os.PathLike,
-    *,
-    dtype=jnp.float32,
-    param_dtype=None,
-    mesh: jax.sharding.Mesh | None = None,
-    rules=None,
-    with_projection: bool | None = None,
-) -> tuple[CLIPVisionEncoder, dict]:
-    """Load a transformers CLIP vision directory (config.json + safetensors), e.g. a Wan 2.1
-    I2V pipeline's ``image_encoder``.
-
-    Keys may carry the ``vision_model.`` prefix (hub checkpoints) or not (a
-    ``CLIPVisionModel`` saved by transformers 5).
-
-    Returns ``(module, params)``; call ``module.apply({"params": params}, pixel_values)`` or
-    ``encode_fn(module)(params, pixel_values)``. ``with_projection``: None = as the checkpoint
-    has it (``visual_projection.weight`` present); False loads only the vision model of a
-    checkpoint with projection (what diffusers' ``CLIPVisionModel`` does with Wan's); True
-    requires it. ``dtype`` is the activation dtype and, unless ``param_dtype`` is given, the
-    weight dtype. With a ``mesh`` every parameter is placed on its logical sharding (``rules``:
-    logical axis rules, default :data:`jaxcore.sharding.LOGICAL_AXIS_RULES`).
-    """
-    raw = weights.read_config(directory)
-    config = CLIPVisionConfig.from_dict(raw)
-    reader = weights.SafetensorsReader(directory)
-    with_projection = clip_text.resolve_projection(
-        raw, reader, with_projection, PROJECTION_KEY, ARCHITECTURES
-    )
-    module = CLIPVisionEncoder(
-        config,
-        dtype=dtype,
-        param_dtype=param_dtype or dtype,
-        with_projection=with_projection,
-        mesh=mesh,
-    )
-    prefix = clip_text.checkpoint_prefix(reader, PREFIXES, "post_layernorm.weight", "CLIP vision")
-    unused = (f"{prefix}{POSITION_IDS_KEY}",) + (() if with_projection else (PROJECTION_KEY,))
-    params = weights.load_placed(
-        reader,
-        weight_map(config, with_projection, prefix),
-        abstract_variables(module)["params"],
-        mesh=mesh,
-        rules=rules,
-        dtype=param_dtype or dtype,
-        ignore_unused=unused,
-    )
-    return module, params
+# build / load / init / shape / count, as the text tower's (clip_text.TowerKind)
+TOWER = clip_text.TowerKind(
+    CLIPVisionEncoder,
+    CLIPVisionConfig,
+    _dummy_inputs,
+    weight_map,
+    PREFIXES,
+    "post_layernorm.weight",
+    PROJECTION_KEY,
+    ARCHITECTURES,
+    "CLIP vision",
+)
+abstract_variables = TOWER.abstract_variables
+count_params = TOWER.count_params
+init_clip_vision = TOWER.init
+# A transformers CLIPVisionModel[WithProjection] directory, e.g. a Wan 2.1 I2V pipeline's
+# ``image_encoder``; with_projection=False loads only the vision model of a checkpoint with
+# projection (what diffusers' CLIPVisionModel does with Wan's). Call ``encode_fn(module)``.
+load_clip_vision = TOWER.load

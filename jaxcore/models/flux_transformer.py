@@ -705,11 +705,27 @@ class FluxTransformer(nn.Module):
             txt_ids,
             guidance,
         )
-        batch, text_len = hidden_states.shape[0], encoder_hidden_states.shape[1]
         if self.mesh is not None:
+            batch = hidden_states.shape[0]
             sharding.check_divisible(self.mesh, batch=batch, heads=cfg.num_attention_heads)
-        dim = cfg.hidden_dim
+        x, context, temb = self._embed(
+            hidden_states, encoder_hidden_states, pooled_projections, timestep, guidance
+        )
+        rope = self._rope(img_ids, txt_ids)
+        run_blocks = self._block_stack(temb, rope, text_len=encoder_hidden_states.shape[1])
+        num_blocks = cfg.num_layers + cfg.num_single_layers
+        extra = None
+        if run_stack is None:
+            x, context = run_blocks((x, context), 0, num_blocks)
+        else:
+            (x, context), extra = run_stack((x, context), run_blocks, num_blocks)
+        out = self._project_out(x, temb)
+        return out if run_stack is None else (out, extra)
 
+    def _embed(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, guidance):
+        """(image stream [B, L_img, D], text stream [B, L_txt, D], conditioning [B, D]): the
+        embedders before the blocks."""
+        cfg, dim = self.config, self.config.hidden_dim
         x = dense(dim, ("conv_in", "embed"), "x_embedder", self.dtype, self.param_dtype)(
             hidden_states.astype(self.dtype)
         )
@@ -721,35 +737,39 @@ class FluxTransformer(nn.Module):
             encoder_hidden_states.astype(self.dtype)
         )
         context = sharding.constrain(context, _TEXT_EMBED)
-        rope = self._rope(img_ids, txt_ids)
+        return x, context, temb
 
+    def _blocks(self, block_cls: type[nn.Module], prefix: str, count: int):
+        """``count`` blocks named ``prefix_i`` (rematerialised by ``remat_policy``) and, with
+        ``scan_layers``, the unbound template :func:`jaxcore.compute.run_blocks` scans."""
+        block_cls = remat_block(block_cls, self.remat_policy)
         block_kw = dict(
-            config=cfg,
+            config=self.config,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             attention=self.attention,
             mesh=self.mesh,
         )
-        double_cls = remat_block(DoubleStreamBlock, self.remat_policy)
-        doubles = [
-            double_cls(**block_kw, name=f"transformer_blocks_{i}") for i in range(cfg.num_layers)
-        ]
-        single_cls = remat_block(SingleStreamBlock, self.remat_policy)
-        singles = [
-            single_cls(**block_kw, name=f"single_transformer_blocks_{i}")
-            for i in range(cfg.num_single_layers)
-        ]
+        blocks = [block_cls(**block_kw, name=f"{prefix}_{i}") for i in range(count)]
+        template = block_cls(**block_kw, parent=None) if self.scan_layers else None
+        return blocks, template
+
+    def _block_stack(self, temb, rope, text_len: int):
+        """``run_blocks(streams, start, stop)``: blocks ``start..stop-1`` of the stack of double
+        then single blocks, on ``streams = (image, text)``."""
+        cfg = self.config
+        doubles, double_template = self._blocks(
+            DoubleStreamBlock, "transformer_blocks", cfg.num_layers
+        )
+        singles, single_template = self._blocks(
+            SingleStreamBlock, "single_transformer_blocks", cfg.num_single_layers
+        )
 
         def one_double(block, streams):
             return block(*streams, temb, *rope)
 
         def one_single(block, joint):
             return block(joint, temb, *rope)
-
-        def template(block_cls):
-            return block_cls(**block_kw, parent=None) if self.scan_layers else None
-
-        double_template, single_template = template(double_cls), template(single_cls)
 
         def run_blocks(streams, start, stop):
             img, txt = compute.run_blocks(
@@ -766,20 +786,17 @@ class FluxTransformer(nn.Module):
                 img = sharding.constrain(joint[:, text_len:], _IMAGE_EMBED)
             return img, txt
 
-        num_blocks = cfg.num_layers + cfg.num_single_layers
-        extra = None
-        if run_stack is None:
-            x, context = run_blocks((x, context), 0, num_blocks)
-        else:
-            (x, context), extra = run_stack((x, context), run_blocks, num_blocks)
+        return run_blocks
 
-        scale, shift = Modulation(2, dim, self.param_dtype, name="norm_out")(temb)
+    def _project_out(self, x, temb):
+        """The output head: norm_out's modulation, then proj_out to ``out_channels``."""
+        cfg = self.config
+        scale, shift = Modulation(2, cfg.hidden_dim, self.param_dtype, name="norm_out")(temb)
         x = _modulate(x, shift, scale, self.dtype)
         out = dense(
             cfg.out_channels, ("embed", "conv_out"), "proj_out", self.dtype, self.param_dtype
         )(x)
-        out = sharding.constrain(out, _IMAGE_EMBED)
-        return out if run_stack is None else (out, extra)
+        return sharding.constrain(out, _IMAGE_EMBED)
 
 
 # ----------------------------------------------------------------------------------------------

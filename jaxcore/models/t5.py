@@ -578,9 +578,13 @@ def weight_map(config: T5Config, embedding_key: str = "shared.weight") -> dict:
     return mapping
 
 
-def abstract_variables(module: T5Encoder):
+def _dummy_inputs(config: T5Config) -> tuple:
     ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    return weights.shapes_of_init(module.init, ids, ids)  # input ids, attention mask
+    return ids, ids  # input ids, attention mask
+
+
+def abstract_variables(module: T5Encoder):
+    return weights.shapes_of_init(module.init, *_dummy_inputs(module.config))
 
 
 def count_params(config: T5Config) -> int:
@@ -596,11 +600,10 @@ def init_t5_encoder(
     param_dtype=None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[T5Encoder, dict]:
-    """Random-init encoder -> (module, params); params is the unboxed ``params`` collection."""
+    """Random-init encoder -> (module, params); params is the unboxed ``params`` collection,
+    on the default device (``mesh`` is only kept on the module)."""
     module = T5Encoder(config, dtype=dtype, param_dtype=param_dtype or dtype, mesh=mesh)
-    ids = jnp.zeros((1, 1), jnp.int32)
-    variables = jax.jit(module.init)(rng, ids, jnp.ones((1, 1), jnp.int32))
-    return module, nn.meta.unbox(variables)["params"]
+    return module, weights.init_placed(module, _dummy_inputs(config), rng)
 
 
 def _embedding_key(reader: weights.SafetensorsReader) -> str:

@@ -1198,15 +1198,6 @@ def _source_entry(path: tuple[str, ...], ndim: int) -> tuple[str, weights.Transf
     raise ValueError(f"no diffusers name for parameter {'/'.join(path)} ({ndim}-d)")
 
 
-def _weight_map_for(boxed: Mapping) -> dict:
-    flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(boxed))[0]
-    entries = {}
-    for keypath, leaf in flat:
-        path = tuple(str(k.key) for k in keypath)
-        entries[path] = _source_entry(path, len(leaf.shape))
-    return entries
-
-
 def _dummy_inputs(config: UNet2DConditionConfig, batch: int = 1) -> tuple:
     """Smallest valid inputs (one latent pixel per level, one text token) for init/eval_shape."""
     f32 = jnp.float32
@@ -1231,7 +1222,7 @@ KIND = weights.ModelKind(
     UNet2DConditionModel,
     UNet2DConditionConfig,
     _dummy_inputs,
-    lambda config, boxed: _weight_map_for(boxed),
+    lambda config, boxed: weights.weight_map_by_path(boxed, _source_entry),
 )
 abstract_params = KIND.abstract_params
 load_unet_2d_condition = KIND.load  # a diffusers UNet2DConditionModel directory
@@ -1241,4 +1232,4 @@ count_params = KIND.count_params
 
 def weight_map(config: UNet2DConditionConfig) -> dict:
     """{flax param path: (diffusers UNet2DConditionModel key, transform)} for every parameter."""
-    return _weight_map_for(abstract_params(UNet2DConditionModel(config)))
+    return KIND.weight_map(config, abstract_params(UNet2DConditionModel(config)))

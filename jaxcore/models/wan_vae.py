@@ -1114,21 +1114,6 @@ def _create_encoder_parameters(module: WanVAE, video_chunk: jax.Array, latent_fr
     return module.encode_chunk(video_chunk, False)
 
 
-# the keys only decoding reads, in diffusers' AutoencoderKLWan and AutoencoderKL alike
-DECODER_PREFIXES = ("decoder.", "post_quant_conv.")
-
-
-def abstract_params(module: WanVAE, *, encoder_only: bool = False) -> dict:
-    """The ``params`` collection as boxed ShapeDtypeStructs (nn.Partitioned kept), no allocation;
-    ``encoder_only``: the encoder's and quant_conv's alone."""
-    method = _create_encoder_parameters if encoder_only else _create_parameters
-
-    def init(rng, video_chunk, latent_frame):
-        return module.init(rng, video_chunk, latent_frame, method=method)
-
-    return weights.shapes_of_init(init, *_later_chunks(module.config))["params"]
-
-
 def _conv1x1_to_dense(w: np.ndarray) -> np.ndarray:
     """torch 1x1 Conv2d weight [O, I, 1, 1] -> flax Dense kernel [I, O]."""
     return w.reshape(w.shape[0], w.shape[1]).T
@@ -1163,76 +1148,36 @@ def _source_entry(path: tuple[str, ...], ndim: int) -> tuple[str, weights.Transf
     return f"{key}.weight", transform
 
 
+def _fill(name: str, shape: tuple[int, ...], dtype: Dtype) -> jax.Array:
+    """Random init of every parameter but the kernels: biases zero, gammas one."""
+    return PARAM_INITIALIZERS[name](None, shape, dtype)
+
+
+# build / load / init / shape / count, as AutoencoderKL's (jaxcore.weights.VAEKind)
+KIND = weights.VAEKind(
+    WanVAE,
+    WanVAEConfig,
+    _later_chunks,
+    lambda config, boxed: weights.weight_map_by_path(boxed, _source_entry),
+    trace_method=_create_parameters,
+    encoder_method=_create_encoder_parameters,
+    fill=_fill,
+)
+abstract_params = KIND.abstract_params
+
+
 def weight_map(config: WanVAEConfig) -> dict:
     """{flax param path: (diffusers AutoencoderKLWan key, transform)} for weights.load_params."""
-    return _weight_map_for(abstract_params(WanVAE(config)))
+    return KIND.weight_map(config, abstract_params(WanVAE(config)))
 
 
-def _weight_map_for(abstract: Mapping) -> dict:
-    flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(abstract))[0]
-    entries = {}
-    for keypath, leaf in flat:
-        path = tuple(str(k.key) for k in keypath)
-        entries[path] = _source_entry(path, len(leaf.shape))
-    return entries
+def load_wan_vae(directory: str | os.PathLike, *, dtype: Dtype = jnp.float32, **options):
+    """:meth:`jaxcore.weights.VAEKind.load` of a diffusers ``AutoencoderKLWan`` directory, with
+    activations and parameters both in ``dtype`` (``attention``, ``mesh``, ``rules`` and
+    ``encoder_only`` as there): ``(module, params)``."""
+    return KIND.load(directory, dtype=dtype, param_dtype=dtype, **options)
 
 
-def load_wan_vae(
-    directory: str | os.PathLike,
-    *,
-    dtype: Dtype = jnp.float32,
-    attention: str = "dot_product",
-    mesh: jax.sharding.Mesh | None = None,
-    rules=None,
-    encoder_only: bool = False,
-) -> tuple[WanVAE, dict]:
-    """Load a diffusers ``AutoencoderKLWan`` directory (config.json + safetensors).
-
-    Returns ``(module, params)``: activations and parameters in ``dtype``; with a mesh the
-    parameters are placed by the logical rules (replicated under the default rules).
-    ``encoder_only``: read the encoder's parameters alone (encoding: convert, image
-    conditioning); the decoder's keys are left unread and the module cannot decode.
-    Raises WeightsError naming missing/unexpected keys or mismatched shapes, and
-    WanVAEConfigError naming a config key it cannot represent.
-    """
-    config = WanVAEConfig.from_dict(weights.read_config(directory))
-    module = WanVAE(config, dtype=dtype, param_dtype=dtype, attention=attention, mesh=mesh)
-    boxed = abstract_params(module, encoder_only=encoder_only)
-    params = weights.load_placed(
-        directory,
-        _weight_map_for(boxed),
-        boxed,
-        mesh=mesh,
-        rules=rules,
-        dtype=dtype,
-        ignore_unused=DECODER_PREFIXES if encoder_only else (),
-    )
-    return module, params
-
-
-def init_wan_vae(
-    config: WanVAEConfig,
-    rng: jax.Array,
-    *,
-    dtype: Dtype = jnp.float32,
-    attention: str = "dot_product",
-    mesh: jax.sharding.Mesh | None = None,
-    rules=None,
-) -> tuple[WanVAE, dict]:
-    """Random init; returns ``(module, params)`` with unboxed params (sharded if a mesh).
-
-    Kernels are LeCun normal (normal truncated at +-2 sigma, variance 1 / fan_in: flax's
-    ``lecun_normal``, the layers' declared init), biases zero, gammas one. ``module.init``
-    would have to compile a multi-chunk forward (the temporal resamplers create their time
-    convs only after the first chunk), and one RNG draw per parameter compiles slowly on CPU;
-    so shapes come from ``eval_shape`` and all kernels share one truncated-normal draw.
-    """
-    module = WanVAE(config, dtype=dtype, param_dtype=dtype, attention=attention, mesh=mesh)
-
-    def fill(name, shape, dtype_):  # biases zero, gammas one: the layers' declared inits
-        return PARAM_INITIALIZERS[name](None, shape, dtype_)
-
-    params = weights.init_kernels_fan_in(
-        abstract_params(module), rng, dtype, fill, mesh=mesh, rules=rules
-    )
-    return module, params
+def init_wan_vae(config: WanVAEConfig, rng: jax.Array, *, dtype: Dtype = jnp.float32, **options):
+    """:meth:`jaxcore.weights.VAEKind.init` with activations and parameters both in ``dtype``."""
+    return KIND.init(config, rng, dtype=dtype, param_dtype=dtype, **options)

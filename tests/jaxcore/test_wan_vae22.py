@@ -223,7 +223,7 @@ def _param_sizes(config: wan_vae.WanVAEConfig) -> dict[str, int]:
     flat = dict(jax.tree_util.tree_flatten_with_path(nn.meta.unbox(boxed))[0])
     sizes = {}
     # = weight_map(config), without tracing the model a second time
-    for path, (key, _) in wan_vae._weight_map_for(boxed).items():
+    for path, (key, _) in wan_vae.KIND.weight_map(config, boxed).items():
         leaf = flat[tuple(jax.tree_util.DictKey(k) for k in path)]
         sizes[key] = int(np.prod(leaf.shape))
     return sizes
