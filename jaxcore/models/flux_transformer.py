@@ -47,10 +47,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxcore import compute, sharding, weights
 from jaxcore.attention import attention as attention_fn
-from jaxcore.compute import remat_block
+from jaxcore.compute import BLOCK_INPUT, remat_block
 from jaxcore.config import config_json_kwargs
 from jaxcore.models.layers import (
     MLP2,
@@ -462,6 +463,11 @@ class DoubleStreamBlock(nn.Module):
     @nn.compact
     def __call__(self, x_bld, context_btd, temb_bd, rope_cos, rope_sin):
         cfg, dim = self.config, self.config.hidden_dim
+        # what an offloading remat policy keeps
+        x_bld, context_btd = (
+            checkpoint_name(x_bld, BLOCK_INPUT),
+            checkpoint_name(context_btd, BLOCK_INPUT),
+        )
         shift, scale, gate, shift_ff, scale_ff, gate_ff = Modulation(
             6, dim, self.param_dtype, name="norm1"
         )(temb_bd)
@@ -581,6 +587,7 @@ class SingleStreamBlock(nn.Module):
     @nn.compact
     def __call__(self, x_bnd, temb_bd, rope_cos, rope_sin):
         cfg, dim = self.config, self.config.hidden_dim
+        x_bnd = checkpoint_name(x_bnd, BLOCK_INPUT)  # what an offloading remat policy keeps
         shift, scale, gate = Modulation(3, dim, self.param_dtype, name="norm")(temb_bd)
         h = _modulate(x_bnd, shift, scale, self.dtype)
         mlp = ChunkedMLPIn(dim, self.dtype, self.param_dtype, name="proj_mlp")(h)

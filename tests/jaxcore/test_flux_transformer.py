@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import json
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 from flax import linen as nn
+from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import PartitionSpec
 
 from jaxcore import sharding, weights
@@ -348,7 +350,10 @@ def test_init_from_scratch_on_a_mesh():
     assert ft.count_params(config) == sum(x.size for x in jax.tree.leaves(params))
 
 
-@pytest.mark.parametrize("policy", ["full", pytest.param("dots_saveable", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "policy",
+    ["full", "offload_block_inputs", pytest.param("dots_saveable", marks=pytest.mark.slow)],
+)
 def test_remat_same_output_and_gradients(tiny_checkpoint, policy):
     directory, _ = tiny_checkpoint
     plain, params = ft.load_flux_transformer(directory)
@@ -369,6 +374,12 @@ def test_remat_same_output_and_gradients(tiny_checkpoint, policy):
     np.testing.assert_allclose(loss_remat, loss_plain, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grad_remat, grad_plain)
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grad_plain))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(lambda p: jnp.mean(remat.apply({"params": p}, **inputs)), params)
+    on_host = [line for line in out.getvalue().splitlines() if "<host>" in line]
+    # offloaded: the double block's image and text streams, the single block's joined stream
+    assert len(on_host) == (3 if policy == "offload_block_inputs" else 0), on_host
 
 
 # remat under scan: the Wan twin (tests/jaxcore/test_wan_transformer.py) runs both in the
