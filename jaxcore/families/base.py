@@ -119,23 +119,18 @@ class Encoders(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class DenoiserModel:
-    """A family's denoiser as functions of its model module (``jaxcore/models/<model>.py``):
-    what the :class:`Family` denoiser methods call, with :meth:`Family.denoiser_kwargs`.
+    """A family's denoiser: its model file's :class:`jaxcore.weights.ModelKind` (``KIND``:
+    module, load, init, abstract params), the diffusers weight map and the error ``load``
+    raises for a config.json it refuses; what the :class:`Family` denoiser methods call, with
+    :meth:`Family.denoiser_kwargs`.
 
     Attributes:
-      module: the Flax module class, ``module(config, mesh=, **kwargs)``.
-      init: ``init(config, rng, mesh=, rules=, **kwargs) -> (module, params)``, placed.
-      load: ``load(directory, mesh=, rules=, **kwargs) -> (module, params)`` from a diffusers
-        denoiser directory (config.json + safetensors).
-      abstract_params: ``abstract_params(module)``, the boxed ShapeDtypeStructs.
+      kind: ``jaxcore/models/<model>.py``'s ``KIND``.
       weight_map: ``weight_map(config)``, diffusers weight key -> our parameter.
-      config_error: what ``load`` raises for a config.json it refuses.
+      config_error: what ``kind.load`` raises for a config.json it refuses.
     """
 
-    module: type
-    init: Callable[..., tuple]
-    load: Callable[..., tuple]
-    abstract_params: Callable[[Any], Mapping]
+    kind: weights.ModelKind
     weight_map: Callable[[Any], Mapping]
     config_error: type[Exception]
 
@@ -231,22 +226,22 @@ class Family(abc.ABC):
 
     def make_denoiser(self, config, compute: ComputeConfig, mesh=None):
         """The denoiser module (no parameters)."""
-        return self.denoiser_model.module(config, mesh=mesh, **self.denoiser_kwargs(compute))
+        return self.denoiser_model.kind.module(config, mesh=mesh, **self.denoiser_kwargs(compute))
 
     def abstract_params(self, module) -> Mapping:
         """The ``params`` collection as boxed ShapeDtypeStructs (logical partitioning kept)."""
-        return self.denoiser_model.abstract_params(module)
+        return self.denoiser_model.kind.abstract_params(module)
 
     def init_denoiser(self, config, rng, compute: ComputeConfig, mesh=None, rules=None):
         """(module, params) randomly initialised, already placed on ``mesh``."""
         kwargs = self.denoiser_kwargs(compute)
-        return self.denoiser_model.init(config, rng, mesh=mesh, rules=rules, **kwargs)
+        return self.denoiser_model.kind.init(config, rng, mesh=mesh, rules=rules, **kwargs)
 
     def load_denoiser(self, directory, compute: ComputeConfig, mesh=None, rules=None):
         """(module, params) from a diffusers denoiser directory (config.json + safetensors)."""
         kwargs = self.denoiser_kwargs(compute)
         try:
-            return self.denoiser_model.load(directory, mesh=mesh, rules=rules, **kwargs)
+            return self.denoiser_model.kind.load(directory, mesh=mesh, rules=rules, **kwargs)
         except self.denoiser_model.config_error as err:
             raise FamilyError(f"{directory}/config.json: {err}") from None
 

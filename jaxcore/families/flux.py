@@ -186,10 +186,7 @@ class FluxFamily(Family):
     )
 
     denoiser_model = DenoiserModel(
-        module=flux_transformer.FluxTransformer,
-        init=flux_transformer.init_flux_transformer,
-        load=flux_transformer.load_flux_transformer,
-        abstract_params=flux_transformer.abstract_params,
+        kind=flux_transformer.KIND,
         weight_map=flux_transformer.weight_map,
         config_error=flux_transformer.FluxConfigError,
     )

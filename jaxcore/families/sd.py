@@ -404,12 +404,7 @@ class SDFamily(Family):
     # (pipeline_objective: SD 2.1 768 and other v-models are "v_prediction")
     objective = "epsilon"
     denoiser_model = DenoiserModel(
-        module=unet.UNet2DConditionModel,
-        init=unet.init_unet_2d_condition,
-        load=unet.load_unet_2d_condition,
-        abstract_params=unet.abstract_params,
-        weight_map=unet.weight_map,
-        config_error=unet.UNet2DConditionConfigError,
+        kind=unet.KIND, weight_map=unet.weight_map, config_error=unet.UNet2DConditionConfigError
     )
 
     def component_config_classes(self) -> dict[str, type]:

@@ -357,10 +357,7 @@ class WanFamily(Family):
     # the attention projections (self- and cross-attention), as diffusers' Wan LoRA scripts
     lora_default_targets = ("to_q", "to_k", "to_v", "to_out.0")
     denoiser_model = DenoiserModel(
-        module=wan_transformer.WanTransformer,
-        init=wan_transformer.init_wan_transformer,
-        load=wan_transformer.load_wan_transformer,
-        abstract_params=wan_transformer.abstract_params,
+        kind=wan_transformer.KIND,
         weight_map=wan_transformer.weight_map,
         config_error=wan_transformer.WanConfigError,
     )
