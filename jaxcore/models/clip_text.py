@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from jaxcore import sharding, weights
-from jaxcore.models.layers import gelu_erf, gelu_tanh, silu
+from jaxcore.models.layers import HeadsEinsum, gelu_erf, gelu_tanh, silu
 
 log = logging.getLogger(__name__)
 
@@ -267,40 +267,6 @@ def _normal(stddev: float):
     return nn.initializers.normal(stddev=stddev)
 
 
-class HeadsDense(nn.Module):
-    """A biased projection into or out of the head axes, ``einsum(spec, x, kernel) + bias``.
-
-    The kernel keeps its 3-D shape from creation on, so a 3-name logical partitioning
-    describes it under an active mesh (DenseGeneral creates a flattened 2-D kernel).
-    """
-
-    kernel_shape: tuple[int, int, int]
-    kernel_axes: tuple[str, str, str]
-    bias_axes: tuple[str, ...]
-    spec: str
-    stddev: float
-    dtype: jnp.dtype = jnp.float32
-    param_dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(_normal(self.stddev), self.kernel_axes),
-            self.kernel_shape,
-            self.param_dtype,
-        )
-        bias_shape = self.kernel_shape[-len(self.bias_axes) :]
-        bias = self.param(
-            "bias",
-            nn.with_logical_partitioning(nn.initializers.zeros_init(), self.bias_axes),
-            bias_shape,
-            self.param_dtype,
-        )
-        out = jnp.einsum(self.spec, x.astype(self.dtype), kernel.astype(self.dtype))
-        return out + bias.astype(self.dtype)
-
-
 def layer_norm(eps: float, dtype, param_dtype, name: str) -> nn.LayerNorm:
     """torch LayerNorm: statistics in float32, two-pass variance (not E[x^2] - E[x]^2)."""
     return nn.LayerNorm(
@@ -362,14 +328,14 @@ class CLIPAttention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
-    def _projection(self, name: str) -> HeadsDense:
+    def _projection(self, name: str) -> HeadsEinsum:
         c = self.config
-        return HeadsDense(
+        return HeadsEinsum(
             (c.hidden_size, c.num_attention_heads, c.head_dim),
             ("embed", "heads", "kv"),
-            ("heads", "kv"),
             "ble,ehd->blhd",
-            c.hidden_size**-0.5,
+            _normal(c.hidden_size**-0.5),
+            ("heads", "kv"),
             self.dtype,
             self.param_dtype,
             name=name,
@@ -399,12 +365,12 @@ class CLIPAttention(nn.Module):
             v_blhd,
             preferred_element_type=jnp.float32,
         ).astype(self.dtype)
-        return HeadsDense(
+        return HeadsEinsum(
             (c.num_attention_heads, c.head_dim, c.hidden_size),
             ("heads", "kv", "embed"),
-            ("embed",),
             "blhd,hde->ble",
-            c.hidden_size**-0.5,
+            _normal(c.hidden_size**-0.5),
+            ("embed",),
             self.dtype,
             self.param_dtype,
             name="o",

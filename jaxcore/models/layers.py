@@ -203,6 +203,42 @@ class Dense(nn.Module):
         return linear(x.astype(dtype), kernel.astype(dtype), bias.astype(dtype))
 
 
+class HeadsEinsum(nn.Module):
+    """A projection into or out of the attention heads' axes, ``einsum(spec, x, kernel)``, plus
+    a bias over the kernel's last ``len(bias_axes)`` axes when ``bias_axes`` is given (CLIP's
+    q/k/v/o; T5's are bias-free).
+
+    The kernel keeps its 3-D shape from creation on, so a 3-name logical partitioning
+    describes it under an active mesh (DenseGeneral creates a flattened 2-D kernel)."""
+
+    shape: tuple[int, int, int]
+    axes: tuple[str, str, str]
+    spec: str
+    kernel_init: Callable
+    bias_axes: tuple[str, ...] | None = None
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(self.kernel_init, self.axes),
+            self.shape,
+            self.param_dtype,
+        )
+        out = jnp.einsum(self.spec, x.astype(self.dtype), kernel.astype(self.dtype))
+        if self.bias_axes is None:
+            return out
+        bias = self.param(
+            "bias",
+            nn.with_logical_partitioning(nn.initializers.zeros_init(), self.bias_axes),
+            self.shape[-len(self.bias_axes) :],
+            self.param_dtype,
+        )
+        return out + bias.astype(self.dtype)
+
+
 def dense(
     features: int,
     axes: tuple[str | None, str | None],

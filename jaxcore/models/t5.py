@@ -39,7 +39,7 @@ import numpy as np
 from flax import linen as nn
 
 from jaxcore import sharding, weights
-from jaxcore.models.layers import gelu_erf, silu
+from jaxcore.models.layers import HeadsEinsum, gelu_erf, silu
 
 # --- config ------------------------------------------------------------------------------------
 
@@ -289,31 +289,6 @@ def _dense_init(fan_in: int):
     return nn.initializers.normal(stddev=fan_in**-0.5)
 
 
-class HeadsProjection(nn.Module):
-    """A bias-free projection into or out of the head axes, ``einsum(spec, x, kernel)``.
-
-    The kernel keeps its 3-D shape from creation on (DenseGeneral initialises a flattened 2-D
-    kernel, which a 3-name logical partitioning cannot describe under an active mesh).
-    """
-
-    shape: tuple[int, int, int]
-    axes: tuple[str, str, str]
-    spec: str
-    fan_in: int
-    dtype: jnp.dtype = jnp.float32
-    param_dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(_dense_init(self.fan_in), self.axes),
-            self.shape,
-            self.param_dtype,
-        )
-        return jnp.einsum(self.spec, x.astype(self.dtype), kernel.astype(self.dtype))
-
-
 class SelfAttention(nn.Module):
     """T5 self-attention: unscaled scores plus a relative-position bias.
 
@@ -327,15 +302,15 @@ class SelfAttention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
-    def _projection(self, name: str) -> HeadsProjection:
+    def _projection(self, name: str) -> HeadsEinsum:
         c = self.config
-        return HeadsProjection(
+        return HeadsEinsum(
             (c.d_model, c.num_heads, c.d_kv),
             ("embed", "heads", "kv"),
             "bld,dhk->blhk",
-            c.d_model,
-            self.dtype,
-            self.param_dtype,
+            _dense_init(c.d_model),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
             name=name,
         )
 
@@ -383,13 +358,13 @@ class SelfAttention(nn.Module):
         out_blhd = jnp.einsum(
             "bhqk,bkhd->bqhd", probs_bhqk, v_blhd, preferred_element_type=jnp.float32
         ).astype(self.dtype)
-        out_bld = HeadsProjection(
+        out_bld = HeadsEinsum(
             (c.num_heads, c.d_kv, c.d_model),
             ("heads", "kv", "embed"),
             "blhk,hkd->bld",
-            c.num_heads * c.d_kv,
-            self.dtype,
-            self.param_dtype,
+            _dense_init(c.num_heads * c.d_kv),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
             name="o",
         )(out_blhd)
         return out_bld, bias_hqk

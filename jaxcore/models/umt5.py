@@ -21,7 +21,6 @@ from jaxcore.models.t5 import (  # noqa: F401 - re-exported
     IGNORED_CONFIG_KEYS,
     UNUSED_PREFIXES,
     FeedForward,
-    HeadsProjection,
     RMSNorm,
     SelfAttention,
     abstract_variables,
