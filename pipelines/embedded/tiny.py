@@ -129,6 +129,13 @@ def _model_index(tokenizer_class: str) -> dict:
 # --- the builder -------------------------------------------------------------------------------
 
 
+def _write_component(folder: Path, config: Mapping, weights_file: str, tensors: Mapping) -> None:
+    """A component's folder as diffusers and transformers save it: config.json, then the
+    weights (safetensors, PyTorch's names)."""
+    _write_json(folder / "config.json", config)
+    weights.save_safetensors(tensors, folder / weights_file, {"format": "pt"})
+
+
 def write_transformer(directory: str | os.PathLike, config, params) -> None:
     """``transformer/``-style folder: config.json + diffusion_pytorch_model.safetensors.
 
@@ -136,11 +143,11 @@ def write_transformer(directory: str | os.PathLike, config, params) -> None:
     """
     from jaxcore.models import wan_transformer
 
-    folder = Path(directory)
-    _write_json(folder / "config.json", _diffusers_config("WanTransformer3DModel", config))
-    tensors = weights.export_state_dict(params, wan_transformer.weight_map(config))
-    weights.save_safetensors(
-        tensors, folder / "diffusion_pytorch_model.safetensors", {"format": "pt"}
+    _write_component(
+        Path(directory),
+        _diffusers_config("WanTransformer3DModel", config),
+        "diffusion_pytorch_model.safetensors",
+        weights.export_state_dict(params, wan_transformer.weight_map(config)),
     )
 
 
@@ -213,20 +220,19 @@ def build_tiny_wan_pipeline(
         scale_factor_spatial=sections["vae"].spatial_compression,
     )
     _, v_params = wan_vae.init_wan_vae(v_cfg, keys[1])
-    _write_json(root / "vae/config.json", _diffusers_config("AutoencoderKLWan", v_cfg))
-    weights.save_safetensors(
+    _write_component(
+        root / "vae",
+        _diffusers_config("AutoencoderKLWan", v_cfg),
+        "diffusion_pytorch_model.safetensors",
         weights.export_state_dict(v_params, wan_vae.weight_map(v_cfg)),
-        root / "vae/diffusion_pytorch_model.safetensors",
-        {"format": "pt"},
     )
 
     e_cfg = sections["text_encoder"]
     _, e_params = umt5.init_umt5(e_cfg, keys[2])
-    _write_json(root / "text_encoder/config.json", _umt5_config(e_cfg))
     # transformers stores the tied embedding once, as shared.weight.
     tensors = weights.export_state_dict(e_params, umt5.weight_map(e_cfg, "shared.weight"))
     tensors = scale_residual_branches(tensors, text_encoder_branch_scale)
-    weights.save_safetensors(tensors, root / "text_encoder/model.safetensors", {"format": "pt"})
+    _write_component(root / "text_encoder", _umt5_config(e_cfg), "model.safetensors", tensors)
 
     tokenizer = build_tiny_tokenizer(root / "tokenizer", vocab_size=e_cfg.vocab_size)
     _write_json(
@@ -254,13 +260,6 @@ def _transformers_config(architecture: str, config) -> dict:
         "dtype": "float32",
         **config.to_dict(),
     }
-
-
-def _write_component(folder: Path, config: Mapping, weights_file: str, tensors: Mapping) -> None:
-    """A component's folder as diffusers and transformers save it: config.json, then the
-    weights (safetensors, PyTorch's names)."""
-    _write_json(folder / "config.json", config)
-    weights.save_safetensors(tensors, folder / weights_file, {"format": "pt"})
 
 
 def _clip_config_for(tokenizer, config):
