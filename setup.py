@@ -30,6 +30,7 @@ BASE = [
     "ml_dtypes",
     "scipy",  # SSIM's Gaussian window (generate's step-cache quality gate)
     "ftfy",  # Wan prompt cleaning, as diffusers does it when ftfy is installed (I2V needs it)
+    "qwix>=0.1.8",  # compute.quantization's int8 / fp8 kernels (jaxcore/quantization.py)
 ]
 
 # Intel oneMKL's GEMM for the dense layers on CPU (jaxcore/kernels/cpu_gemm.py): float32

@@ -62,7 +62,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxcore import sampling, sharding, step_cache
+from jaxcore import quantization, sampling, sharding, step_cache
 
 GIB = 2**30
 # Share of a chip's HBM a program may not use: the runtime, the infeed and fragmentation need
@@ -725,6 +725,7 @@ def generate_program(
     rules = tuple(rules) if rules is not None else sharding.LOGICAL_AXIS_RULES
     name = family.denoiser_component
     module, params = abstract_denoiser(family, configs[name], compute, mesh, rules)
+    params = quantization.abstract_quantized(params, compute.quantization)
     pipe = Pipeline(family, module, params, {}, dict(configs), dict(scheduler_config), mesh, rules)
     shape = _checked_latent_shape(pipe, family, module, mesh, batch, height, width, num_frames)
     guidance = pipe.guidance(guidance_scale, true_cfg_scale)
@@ -799,6 +800,7 @@ def _abstract_second_expert(family, configs, compute, mesh: Mesh, batch, rules):
     if component is None:
         return None, None
     module, params = abstract_denoiser(family, configs[component], compute, mesh, rules)
+    params = quantization.abstract_quantized(params, compute.quantization)
     boundary = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated(mesh))  # traced: any value
     return module, (params, boundary, batch_array(mesh, (batch,), jnp.float32, rules))
 
@@ -835,6 +837,7 @@ def _loop_details(compute, batch, size, shape, steps, guidance, text_length) -> 
         "cfg": guidance.uses_cfg,
         "text_length": text_length,
         "weights_dtype": compute.weights_dtype,
+        "quantization": compute.quantization,
         "attention": compute.attention,
     }
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jaxcore import layer_stack
+from jaxcore import layer_stack, quantization
 from jaxcore.attention import check_backend
 from jaxcore.kernels import cpu_gemm
 
@@ -167,6 +167,8 @@ class ComputeConfig:
     ``idle_expert``: where a two-expert model (Wan 2.2 A14B) keeps the weights of the expert
     that is not predicting: ``"device"`` (both experts resident; the switch is free) or
     ``"host"`` (one expert's weights on the devices at a time, swapped at the boundary).
+    ``quantization``: how generate holds the denoisers' product kernels
+    (:data:`jaxcore.quantization.MODES`; ``none`` as loaded).
     """
 
     weights_dtype: DtypeName = "float32"
@@ -178,12 +180,23 @@ class ComputeConfig:
     # scanned step is slower (bench/compile_layers.py measures both).
     scan_layers: bool = False
     idle_expert: Literal["device", "host"] = "device"
+    quantization: str = "none"
 
     def __post_init__(self):
         check_backend(self.attention)
         check_remat_policy(self.remat_policy)
+        quantization.check_mode(self.quantization, "compute.quantization")
         if self.idle_expert not in ("device", "host"):
             raise ValueError(f"idle_expert must be 'device' or 'host', got {self.idle_expert!r}")
+
+    def check_unquantized(self, stage: str) -> None:
+        """Raise ValueError for a ``quantization`` in a stage that does not quantize (only
+        generate does so far: training in fp8, and scoring quantized checkpoints, are to come)."""
+        if self.quantization != "none":
+            raise ValueError(
+                f"compute.quantization={self.quantization}: {stage} does not quantize "
+                "(generate does); leave it at none"
+            )
 
     @property
     def dtype(self):

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcore import sampling, schedulers, sharding, step_cache, storage
+from jaxcore import quantization, sampling, schedulers, sharding, step_cache, storage
 from jaxcore.family_types import FamilyError, Geometry, Guidance, ImageInputs
 
 # What a Hugging Face snapshot of a pipeline needs (no pickles, no code).
@@ -252,6 +252,11 @@ class Pipeline:
         """``(path, scale)`` / ``(path, scale, expert)`` -> checked ``(path, scale, expert)``."""
         uses = []
         for path, scale, *rest in loras:
+            if quantization.is_quantized(self.denoiser_params):
+                raise FamilyError(
+                    f"LoRA {path}: LoRAs with compute.quantization are not supported yet (they "
+                    "merge into float weights); render LoRA prompts with quantization=none"
+                )
             expert = rest[0] if rest else "high"
             if expert not in ("high", "low"):
                 raise FamilyError(f"LoRA {path}: expert must be 'high' or 'low', got {expert!r}")

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcore import schedulers, step_cache
+from jaxcore import quantization, schedulers, step_cache
 
 
 def initial_latents(seed: int, shape: Sequence[int]) -> np.ndarray:
@@ -263,7 +263,9 @@ def guided(
 
 def call(loop: Loop, mod, params, x, t, conditioning, cstate, compute_now):
     """One denoiser call in float32; with a step cache, through the cache's block runner
-    (returns the new cache state and what the cache measured)."""
+    (returns the new cache state and what the cache measured). Quantized kernels
+    (``compute.quantization``) are dequantized to the weights' dtype here, at the call."""
+    params = quantization.dequantized(params, mod.param_dtype)
     if not loop.cache.enabled:
         return loop.family.apply(mod, params, x, t, conditioning).astype(jnp.float32), cstate, None
     run = step_cache.runner(loop.cache, cstate, compute_now)
@@ -288,11 +290,13 @@ def fresh_cache_state(loop: Loop, params, x, t, cond, uncond):
         return run_blocks(streams, 0, num_blocks), streams
 
     def shapes(rows_x, rows_t, conditioning):
-        return jax.eval_shape(
-            lambda: loop.family.apply(
-                loop.module, params, rows_x, rows_t, conditioning, run_stack=probe
+        def apply():
+            weights = quantization.dequantized(params, loop.module.param_dtype)
+            return loop.family.apply(
+                loop.module, weights, rows_x, rows_t, conditioning, run_stack=probe
             )
-        )[1]
+
+        return jax.eval_shape(apply)[1]
 
     if loop.use_cfg and loop.batched_cfg:
         two = shapes(jnp.concatenate([x, x]), jnp.concatenate([t, t]), stacked(cond, uncond))

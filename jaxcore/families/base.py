@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -57,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcore import sharding, weights
+from jaxcore import quantization, sharding, weights
 from jaxcore.compute import ComputeConfig
 from jaxcore.family_types import (  # noqa: F401 - the interface's names, re-exported
     MICRO_CONDITIONING,
@@ -403,6 +404,7 @@ class Family(abc.ABC):
         configs[self.denoiser_component] = module.config
         self.check_configs(configs, str(directory))
         fields = self.load_components(directory, configs, compute, mesh, rules, denoiser, **options)
+        params, fields = _quantized(params, fields, compute)
         return Pipeline(
             family=self,
             denoiser=module,
@@ -592,3 +594,21 @@ def read_model_index(directory: str | os.PathLike) -> dict:
 def read_scheduler_config(directory: str | os.PathLike) -> dict:
     path = Path(directory) / "scheduler" / "scheduler_config.json"
     return read_json(path, "the pipeline's scheduler config")
+
+
+def _quantized(params, fields: dict, compute: ComputeConfig) -> tuple[Any, dict]:
+    """The denoiser's params and a second expert's quantized as ``compute.quantization`` says
+    (:mod:`jaxcore.quantization`), once, where they were loaded."""
+    mode = compute.quantization
+    if mode == "none":
+        return params, fields
+    if compute.idle_expert == "host" and fields.get("second_expert") is not None:
+        raise FamilyError(
+            f"compute.quantization={mode} with compute.idle_expert=host is not supported: "
+            "quantized experts are small enough to stay on the devices (idle_expert=device)"
+        )
+    quantize = jax.jit(functools.partial(quantization.quantize_params, mode=mode))
+    params = quantize(fields.pop("denoiser_params", params))
+    if fields.get("second_expert") is not None:
+        fields["second_expert"].params = quantize(fields["second_expert"].params)
+    return params, fields

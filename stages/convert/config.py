@@ -223,6 +223,7 @@ class ConvertConfig:
     def __post_init__(self):
         if not self.output_dir:
             raise ValueError("output_dir must name the artifact folder (local path or gs://)")
+        self.compute.check_unquantized("convert")
         if self.drop_removed and not self.base:
             raise ValueError("drop_removed needs base (rows are removed relative to a base)")
         if self.latest and self.latest.rstrip("/") == self.output_dir.rstrip("/"):

@@ -27,11 +27,14 @@ log = logging.getLogger(__name__)
 
 def _run_fingerprint(config: GenerateConfig, scheduler: str) -> str:
     """What, besides a prompt's own parameters, decides its pixels."""
+    compute = to_dict(config.compute)
+    if compute.get("quantization") == "none":  # earlier runs' fingerprints hold
+        del compute["quantization"]
     payload = {
         "model": config.pretrained_model_name_or_path,
         "checkpoint": config.model.checkpoint,
         "base_pipeline": config.model.base_pipeline,
-        "compute": to_dict(config.compute),
+        "compute": compute,
         "scheduler": scheduler,
         "max_sequence_length": config.sampling.max_sequence_length,
         "fps": config.output.fps,

@@ -277,6 +277,7 @@ class TrainConfig:
     def __post_init__(self):
         if self.max_train_steps < 1:
             raise ValueError(f"max_train_steps must be >= 1, got {self.max_train_steps}")
+        self.compute.check_unquantized("train")
         if self.per_device_batch_size <= 0:
             raise ValueError(f"per_device_batch_size must be > 0, got {self.per_device_batch_size}")
         if self.input.dataset_type == "tfrecord" and not self.data:

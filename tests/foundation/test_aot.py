@@ -204,6 +204,46 @@ def test_generate_loop_on_cpu_mesh():
     assert program.model_flops == 3 * forward
 
 
+def test_generate_loop_with_int8_kernels_holds_them_in_int8():
+    """compute.quantization=int8_weights: the loop's kernels are int8 with float32 scales, as
+    the run holds them, so the program's arguments shrink by what the kernels do; its
+    denoiser FLOPs are the float program's."""
+    import dataclasses
+
+    from jaxcore import quantization
+
+    model = deploy.fit_model(TINY)
+    mesh = sharding.make_mesh(sharding.MeshConfig(), devices=CPU8.devices())
+    compute = _train_config().compute
+
+    def program(mode):
+        return aot.generate_program(
+            model.family,
+            model.configs,
+            model.scheduler_config,
+            dataclasses.replace(compute, quantization=mode),
+            mesh,
+            batch=8,
+            height=32,
+            width=32,
+            num_frames=5,
+            num_inference_steps=3,
+            guidance_scale=5.0,
+            text_length=8,
+        )
+
+    plain, int8 = program("none"), program("int8_weights")
+    params = int8.args[0]
+    assert quantization.is_quantized(params) and int8.details["quantization"] == "int8_weights"
+    kernels = [q for q in jax.tree.leaves(params, is_leaf=quantization.is_quantized_kernel)]
+    assert all(q.qvalue.dtype == jnp.int8 for q in kernels if quantization.is_quantized_kernel(q))
+    saved = quantization.weight_bytes(plain.args[0]) - quantization.weight_bytes(params)
+    assert saved > 0 and int8.model_flops == plain.model_flops
+    reports = [aot.compile_program(p, CPU8) for p in (plain, int8)]
+    assert all(r.compiled for r in reports)
+    assert reports[0].argument_bytes - reports[1].argument_bytes == saved
+
+
 # --- deploy -----------------------------------------------------------------------------------
 
 PIPELINE = """

@@ -1,0 +1,127 @@
+"""Weight quantization of a denoiser's products, for every family through one mechanism.
+
+``compute.quantization`` names the mode (:data:`MODES`):
+
+- ``none``: the weights as loaded;
+- ``int8_weights`` / ``fp8_weights``: every product kernel of the denoiser (a parameter named
+  ``kernel`` with two or more axes: dense layers, packed dense kernels, convolutions) held as
+  int8 / float8_e4m3fn values with one float32 scale per output channel (the kernel's last
+  axis; absmax calibration), as torchao's int8 weight-only does. The products still run in the
+  activations' dtype: each kernel is dequantized where the denoiser is called
+  (:func:`dequantized`), so what a mode saves is the weights' memory, not product time.
+
+The quantized values are qwix's (``qwix.quantize`` / ``qwix.dequantize``, Google's quantization
+library, the one MaxDiffusion uses). ``int8`` and ``fp8`` (activations quantized too, int8 x
+int8 products) are not built yet: they need the products themselves to change, at the seam in
+:mod:`jaxcore.models.layers`; asking for them is an error that says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+MODES = ("none", "int8_weights", "fp8_weights", "int8", "fp8")
+_BUILT = ("none", "int8_weights", "fp8_weights")
+_QTYPES = {"int8_weights": jnp.int8, "fp8_weights": jnp.float8_e4m3fn}
+
+
+def check_mode(mode: str, key: str = "quantization") -> None:
+    """Raise ValueError naming ``key`` for a mode that is not one of :data:`MODES` or is not
+    built yet."""
+    if mode not in MODES:
+        raise ValueError(f"{key}: unknown quantization {mode!r}; choose one of {list(MODES)}")
+    if mode not in _BUILT:
+        raise ValueError(
+            f"{key}: quantization={mode!r} (weights and activations) is not built yet; "
+            f"the weight-only modes are: {[m for m in _BUILT if m != 'none']}"
+        )
+
+
+def _is_product_kernel(path, leaf) -> bool:
+    last = path[-1] if path else None
+    name = getattr(last, "key", getattr(last, "name", None))
+    return name == "kernel" and getattr(leaf, "ndim", 0) >= 2
+
+
+def is_quantized_kernel(leaf) -> bool:
+    """Whether ``leaf`` is a quantized kernel (a ``qwix.QArray``)."""
+    import qwix
+
+    return isinstance(leaf, qwix.QArray)
+
+
+def quantize_params(params, mode: str):
+    """``params`` with every product kernel quantized for ``mode`` (a ``qwix.QArray``: values
+    and a float32 scale per output channel); other leaves unchanged. ``none`` returns
+    ``params`` itself. Jittable; sharded kernels keep their sharding."""
+    check_mode(mode)
+    if mode == "none":
+        return params
+    import qwix
+
+    qtype = _QTYPES[mode]
+
+    def one(path, leaf):
+        if not _is_product_kernel(path, leaf):
+            return leaf
+        return qwix.quantize(leaf, qtype, channelwise_axes=[leaf.ndim - 1], scale_dtype=jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def abstract_quantized(abstract_params, mode: str):
+    """What :func:`quantize_params` makes of ``abstract_params`` (ShapeDtypeStructs, sharded or
+    not), without computing anything: values sharded as the kernel, the scale with the
+    reduced axes unsharded (for ``difforge fit``)."""
+    check_mode(mode)
+    if mode == "none":
+        return abstract_params
+    import qwix
+
+    qtype = _QTYPES[mode]
+
+    def one(path, leaf):
+        if not _is_product_kernel(path, leaf):
+            return leaf
+        where = getattr(leaf, "sharding", None)
+        scale_where = None
+        if isinstance(where, jax.sharding.NamedSharding):
+            spec = tuple(where.spec) + (None,) * (leaf.ndim - len(where.spec))
+            scale_spec = (None,) * (leaf.ndim - 1) + spec[-1:]
+            scale_where = jax.sharding.NamedSharding(where.mesh, jax.P(*scale_spec))
+        values = jax.ShapeDtypeStruct(leaf.shape, qtype, sharding=where)
+        scale_shape = (1,) * (leaf.ndim - 1) + leaf.shape[-1:]
+        scale = jax.ShapeDtypeStruct(scale_shape, jnp.float32, sharding=scale_where)
+        return qwix.QArray(values, scale, None, qtype)
+
+    return jax.tree_util.tree_map_with_path(one, abstract_params)
+
+
+def is_quantized(params) -> bool:
+    """Whether any leaf of ``params`` is a quantized kernel."""
+    return any(
+        is_quantized_kernel(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_quantized_kernel)
+    )
+
+
+def dequantized(params, dtype: Any):
+    """``params`` with every quantized kernel back in ``dtype`` (values x scale); what the
+    denoiser's module applies. Other leaves unchanged; a tree without quantized leaves is
+    returned as it is."""
+    import qwix
+
+    if not is_quantized(params):
+        return params
+    return jax.tree.map(
+        lambda leaf: qwix.dequantize(leaf).astype(dtype) if is_quantized_kernel(leaf) else leaf,
+        params,
+        is_leaf=is_quantized_kernel,
+    )
+
+
+def weight_bytes(params) -> int:
+    """Bytes of the arrays of ``params`` (quantized kernels: values and scales)."""
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))

@@ -1,0 +1,135 @@
+"""jaxcore.quantization: weight-only int8 / fp8 denoiser kernels, one mechanism for every family.
+
+Tolerances: int8 values within half a quantization step of the kernel (qwix's symmetric int8:
+step absmax / 127.5 per output channel, values rounded to nearest and clipped to [-128, 127]); fp8 (e4m3: 3 mantissa bits)
+within 1/16 relative; a tiny pipeline's render with quantized kernels within 5% (int8) / 20%
+(fp8) relative L2 of the float render from the same noise (:data:`RENDER_TOLERANCE`), and not
+equal to it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import qwix
+
+from jaxcore import quantization, sharding
+from jaxcore.compute import ComputeConfig
+from jaxcore.families import FamilyError, load_pipeline
+from jaxcore.sampling import initial_latents
+from pipelines.embedded.tiny import build_tiny_wan_pipeline
+from tests.support.tiny_flux import build_flux_pipeline
+from tests.support.tiny_sd import build_sd_pipeline
+
+# relative L2 distance of a 3-step render from the float one, measured on the tiny pipelines:
+# int8 0.008 (Wan) / 0.013 (Flux) / 0.030 (SD); fp8 0.047 / 0.049 / 0.124 (3 mantissa bits)
+RENDER_TOLERANCE = {"int8_weights": 0.05, "fp8_weights": 0.2}
+
+
+def _tree(rng):
+    return {
+        "dense": {"kernel": rng.normal(size=(16, 8)).astype(np.float32), "bias": np.ones(8)},
+        "packed": {"kernel": rng.normal(size=(8, 4, 8)).astype(np.float32)},
+        "conv": {"kernel": rng.normal(size=(3, 3, 4, 6)).astype(np.float32)},
+        "norm": {"scale": rng.normal(size=(8,)).astype(np.float32)},
+        "embedding": rng.normal(size=(10, 8)).astype(np.float32),  # not a product kernel
+    }
+
+
+def test_int8_weights_are_per_output_channel_absmax_round_to_nearest():
+    params = _tree(np.random.default_rng(0))
+    quantized = quantization.quantize_params(params, "int8_weights")
+    for name in ("dense", "packed", "conv"):
+        kernel, q = params[name]["kernel"], quantized[name]["kernel"]
+        assert isinstance(q, qwix.QArray) and q.qvalue.dtype == jnp.int8
+        reduce = tuple(range(kernel.ndim - 1))
+        scale = np.abs(kernel).max(axis=reduce, keepdims=True) / 127.5
+        np.testing.assert_allclose(np.asarray(q.scale), scale, rtol=1e-6)
+        expected = np.clip(np.round(kernel / scale), -128, 127)
+        # the same buckets up to values within float rounding of a bucket's edge
+        assert np.abs(np.asarray(q.qvalue) - expected).max() <= 1
+        back = np.asarray(quantization.dequantized(quantized, jnp.float32)[name]["kernel"])
+        assert np.all(np.abs(back - kernel) <= scale / 2 * (1 + 1e-4))  # + float rounding
+    for untouched in (params["dense"]["bias"], params["norm"]["scale"], params["embedding"]):
+        assert not isinstance(untouched, qwix.QArray)
+    assert quantized["embedding"] is params["embedding"]
+    assert quantization.is_quantized(quantized) and not quantization.is_quantized(params)
+    assert quantization.quantize_params(params, "none") is params
+
+
+def test_fp8_weights_are_within_e4m3_rounding():
+    params = _tree(np.random.default_rng(1))
+    quantized = quantization.quantize_params(params, "fp8_weights")
+    assert quantized["dense"]["kernel"].qvalue.dtype == jnp.float8_e4m3fn
+    back = quantization.dequantized(quantized, jnp.float32)
+    for name in ("dense", "packed", "conv"):
+        kernel = params[name]["kernel"]
+        np.testing.assert_allclose(back[name]["kernel"], kernel, rtol=1 / 16, atol=1e-6)
+    # the dtype the model asked for
+    assert quantization.dequantized(quantized, jnp.bfloat16)["conv"]["kernel"].dtype == jnp.bfloat16
+
+
+def test_abstract_quantized_is_what_quantize_makes_and_keeps_the_sharding():
+    mesh = sharding.make_mesh(sharding.MeshConfig(), devices=jax.devices()[:1])
+    where = jax.sharding.NamedSharding(mesh, jax.P("fsdp", "tensor"))
+    abstract = {"dense": {"kernel": jax.ShapeDtypeStruct((16, 8), jnp.bfloat16, sharding=where)}}
+    made = jax.eval_shape(lambda p: quantization.quantize_params(p, "int8_weights"), abstract)
+    predicted = quantization.abstract_quantized(abstract, "int8_weights")
+    shapes = jax.tree.map(lambda a: (a.shape, a.dtype), made)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), predicted) == shapes
+    kernel = predicted["dense"]["kernel"]
+    assert kernel.qvalue.sharding == where
+    assert kernel.scale.sharding.spec == jax.P(None, "tensor")
+
+
+@pytest.mark.parametrize(
+    "mode, message",
+    [("int4", "unknown quantization 'int4'"), ("int8", "not built yet")],
+)
+def test_refused_modes_name_the_key(mode, message):
+    with pytest.raises(ValueError, match=message) as err:
+        ComputeConfig(quantization=mode)
+    assert "compute.quantization" in str(err.value)
+
+
+# --- every family's pipeline ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["wan", "flux", "sd"])
+def tiny_pipeline_dir(request, tmp_path_factory):
+    where = tmp_path_factory.mktemp(f"quantized_{request.param}")
+    if request.param == "wan":
+        return build_tiny_wan_pipeline(where, seed=1, transformer_output_scale=20.0)
+    if request.param == "flux":
+        return build_flux_pipeline(where, seed=1)
+    return build_sd_pipeline(where, seed=1)
+
+
+@pytest.mark.parametrize("mode", ["int8_weights", "fp8_weights"])
+def test_a_quantized_render_is_close_to_the_float_one(tiny_pipeline_dir, mode):
+    """The denoiser's kernels are held quantized (fewer bytes) and the render from the same
+    noise stays within 5% of the float one."""
+    float_pipe = load_pipeline(tiny_pipeline_dir)
+    pipe = load_pipeline(tiny_pipeline_dir, ComputeConfig(quantization=mode))
+    assert quantization.is_quantized(pipe.denoiser_params)
+    held, full = map(quantization.weight_bytes, (pipe.denoiser_params, float_pipe.denoiser_params))
+    assert held < 0.5 * full
+
+    shape = pipe.latent_shape(32, 32, 1)
+    latents = np.stack([initial_latents(3, shape)])
+    cond, uncond, scales = pipe.conditioning(["a red circle"], [""], [pipe.guidance(4.0)], 77)
+
+    def render(p):
+        return np.asarray(p.sample(latents, cond, uncond, num_inference_steps=3, cfg_scale=scales))
+
+    reference, quantized = render(float_pipe), render(pipe)
+    error = np.linalg.norm(quantized - reference) / np.linalg.norm(reference - latents)
+    assert 0 < error < RENDER_TOLERANCE[mode], error
+
+
+def test_loras_with_quantized_kernels_are_refused_by_name(tiny_pipeline_dir):
+    pipe = load_pipeline(tiny_pipeline_dir, ComputeConfig(quantization="int8_weights"))
+    with pytest.raises(FamilyError, match="LoRA style.safetensors: .*quantization"):
+        pipe.apply_loras([("style.safetensors", 1.0)])
