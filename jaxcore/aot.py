@@ -623,28 +623,6 @@ def compile_program(
     )
 
 
-def report_table(reports: Sequence[FitReport]) -> str:
-    """A markdown table of reports (one row each)."""
-    lines = [
-        "| program | topology | mesh | GiB/chip | limit GiB | fits | TFLOP/chip (XLA) | "
-        "est. time | MFU est. | collectives | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in reports:
-        flops = "" if r.xla_flops is None else f"{r.xla_flops / 1e12:.2f}"
-        counts = ", ".join(f"{k} {v}" for k, v in r.collectives.items() if v)
-        est = mfu = ""
-        if r.estimate is not None:
-            est = _seconds(r.estimate.seconds)
-            mfu = "" if r.estimate.mfu is None else f"{r.estimate.mfu:.0%}"
-        lines.append(
-            f"| {r.program} | {r.topology} | {_mesh_text(r.mesh)} | {r.total_bytes / GIB:.2f} | "
-            f"{r.limit_bytes / GIB:.2f} | {'yes' if r.fits else 'NO'} | {flops} | {est} | "
-            f"{mfu} | {counts} | {r.compile_seconds:.0f} |"
-        )
-    return "\n".join(lines)
-
-
 # --- abstract arguments -----------------------------------------------------------------------
 
 

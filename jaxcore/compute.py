@@ -148,14 +148,6 @@ def run_blocks(parent: nn.Module, blocks: Sequence[nn.Module], carry, call, scan
     return carry
 
 
-def dtype_of(name: str):
-    """The jnp dtype named ``name`` (a key of :data:`DTYPES`)."""
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {list(DTYPES)}") from None
-
-
 @dataclasses.dataclass(frozen=True)
 class ComputeConfig:
     """Weights and activation dtypes, attention backend and remat policy of every model.

@@ -247,11 +247,6 @@ def resolve_key(cls: type, key: str) -> tuple[str, ...]:
     raise ConfigError(f"unknown key {key}{_suggest(key, [*top, *_all_dotted(cls)])}")
 
 
-def apply_overrides(cls: type, data: dict, overrides: Sequence[str]) -> dict:
-    """Apply ``key=value`` strings (see :func:`parse_override`)."""
-    return apply_values(cls, data, dict(parse_override(text) for text in overrides))
-
-
 def apply_values(cls: type, data: dict, values: Mapping[str, Any]) -> dict:
     """Set already-parsed values by (dotted or bare) key; returns a new dict."""
     data = _deep_copy(data)

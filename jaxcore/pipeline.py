@@ -188,23 +188,6 @@ class Pipeline:
         """How many ways a batch is split over the mesh (batches must be a multiple)."""
         return 1 if self.mesh is None else sharding.batch_axis_size(self.mesh, self.rules)
 
-    def with_denoiser(self, module, params) -> Pipeline:
-        """The same pipeline with another denoiser (e.g. a trained checkpoint), no LoRAs."""
-        configs = {**self.configs, self.family.denoiser_component: module.config}
-        second = self.second_expert
-        if second is not None and self.base_second_params is not None:  # without its LoRAs
-            second = dataclasses.replace(second, params=self.base_second_params)
-        return dataclasses.replace(
-            self,
-            denoiser=module,
-            denoiser_params=params,
-            configs=configs,
-            base_denoiser_params=None,
-            base_second_params=None,
-            second_expert=second,
-            active_loras=(),
-        )
-
     def apply_loras(self, loras: Sequence[tuple], *, strict: bool = True) -> list:
         """Make each expert ``base + sum(scale x LoRA)`` for these ``(path, scale[, expert])``
         uses (``expert``: ``"high"``, the default, is the denoiser, diffusers' ``transformer``;

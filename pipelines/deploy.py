@@ -22,7 +22,6 @@ from typing import Literal
 
 import yaml
 
-from jaxcore import storage
 from jaxcore.config import ConfigError, load_config
 from pipelines.config import (
     PipelineConfig,
@@ -415,10 +414,6 @@ def run(cfg: DeployConfig, *, force: bool = False):
         if manifest:
             print(f"xpk --dry-run wrote {manifest}")
     return None
-
-
-def storage_root_is_remote(pipeline: PipelineConfig) -> bool:
-    return storage.is_gcs(pipeline.root)
 
 
 # --- the fit check: does the step fit the slice? (compiled ahead of time, no TPU needed) -------

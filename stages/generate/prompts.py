@@ -417,14 +417,3 @@ def read_prompt_entries(uri: str) -> list[tuple[int, dict]]:
     except UnicodeDecodeError as err:
         raise StageInputError(f"prompt_file {uri} is not UTF-8 text: {err}") from None
     return parse_entries(uri, text.splitlines())
-
-
-def read_prompt_file(
-    uri: str,
-    defaults: SamplingSection,
-    model_defaults: dict | None = None,
-    geometry: Geometry | None = None,
-) -> list[PromptSpec]:
-    """Read and validate a prompt file (local or gs://); see :func:`resolve_prompts`."""
-    entries = read_prompt_entries(uri)
-    return resolve_prompts(uri, entries, defaults, model_defaults, geometry)
