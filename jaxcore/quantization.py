@@ -53,51 +53,52 @@ def is_quantized_kernel(leaf) -> bool:
     return isinstance(leaf, qwix.QArray)
 
 
+def _map_kernels(params, mode: str, quantize_one):
+    """``params`` with ``quantize_one(kernel, qtype)`` in place of every product kernel, for
+    ``mode``'s qtype; ``none`` returns ``params`` itself."""
+    check_mode(mode)
+    if mode == "none":
+        return params
+    qtype = _QTYPES[mode]
+
+    def one(path, leaf):
+        return quantize_one(leaf, qtype) if _is_product_kernel(path, leaf) else leaf
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
 def quantize_params(params, mode: str):
     """``params`` with every product kernel quantized for ``mode`` (a ``qwix.QArray``: values
     and a float32 scale per output channel); other leaves unchanged. ``none`` returns
     ``params`` itself. Jittable; sharded kernels keep their sharding."""
-    check_mode(mode)
-    if mode == "none":
-        return params
     import qwix
 
-    qtype = _QTYPES[mode]
+    def one(kernel, qtype):
+        channels = [kernel.ndim - 1]
+        return qwix.quantize(kernel, qtype, channelwise_axes=channels, scale_dtype=jnp.float32)
 
-    def one(path, leaf):
-        if not _is_product_kernel(path, leaf):
-            return leaf
-        return qwix.quantize(leaf, qtype, channelwise_axes=[leaf.ndim - 1], scale_dtype=jnp.float32)
-
-    return jax.tree_util.tree_map_with_path(one, params)
+    return _map_kernels(params, mode, one)
 
 
 def abstract_quantized(abstract_params, mode: str):
     """What :func:`quantize_params` makes of ``abstract_params`` (ShapeDtypeStructs, sharded or
     not), without computing anything: values sharded as the kernel, the scale with the
     reduced axes unsharded (for ``difforge fit``)."""
-    check_mode(mode)
-    if mode == "none":
-        return abstract_params
     import qwix
 
-    qtype = _QTYPES[mode]
-
-    def one(path, leaf):
-        if not _is_product_kernel(path, leaf):
-            return leaf
-        where = getattr(leaf, "sharding", None)
+    def one(kernel, qtype):
+        where = getattr(kernel, "sharding", None)
         scale_where = None
         if isinstance(where, jax.sharding.NamedSharding):
-            spec = tuple(where.spec) + (None,) * (leaf.ndim - len(where.spec))
-            scale_spec = (None,) * (leaf.ndim - 1) + spec[-1:]
+            spec = tuple(where.spec) + (None,) * (kernel.ndim - len(where.spec))
+            scale_spec = (None,) * (kernel.ndim - 1) + spec[-1:]
             scale_where = jax.sharding.NamedSharding(where.mesh, jax.P(*scale_spec))
-        values = jax.ShapeDtypeStruct(leaf.shape, qtype, sharding=where)
-        scale_shape = (1,) * (leaf.ndim - 1) + leaf.shape[-1:]
+        values = jax.ShapeDtypeStruct(kernel.shape, qtype, sharding=where)
+        scale_shape = (1,) * (kernel.ndim - 1) + kernel.shape[-1:]
         scale = jax.ShapeDtypeStruct(scale_shape, jnp.float32, sharding=scale_where)
         return qwix.QArray(values, scale, None, qtype)
 
-    return jax.tree_util.tree_map_with_path(one, abstract_params)
+    return _map_kernels(abstract_params, mode, one)
 
 
 def is_quantized(params) -> bool:

@@ -171,15 +171,14 @@ def test_train_step_with_prior_preservation_takes_a_class_batch():
     assert _shard_bytes(program.args) > _shard_bytes(plain.args)  # the class rows
 
 
-def test_generate_loop_on_cpu_mesh():
-    """The generate loop (jaxcore.sampling.denoise_fn) with CFG, one prompt per device."""
-    model = deploy.fit_model(TINY)
+def _tiny_generate_program(model, compute):
+    """The tiny model's generate loop on 8 CPU devices: CFG, one 32x32x5 clip per device."""
     mesh = sharding.make_mesh(sharding.MeshConfig(), devices=CPU8.devices())
-    program = aot.generate_program(
+    return aot.generate_program(
         model.family,
         model.configs,
         model.scheduler_config,
-        _train_config().compute,
+        compute,
         mesh,
         batch=8,
         height=32,
@@ -189,6 +188,12 @@ def test_generate_loop_on_cpu_mesh():
         guidance_scale=5.0,
         text_length=8,
     )
+
+
+def test_generate_loop_on_cpu_mesh():
+    """The generate loop (jaxcore.sampling.denoise_fn) with CFG, one prompt per device."""
+    model = deploy.fit_model(TINY)
+    program = _tiny_generate_program(model, _train_config().compute)
     assert program.details["cfg"] and program.details["latent_shape"] == [4, 3, 16, 16]
     report = aot.compile_program(program, CPU8)
     assert (
@@ -213,24 +218,10 @@ def test_generate_loop_with_int8_kernels_holds_them_in_int8():
     from jaxcore import quantization
 
     model = deploy.fit_model(TINY)
-    mesh = sharding.make_mesh(sharding.MeshConfig(), devices=CPU8.devices())
     compute = _train_config().compute
 
     def program(mode):
-        return aot.generate_program(
-            model.family,
-            model.configs,
-            model.scheduler_config,
-            dataclasses.replace(compute, quantization=mode),
-            mesh,
-            batch=8,
-            height=32,
-            width=32,
-            num_frames=5,
-            num_inference_steps=3,
-            guidance_scale=5.0,
-            text_length=8,
-        )
+        return _tiny_generate_program(model, dataclasses.replace(compute, quantization=mode))
 
     plain, int8 = program("none"), program("int8_weights")
     params = int8.args[0]
