@@ -233,13 +233,13 @@ class Pipeline:
 
     def _lora_uses(self, loras) -> tuple[tuple[str, float, str], ...]:
         """``(path, scale)`` / ``(path, scale, expert)`` -> checked ``(path, scale, expert)``."""
+        if loras and quantization.is_quantized(self.denoiser_params):
+            raise FamilyError(
+                f"LoRA {loras[0][0]}: LoRAs with compute.quantization are not supported yet "
+                "(they merge into float weights); render LoRA prompts with quantization=none"
+            )
         uses = []
         for path, scale, *rest in loras:
-            if quantization.is_quantized(self.denoiser_params):
-                raise FamilyError(
-                    f"LoRA {path}: LoRAs with compute.quantization are not supported yet (they "
-                    "merge into float weights); render LoRA prompts with quantization=none"
-                )
             expert = rest[0] if rest else "high"
             if expert not in ("high", "low"):
                 raise FamilyError(f"LoRA {path}: expert must be 'high' or 'low', got {expert!r}")

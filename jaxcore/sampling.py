@@ -231,7 +231,10 @@ def guided(
 ):
     """The prediction with classifier-free guidance where it is on: ``negative + scale *
     (prediction - negative)`` per sample (diffusers applies CFG only when the first scale is
-    > 1), then the guidance rescale; the branches batched as 2B rows or as two calls."""
+    > 1), then the guidance rescale; the branches batched as 2B rows or as two calls.
+    Quantized kernels (``compute.quantization``) are dequantized to the weights' dtype here,
+    once for both branches."""
+    params = quantization.dequantized(params, mod.param_dtype)
     if not loop.use_cfg:
         return call(loop, mod, params, x, t, cond, cstate, compute_now)
     if loop.batched_cfg:
@@ -263,9 +266,7 @@ def guided(
 
 def call(loop: Loop, mod, params, x, t, conditioning, cstate, compute_now):
     """One denoiser call in float32; with a step cache, through the cache's block runner
-    (returns the new cache state and what the cache measured). Quantized kernels
-    (``compute.quantization``) are dequantized to the weights' dtype here, at the call."""
-    params = quantization.dequantized(params, mod.param_dtype)
+    (returns the new cache state and what the cache measured)."""
     if not loop.cache.enabled:
         return loop.family.apply(mod, params, x, t, conditioning).astype(jnp.float32), cstate, None
     run = step_cache.runner(loop.cache, cstate, compute_now)
