@@ -403,6 +403,7 @@ class Family(abc.ABC):
         module, params = denoiser
         configs[self.denoiser_component] = module.config
         self.check_configs(configs, str(directory))
+        _check_quantizable(compute, self.second_expert_component(configs))
         fields = self.load_components(directory, configs, compute, mesh, rules, denoiser, **options)
         params, fields = _quantized(params, fields, compute)
         return Pipeline(
@@ -596,19 +597,22 @@ def read_scheduler_config(directory: str | os.PathLike) -> dict:
     return read_json(path, "the pipeline's scheduler config")
 
 
+def _check_quantizable(compute: ComputeConfig, second_expert: str | None) -> None:
+    """Refuse, before anything more loads, a quantization this pipeline cannot take."""
+    if compute.quantization != "none" and compute.idle_expert == "host" and second_expert:
+        raise FamilyError(
+            f"compute.quantization={compute.quantization} with compute.idle_expert=host is not "
+            "supported: quantized experts are small enough to stay on the devices "
+            "(idle_expert=device)"
+        )
+
+
 def _quantized(params, fields: dict, compute: ComputeConfig) -> tuple[Any, dict]:
     """The denoiser's params and a second expert's quantized as ``compute.quantization`` says
     (:mod:`jaxcore.quantization`), once, where they were loaded."""
-    mode = compute.quantization
-    if mode == "none":
+    if compute.quantization == "none":
         return params, fields
-    if compute.idle_expert == "host" and fields.get("second_expert") is not None:
-        raise FamilyError(
-            f"compute.quantization={mode} with compute.idle_expert=host is not supported: "
-            "quantized experts are small enough to stay on the devices (idle_expert=device)"
-        )
-    quantize = jax.jit(functools.partial(quantization.quantize_params, mode=mode))
-    params = quantize(fields.pop("denoiser_params", params))
+    quantize = jax.jit(functools.partial(quantization.quantize_params, mode=compute.quantization))
     if fields.get("second_expert") is not None:
         fields["second_expert"].params = quantize(fields["second_expert"].params)
-    return params, fields
+    return quantize(params), fields

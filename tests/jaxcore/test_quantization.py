@@ -133,3 +133,25 @@ def test_loras_with_quantized_kernels_are_refused_by_name(tiny_pipeline_dir):
     pipe = load_pipeline(tiny_pipeline_dir, ComputeConfig(quantization="int8_weights"))
     with pytest.raises(FamilyError, match="LoRA style.safetensors: .*quantization"):
         pipe.apply_loras([("style.safetensors", 1.0)])
+
+
+def test_both_experts_are_quantized_and_host_swapping_is_refused_before_loading(
+    tmp_path, monkeypatch
+):
+    from jaxcore.families.wan import WanFamily
+    from tests.support.wan_variants import build_two_expert_pipeline
+
+    directory = build_two_expert_pipeline(tmp_path / "a14b", seed=2)
+    pipe = load_pipeline(directory, ComputeConfig(quantization="int8_weights"))
+    assert quantization.is_quantized(pipe.denoiser_params)
+    assert quantization.is_quantized(pipe.second_expert.params)
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the components loaded before the refusal")
+
+    monkeypatch.setattr(WanFamily, "load_components", loads)
+    compute = ComputeConfig(quantization="int8_weights", idle_expert="host")
+    with pytest.raises(
+        FamilyError, match="quantization=int8_weights with compute.idle_expert=host"
+    ):
+        load_pipeline(directory, compute)
