@@ -74,6 +74,55 @@ def to_host(params):
     return host, shardings
 
 
+@dataclasses.dataclass
+class FloatWeights:
+    """The float weights quantized denoisers were made from (``compute.quantization``), kept
+    so a LoRA set merges into them before re-quantizing, and so the quality gate
+    (``cache.compare_dense``) renders the unquantized model beside the quantized one.
+
+    ``placement``: ``"host"`` (host memory; each use puts them back on the devices for the
+    duration: what LoRA sets need) or ``"device"`` (they stay beside the quantized ones: what
+    the comparison needs every batch). ``active``: the float weights with the LoRA set merged
+    now (``{expert: params}``; empty: the base), for the comparison."""
+
+    high: Any
+    low: Any = None
+    placement: str = "device"
+    shardings: tuple = (None, None)
+    active: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @classmethod
+    def keep(cls, high, low, placement: str) -> FloatWeights:
+        """Keep these (placed) float trees where ``placement`` says. Host: copied off the
+        devices, where the float kernels go once the caller drops its trees (not deleted
+        here: the leaves quantizing left alone, biases and norms, are shared with the
+        quantized tree)."""
+        if placement not in ("host", "device"):
+            raise ValueError(f"keep_float must be 'host' or 'device', got {placement!r}")
+        if placement == "device":
+            return cls(high, low, placement)
+
+        def where(tree):
+            return None if tree is None else jax.tree.map(lambda a: a.sharding, tree)
+
+        return cls(*jax.device_get((high, low)), placement, (where(high), where(low)))
+
+    def base(self, expert: str):
+        """One expert's float weights where they are kept (shapes for LoRA plans)."""
+        return self.high if expert == "high" else self.low
+
+    def on_device(self, expert: str):
+        """One expert's float weights on the devices (put there when kept on the host)."""
+        tree = self.base(expert)
+        if self.placement == "host":
+            tree = jax.device_put(tree, self.shardings[0 if expert == "high" else 1])
+        return tree
+
+    def current(self, expert: str):
+        """One expert's float weights with the LoRA set merged now, on the devices."""
+        return self.active.get(expert) or self.on_device(expert)
+
+
 # Texts per text-encoder call at most. Encoders at small batch are bound by reading their
 # weights (the S bench's 88M-parameter UMT5: 59 ms for 2 texts, 61 ms for 4), so encoding many
 # prompts in one call costs little more than one.
@@ -158,6 +207,10 @@ class Pipeline:
     second_expert: SecondExpert | None = None
     # placement="host": (host copy, shardings) of each expert's weights
     _host_experts: tuple | None = dataclasses.field(default=None, repr=False)
+    # compute.quantization: the mode, and the float weights kept beside (load_pipeline's
+    # keep_float; None: not kept, so no LoRAs and no comparison)
+    quantization: str = "none"
+    float_weights: FloatWeights | None = dataclasses.field(default=None, repr=False)
     # recent prompt encodings (encode_prompts, prefetch_prompts)
     encodings: PromptEncodings = dataclasses.field(default_factory=PromptEncodings, repr=False)
 
@@ -229,14 +282,17 @@ class Pipeline:
                 ):
                     files = _for_expert(loaded, expert)
                     if files:
+                        if self.float_weights is not None:  # quantized: plan on float shapes
+                            base = self.float_weights.base(expert)
                         self._lora_merger(base).plan(files, strict=strict)
 
     def _lora_uses(self, loras) -> tuple[tuple[str, float, str], ...]:
         """``(path, scale)`` / ``(path, scale, expert)`` -> checked ``(path, scale, expert)``."""
-        if loras and quantization.is_quantized(self.denoiser_params):
+        if loras and self.quantization != "none" and self.float_weights is None:
             raise FamilyError(
-                f"LoRA {loras[0][0]}: LoRAs with compute.quantization are not supported yet "
-                "(they merge into float weights); render LoRA prompts with quantization=none"
+                f"LoRA {loras[0][0]}: LoRAs merge into the float weights, and this pipeline "
+                f"(compute.quantization={self.quantization}) was loaded without them: load it "
+                "with keep_float='host' (generate does so when a prompt names a LoRA)"
             )
         uses = []
         for path, scale, *rest in loras:
@@ -252,8 +308,41 @@ class Pipeline:
         return tuple(uses)
 
     def _merged(self, base, loaded, expert: str, strict: bool):
+        """``base`` with one expert's LoRAs merged. Quantized: merged into the float weights,
+        then quantized again by the program that quantized them on load (same shapes, so the
+        denoising programs do not recompile); no LoRA: the quantized base as loaded."""
         files = _for_expert(loaded, expert)
+        if self.float_weights is not None:
+            self.float_weights.active.pop(expert, None)
+            if not files:
+                return base
+            merged = self._lora_merger(self.float_weights.on_device(expert)).merged(
+                files, strict=strict
+            )
+            if self.float_weights.placement == "device":
+                self.float_weights.active[expert] = merged
+            return quantization.quantizer(self.quantization)(merged)
         return self._lora_merger(base).merged(files, strict=strict) if files else base
+
+    @contextlib.contextmanager
+    def float_reference(self):
+        """The denoisers with their float weights (the LoRA set merged now) for the duration:
+        the unquantized render the quality gate compares a quantized one with."""
+        if self.float_weights is None:
+            raise FamilyError(
+                f"compute.quantization={self.quantization}: the float weights were not kept "
+                "(load_pipeline(..., keep_float='device')), so there is nothing to compare with"
+            )
+        quantized = self.denoiser_params, self.second_expert and self.second_expert.params
+        self.denoiser_params = self.float_weights.current("high")
+        if self.second_expert is not None:
+            self.second_expert.params = self.float_weights.current("low")
+        try:
+            yield self
+        finally:
+            self.denoiser_params = quantized[0]
+            if self.second_expert is not None:
+                self.second_expert.params = quantized[1]
 
     def _loaded(self, wanted):
         from jaxcore.lora.merge import load_lora

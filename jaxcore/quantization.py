@@ -18,6 +18,7 @@ int8 products) are not built yet: they need the products themselves to change, a
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -78,6 +79,14 @@ def quantize_params(params, mode: str):
         return qwix.quantize(kernel, qtype, channelwise_axes=channels, scale_dtype=jnp.float32)
 
     return _map_kernels(params, mode, one)
+
+
+@functools.cache
+def quantizer(mode: str):
+    """:func:`quantize_params` for ``mode``, jitted once per mode (a LoRA set's re-quantizing
+    reuses the program that quantized the weights on load)."""
+    check_mode(mode)
+    return jax.jit(functools.partial(quantize_params, mode=mode))
 
 
 def abstract_quantized(abstract_params, mode: str):

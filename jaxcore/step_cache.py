@@ -59,9 +59,11 @@ class CacheConfig:
     the ratios, given as ``mag_ratios`` or read from a ``calibration`` artifact (a calibrate
     run's) — exactly one of the two.
 
-    Quality gate: ``compare_dense`` renders every prompt dense too and records PSNR / SSIM of
-    the cached render against it (and the speed-up); ``min_psnr`` / ``min_ssim`` fail the run
-    when a prompt falls below them (they need ``compare_dense``)."""
+    Quality gate: ``compare_dense`` renders every prompt dense too (and, with
+    ``compute.quantization``, with the float weights) and records PSNR / SSIM of the render
+    against it (and the speed-up); ``min_psnr`` / ``min_ssim`` fail the run when a prompt
+    falls below them (they need ``compare_dense``). With ``kind=none`` the gate needs a
+    quantized run (checked where both are known: the generate config)."""
 
     kind: str = "none"
     threshold: float | None = None
@@ -96,8 +98,8 @@ class CacheConfig:
             )
         if (self.min_psnr is not None or self.min_ssim is not None) and not self.compare_dense:
             raise ValueError("cache.min_psnr / cache.min_ssim need cache.compare_dense=true")
-        if self.compare_dense and self.kind in ("none", "calibrate"):
-            raise ValueError(f"cache.compare_dense compares a cached render: kind={self.kind}")
+        if self.compare_dense and self.kind == "calibrate":
+            raise ValueError("cache.compare_dense compares a cached render: kind=calibrate")
 
     @property
     def enabled(self) -> bool:

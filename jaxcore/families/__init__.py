@@ -63,18 +63,21 @@ def for_pipeline(directory: str | os.PathLike) -> Family:
     return family
 
 
-def load_pipeline(path_or_uri_or_repo_id: str | os.PathLike, compute=None, mesh=None, rules=None):
+def load_pipeline(
+    path_or_uri_or_repo_id: str | os.PathLike, compute=None, mesh=None, rules=None, **options
+):
     """Load a diffusers-format pipeline of any supported family (a local folder, a gs:// URI
     or a Hugging Face repo id) as a :class:`jaxcore.pipeline.Pipeline`.
 
     The family comes from ``model_index.json``; ``compute`` (a ``ComputeConfig``) defaults to
-    float32 with ``dot_product`` attention."""
+    float32 with ``dot_product`` attention; ``options`` go to the family's loader (e.g.
+    ``keep_float``)."""
     from jaxcore.compute import ComputeConfig
     from jaxcore.pipeline import resolve_pipeline_dir
 
     directory = resolve_pipeline_dir(path_or_uri_or_repo_id)
     family = for_pipeline(directory)
-    return family.load_pipeline(directory, compute or ComputeConfig(), mesh, rules)
+    return family.load_pipeline(directory, compute or ComputeConfig(), mesh, rules, **options)
 
 
 def for_denoiser(directory: str | os.PathLike) -> Family:

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -386,7 +385,14 @@ class Family(abc.ABC):
 
     # --- inference --------------------------------------------------------------------------
     def load_pipeline(
-        self, directory, compute: ComputeConfig, mesh=None, rules=None, denoiser=None, **options
+        self,
+        directory,
+        compute: ComputeConfig,
+        mesh=None,
+        rules=None,
+        denoiser=None,
+        keep_float: str | None = None,
+        **options,
     ) -> Pipeline:
         """Every component of a pipeline directory -> :class:`jaxcore.pipeline.Pipeline`.
 
@@ -394,7 +400,10 @@ class Family(abc.ABC):
         checkpoint); its weights are then not read from the directory. The same skeleton for
         every family: the component configs, the denoiser (read unless given), the family's
         check of the configs, then :meth:`load_components` for everything else; ``options``
-        go to that hook (Wan's ``second_denoiser``)."""
+        go to that hook (Wan's ``second_denoiser``). ``keep_float``: with
+        ``compute.quantization``, where the float weights stay beside the quantized ones
+        (``"host"``: for LoRA sets; ``"device"``: for the quality gate's unquantized render;
+        None: dropped), see :class:`jaxcore.pipeline.FloatWeights`."""
         directory = Path(directory)
         rules = tuple(rules) if rules is not None else sharding.LOGICAL_AXIS_RULES
         configs = self.component_configs(directory)
@@ -405,7 +414,7 @@ class Family(abc.ABC):
         self.check_configs(configs, str(directory))
         _check_quantizable(compute, self.second_expert_component(configs))
         fields = self.load_components(directory, configs, compute, mesh, rules, denoiser, **options)
-        params, fields = _quantized(params, fields, compute)
+        params, fields = _quantized(params, fields, compute, keep_float)
         return Pipeline(
             family=self,
             denoiser=module,
@@ -607,12 +616,22 @@ def _check_quantizable(compute: ComputeConfig, second_expert: str | None) -> Non
         )
 
 
-def _quantized(params, fields: dict, compute: ComputeConfig) -> tuple[Any, dict]:
+def _quantized(
+    params, fields: dict, compute: ComputeConfig, keep_float: str | None
+) -> tuple[Any, dict]:
     """The denoiser's params and a second expert's quantized as ``compute.quantization`` says
-    (:mod:`jaxcore.quantization`), once, where they were loaded."""
+    (:mod:`jaxcore.quantization`), once, where they were loaded; ``fields`` gain the mode and,
+    when ``keep_float`` names a placement, the float weights (:class:`FloatWeights`)."""
+    from jaxcore.pipeline import FloatWeights
+
     if compute.quantization == "none":
         return params, fields
-    quantize = jax.jit(functools.partial(quantization.quantize_params, mode=compute.quantization))
-    if fields.get("second_expert") is not None:
-        fields["second_expert"].params = quantize(fields["second_expert"].params)
+    quantize = quantization.quantizer(compute.quantization)
+    second = fields.get("second_expert")
+    floats = (params, second.params if second is not None else None)
+    if second is not None:
+        second.params = quantize(second.params)
+    fields = {**fields, "quantization": compute.quantization}
+    if keep_float is not None:
+        fields["float_weights"] = FloatWeights.keep(*floats, keep_float)
     return quantize(params), fields

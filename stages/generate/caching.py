@@ -125,13 +125,23 @@ def _mean(rows: Sequence[Sequence[float]]) -> list[float]:
     return [round(float(v), 6) for v in np.mean(np.asarray(rows, np.float64), axis=0)]
 
 
-def quality_summary(records: Sequence[Mapping], config: step_cache.CacheConfig) -> dict | None:
-    """The quality gate's table: per prompt PSNR / SSIM / evaluations, overall figures."""
+def compared(kind: str, quantization: str) -> str:
+    """What the quality gate compares with the dense float render: ``cached``,
+    ``int8_weights``, ``cached int8_weights``."""
+    return " ".join(["cached"] * (kind != "none") + [quantization] * (quantization != "none"))
+
+
+def quality_summary(
+    records: Sequence[Mapping], config: step_cache.CacheConfig, quantization: str = "none"
+) -> dict | None:
+    """The quality gate's table: per prompt PSNR / SSIM / evaluations, overall figures.
+    ``compared`` says what was compared with the dense (float) render."""
     rows = [r for r in records if (r.get("cache") or {}).get("psnr") is not None]
     if not rows:
         return None
-    runs = sum(r["cache"]["block_stack_runs"] for r in rows)
-    total = sum(r["cache"]["block_stack_runs"] + r["cache"]["block_stack_skips"] for r in rows)
+    runs = sum(r["cache"].get("block_stack_runs", 0) for r in rows)
+    skips = sum(r["cache"].get("block_stack_skips", 0) for r in rows)
+    total = runs + skips
     # wall time from the batches that did not compile (None in the others)
     timed = [r for r in rows if r["cache"].get("cached_seconds") is not None]
     dense_s = sum(r["cache"]["dense_seconds"] for r in timed)
@@ -150,8 +160,8 @@ def quality_summary(records: Sequence[Mapping], config: step_cache.CacheConfig) 
                 "id": r["id"],
                 "psnr": r["cache"]["psnr"],
                 "ssim": r["cache"]["ssim"],
-                "block_stack_runs": r["cache"]["block_stack_runs"],
-                "block_stack_skips": r["cache"]["block_stack_skips"],
+                "block_stack_runs": r["cache"].get("block_stack_runs"),
+                "block_stack_skips": r["cache"].get("block_stack_skips"),
             }
             for r in rows
         ],
@@ -163,5 +173,6 @@ def quality_summary(records: Sequence[Mapping], config: step_cache.CacheConfig) 
         # dense / cached device seconds over the batches that did not compile (None: all did)
         "wall_speedup": dense_s / cached_s if cached_s else None,
         "floors": {"min_psnr": config.min_psnr, "min_ssim": config.min_ssim},
+        "compared": compared(config.kind, quantization),
         "below_floor": failed,
     }

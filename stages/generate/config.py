@@ -170,3 +170,13 @@ class GenerateConfig:
                 raise ValueError(f"{key} is required (set it in the YAML or as {key}=...)")
         if self.per_device_batch_size <= 0:
             raise ValueError(f"per_device_batch_size must be > 0, got {self.per_device_batch_size}")
+        if self.cache.compare_dense and not self.compares:
+            raise ValueError(
+                "cache.compare_dense compares a cached or quantized render with the dense float "
+                "one: set cache.kind or compute.quantization"
+            )
+
+    @property
+    def compares(self) -> bool:
+        """Whether the quality gate has something to compare: a step cache or quantization."""
+        return self.cache.enabled or self.compute.quantization != "none"

@@ -178,22 +178,23 @@ def trained_expert(train_manifest) -> str | None:
     return (train_manifest.summary.get("model_source") or {}).get("expert")
 
 
-def load(source: ModelSource, compute: ComputeConfig, mesh) -> Pipeline:
+def load(source: ModelSource, compute: ComputeConfig, mesh, keep_float: str | None = None):
     """The pipeline, with the checkpoint's denoiser when the source is a train artifact, and
-    the source's scheduler config (``sampling.scheduler_config`` applied)."""
-    pipe = _load(source, compute, mesh)
+    the source's scheduler config (``sampling.scheduler_config`` applied). ``keep_float``:
+    see :meth:`jaxcore.families.base.Family.load_pipeline`."""
+    pipe = _load(source, compute, mesh, keep_float)
     pipe.scheduler_config = dict(source.scheduler_config)
     return pipe
 
 
-def _load(source: ModelSource, compute: ComputeConfig, mesh) -> Pipeline:
+def _load(source: ModelSource, compute: ComputeConfig, mesh, keep_float) -> Pipeline:
     denoiser = None
     if source.checkpoint is not None:
         _, module, params = checkpoints.restore_denoiser(source.checkpoint, compute, mesh)
         denoiser = (module, params)
         if trained_expert(source.checkpoint.train) == "low":  # the second expert's slot
             return source.family.load_pipeline(
-                source.pipeline_dir, compute, mesh, second_denoiser=denoiser
+                source.pipeline_dir, compute, mesh, second_denoiser=denoiser, keep_float=keep_float
             )
         log.info(
             "generate: denoiser from %s step %d, the rest from %s",
@@ -201,4 +202,6 @@ def _load(source: ModelSource, compute: ComputeConfig, mesh) -> Pipeline:
             source.checkpoint.step,
             source.pipeline_dir,
         )
-    return source.family.load_pipeline(source.pipeline_dir, compute, mesh, denoiser=denoiser)
+    return source.family.load_pipeline(
+        source.pipeline_dir, compute, mesh, denoiser=denoiser, keep_float=keep_float
+    )

@@ -239,12 +239,14 @@ def _cache_section(report: Mapping | None) -> str:
     speed = report["wall_speedup"]
     head = (
         f"mean PSNR {report['mean_psnr']:.2f} dB (min {report['min_psnr']:.2f}), mean SSIM "
-        f"{report['mean_ssim']:.4f} (min {report['min_ssim']:.4f}); "
-        f"{ratio:.2f}x fewer block-stack evaluations"
+        f"{report['mean_ssim']:.4f} (min {report['min_ssim']:.4f})"
+        + (f"; {ratio:.2f}x fewer block-stack evaluations" if ratio else "")
         + (f", {speed:.2f}x wall time" if speed else "")
     )
+    # reports from before quantization compared cached renders only
+    title = {"cached": "Step cache"}.get(report.get("compared", "cached"), report.get("compared"))
     return (
-        f"<h2>Step cache vs dense</h2><p>{html.escape(head)}</p>"
+        f"<h2>{html.escape(title)} vs dense</h2><p>{html.escape(head)}</p>"
         "<table><tr><th>id</th><th>PSNR dB</th><th>SSIM</th><th>stack runs</th>"
         f"<th>skips</th></tr>{rows}</table>"
         f"<p>dense | cached | |difference| x4</p><p><img src='{CACHE_COMPARISON}' "

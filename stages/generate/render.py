@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -339,8 +340,10 @@ def _dispatch(
 
     jax.block_until_ready(video)
     cached_done = time.perf_counter()
-    dense = pipe.decode(_sample(*args, step_cache.NO_CACHE)[0])
-    jax.block_until_ready(dense)
+    reference = pipe.float_reference() if pipe.quantization != "none" else contextlib.nullcontext()
+    with reference:  # dense, and with the float weights when the run is quantized
+        dense = pipe.decode(_sample(*args, step_cache.NO_CACHE)[0])
+        jax.block_until_ready(dense)
     seconds = (cached_done - started, time.perf_counter() - cached_done)
     key = (first.group_key, pipe.denoiser)
     compiled = key not in _TIMED_GROUPS
@@ -372,6 +375,7 @@ def _row_extras(flight: _InFlight) -> list[dict]:
             extra["dense"] = dense[i]
             cached_s, dense_s = flight.seconds
             batch = max(1, len(flight.batch.specs))
+            extra.setdefault("cache", {})  # a quantized run without a step cache has none
             if flight.compiled:  # the group's first batch compiled both programs: untimed
                 extra["cache"].update(cached_seconds=None, dense_seconds=None)
             else:

@@ -98,7 +98,7 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     render.check_latent_files(specs, source.latent_shape)  # also before any rendering
     render.check_memory(specs, source.latent_shape, config.prompt_file)
     image_sha = render.check_image_files(specs)
-    pipe = model.load(source, config.compute, make_mesh(config.mesh))
+    pipe = model.load(source, config.compute, make_mesh(config.mesh), _keep_float(config, specs))
     # every LoRA set is read and checked against the model before anything renders
     pipe.check_loras({s.loras for s in specs}, strict=config.model.lora_strict)
     lora_sha = {path: lora.checksum for path, lora in pipe.lora_files.items()}
@@ -126,6 +126,17 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
         return None  # process 0 writes the gallery and the manifest
     checks = (fingerprint, lora_sha, prompt_sha)
     return _finish(config, writer, specs, checks, source.provenance, len(todo), elapsed, scheduler)
+
+
+def _keep_float(config: GenerateConfig, specs) -> str | None:
+    """Where a quantized run keeps the float weights: beside the quantized ones for the
+    quality gate's float render, on the host when a prompt's LoRAs merge into them, else
+    nowhere (see :class:`jaxcore.pipeline.FloatWeights`)."""
+    if config.compute.quantization == "none":
+        return None
+    if config.cache.compare_dense:
+        return "device"
+    return "host" if any(s.loras for s in specs) else None
 
 
 def _checked_prompts(config: GenerateConfig, entries, source):
@@ -238,7 +249,7 @@ def _render(config, pipe, specs, todo, finished, write_outputs, scheduler, cache
             progress=progress,
             lora_strict=config.model.lora_strict,
             stop=lambda: preemption.requested,
-            cache=cache if config.cache.enabled else None,
+            cache=cache if config.cache.enabled or config.cache.compare_dense else None,
             skip=finished_batch,
         )
     if preemption.requested:
@@ -276,7 +287,7 @@ def _finish(config, writer, specs, checks, provenance, rendered, elapsed, schedu
     )
     storage.write_bytes(writer.file(outputs.CONTACT_SHEET), sheet)
     title = config.run_name or f"difforge generate: {config.prompt_file}"
-    report = caching.quality_summary(ordered, config.cache)
+    report = caching.quality_summary(ordered, config.cache, config.compute.quantization)
     if report is not None:
         outputs.write_cache_report(writer.uri, ordered, report)
     storage.write_text(
@@ -307,13 +318,13 @@ def _finish(config, writer, specs, checks, provenance, rendered, elapsed, schedu
             for r in ordered
         ],
     }
-    if config.cache.enabled:
+    if config.cache.enabled or report is not None:
         summary["cache"] = _cache_summary(config, ordered, report)
     if config.cache.kind == "calibrate":
         summary[caching.CALIBRATION_KEY] = caching.calibration_summary(ordered, scheduler)
     if report is not None and report["below_floor"]:
         raise StageInputError(
-            f"generate: the cached render of {len(report['below_floor'])} prompt(s) "
+            f"generate: the {report['compared']} render of {len(report['below_floor'])} prompt(s) "
             f"{report['below_floor'][:5]} is below the quality floor (min_psnr="
             f"{config.cache.min_psnr}, min_ssim={config.cache.min_ssim}; lowest PSNR "
             f"{report['min_psnr']:.2f} dB, SSIM {report['min_ssim']:.4f}); see "
@@ -325,8 +336,8 @@ def _finish(config, writer, specs, checks, provenance, rendered, elapsed, schedu
 def _cache_summary(config, records, report) -> dict:
     """The manifest's step-cache section: settings, block-stack evaluations, the quality
     report, and a calibrate run's ratios."""
-    runs = sum(r["cache"]["block_stack_runs"] for r in records)
-    skips = sum(r["cache"]["block_stack_skips"] for r in records)
+    runs = sum(r["cache"].get("block_stack_runs", 0) for r in records)
+    skips = sum(r["cache"].get("block_stack_skips", 0) for r in records)
     out = {
         "config": to_dict(config.cache),
         "block_stack_runs": runs,

@@ -129,10 +129,77 @@ def test_a_quantized_render_is_close_to_the_float_one(tiny_pipeline_dir, mode):
     assert 0 < error < RENDER_TOLERANCE[mode], error
 
 
-def test_loras_with_quantized_kernels_are_refused_by_name(tiny_pipeline_dir):
+def test_loras_without_the_float_weights_are_refused_by_name(tiny_pipeline_dir):
     pipe = load_pipeline(tiny_pipeline_dir, ComputeConfig(quantization="int8_weights"))
-    with pytest.raises(FamilyError, match="LoRA style.safetensors: .*quantization"):
+    with pytest.raises(FamilyError, match="LoRA style.safetensors: .*keep_float='host'"):
         pipe.apply_loras([("style.safetensors", 1.0)])
+
+
+@pytest.fixture(scope="module")
+def wan_dir(tmp_path_factory):
+    return build_tiny_wan_pipeline(
+        tmp_path_factory.mktemp("quantized_lora"), seed=1, transformer_output_scale=20.0
+    )
+
+
+def test_a_lora_set_merges_into_the_float_weights_then_requantizes(wan_dir, tmp_path):
+    """keep_float='host': a set's weights are exactly quantize(float + LoRAs) (a float
+    pipeline's merge, quantized), another set merges from the float base again, the empty set
+    restores the loaded quantized weights bit for bit, and no set recompiles the denoising
+    program; the float weights wait in host memory."""
+    from jaxcore import sampling, step_cache
+    from tests.stages.test_lora_render import write_peft_lora
+
+    a = write_peft_lora(tmp_path / "a.safetensors", wan_dir, seed=1)
+    b = write_peft_lora(tmp_path / "b.safetensors", wan_dir, seed=2, every=2)
+    compute = ComputeConfig(quantization="int8_weights")
+    pipe = load_pipeline(wan_dir, compute, keep_float="host")
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(pipe.float_weights.high))
+    loaded = [np.asarray(x) for x in jax.tree.leaves(pipe.denoiser_params)]
+    float_pipe = load_pipeline(wan_dir)
+
+    def expected(loras):
+        float_pipe.apply_loras(loras)
+        return jax.tree.leaves(
+            quantization.quantize_params(float_pipe.denoiser_params, compute.quantization)
+        )
+
+    cond = pipe.encode_prompts(["a red circle"], 16)
+    latents = initial_latents(0, pipe.latent_shape(16, 16, 1))[None]
+    _, step_fn = pipe.family.make_schedule(pipe, "unipc", 2, 3.0, latents.shape)
+    jitted = sampling.denoise_fn(
+        pipe.family, pipe.denoiser, step_fn, False, None, step_cache.NO_CACHE, True
+    )
+    pipe.sample(latents, cond, num_inference_steps=2)
+    compiled = jitted._cache_size()
+    for loras in ([(a, 0.8), (b, 0.5)], [(b, 1.0)]):
+        pipe.apply_loras(loras)
+        held = jax.tree.leaves(pipe.denoiser_params)
+        for got, want in zip(held, expected(loras), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert any(not np.array_equal(x, y) for x, y in zip(held, loaded, strict=True))
+        pipe.sample(latents, cond, num_inference_steps=2)
+    pipe.apply_loras([])
+    for got, want in zip(jax.tree.leaves(pipe.denoiser_params), loaded, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert jitted._cache_size() == compiled  # one program for every set
+
+
+def test_the_float_reference_renders_the_unquantized_model(wan_dir):
+    """keep_float='device': inside float_reference() the pipeline renders what the float
+    pipeline renders (bit for bit), and the quantized weights come back after."""
+    pipe = load_pipeline(wan_dir, ComputeConfig(quantization="int8_weights"), keep_float="device")
+    float_pipe = load_pipeline(wan_dir)
+    cond = pipe.encode_prompts(["a red circle"], 16)
+    latents = initial_latents(0, pipe.latent_shape(16, 16, 1))[None]
+
+    def render(p):
+        return np.asarray(p.sample(latents, cond, num_inference_steps=2))
+
+    with pipe.float_reference():
+        np.testing.assert_array_equal(render(pipe), render(float_pipe))
+    assert quantization.is_quantized(pipe.denoiser_params)
+    assert not np.array_equal(render(pipe), render(float_pipe))
 
 
 def test_both_experts_are_quantized_and_host_swapping_is_refused_before_loading(

@@ -158,10 +158,16 @@ def test_generate_with_int8_kernels_records_the_mode_and_stays_near_diffusers(
 ):
     """compute.quantization=int8_weights: the manifest's config says so, and every render is
     within 0.05 of diffusers' float one on [0, 1] pixels (measured: 0.007-0.015; the tiny
-    model's output is scaled 20x) but not equal; train refuses the key by name."""
+    model's output is scaled 20x) but not equal. The quality gate (cache.compare_dense)
+    renders the float model beside it: each record's PSNR is the one against diffusers' float
+    render (within 0.05 dB: the float render is diffusers' within 1e-4), and a floor the
+    quantized model cannot meet fails the run with nothing committed. Train refuses the key."""
+    from stages.generate import quality
+
     out = str(tmp_path / "int8")
     prompts = str(prompt_folder / "prompts.jsonl")
-    assert _generate(tiny_dir, prompts, out, "quantization=int8_weights") == 0
+    gate = ["cache.compare_dense=true", "cache.min_psnr=20"]
+    assert _generate(tiny_dir, prompts, out, "quantization=int8_weights", *gate) == 0
     manifest = open_artifact(out, "generate")
     assert manifest.config["compute"]["quantization"] == "int8_weights"
     differences = [
@@ -169,6 +175,18 @@ def test_generate_with_int8_kernels_records_the_mode_and_stays_near_diffusers(
         for entry in manifest.summary["prompts"]
     ]
     assert 0 < max(differences) < 0.05, differences
+    gate_report = manifest.summary["cache"]["quality"]
+    assert gate_report["compared"] == "int8_weights" and gate_report["below_floor"] == []
+    for entry in manifest.summary["prompts"]:
+        record = json.loads(storage.read_text(storage.join(out, f"records/{entry['name']}.json")))
+        measured = quality.psnr(reference[entry["id"]], _array(out, entry["name"]))
+        assert abs(record["cache"]["psnr"] - measured) < 0.05, (entry["id"], record["cache"])
+        assert record["cache"]["dense_output"].endswith(".dense.png")
+    assert "int8_weights vs dense" in storage.read_text(storage.join(out, "index.html"))
+    failing = str(tmp_path / "floor")
+    floor = ["cache.compare_dense=true", "cache.min_psnr=200"]
+    assert _generate(tiny_dir, prompts, failing, "quantization=int8_weights", *floor) == 2
+    assert not storage.exists(storage.join(failing, "manifest.json"))
     train = ["train", str(REPO / "configs/stages/train.yml"), f"output_dir={tmp_path / 't'}"]
     assert cli.main([*train, "quantization=int8_weights"]) != 0
     assert "compute.quantization=int8_weights: train does not quantize" in capsys.readouterr().err
