@@ -720,7 +720,14 @@ def generate_program(
     )
     second_module, second = _abstract_second_expert(family, configs, compute, mesh, batch, rules)
     fn = sampling.denoise_fn(
-        family, module, step_fn, guidance.uses_cfg, second_module, step_cache.NO_CACHE, batched_cfg
+        family,
+        module,
+        step_fn,
+        guidance.uses_cfg,
+        second_module,
+        step_cache.NO_CACHE,
+        batched_cfg,
+        quantization.quantizes_products(compute.quantization),
     )
     args = _loop_args(mesh, rules, params, (batch, *shape), cond, state, second)
     rows = batch * (2 if guidance.uses_cfg else 1)

@@ -178,11 +178,21 @@ class _LoopInputs:
     batched_cfg: bool  # both CFG branches in one call of 2B rows
     rescale: jax.Array | None  # [B] guidance_rescale, None: none compiled
 
-    def program(self, family, denoiser, second_denoiser=None, cache=step_cache.NO_CACHE):
+    def program(
+        self, family, denoiser, second_denoiser=None, cache=step_cache.NO_CACHE, quantized=False
+    ):
         """The jitted loop (:func:`jaxcore.sampling.denoise_fn`) of ``denoiser`` (and a second
-        expert's) with this render's sampler and CFG settings."""
+        expert's) with this render's sampler and CFG settings; ``quantized``: its products run
+        quantized (``compute.quantization=int8`` / ``fp8``)."""
         return sampling.denoise_fn(
-            family, denoiser, self.step_fn, self.use_cfg, second_denoiser, cache, self.batched_cfg
+            family,
+            denoiser,
+            self.step_fn,
+            self.use_cfg,
+            second_denoiser,
+            cache,
+            self.batched_cfg,
+            quantized,
         )
 
 
@@ -629,7 +639,8 @@ class Pipeline:
         if expert is not None and expert.placement != "device":
             return self._sample_swapping(loop), None
         second_module = None if expert is None else expert.denoiser
-        fn = loop.program(self.family, self.denoiser, second_module, cache)
+        quantized = quantization.quantizes_products(self.quantization)
+        fn = loop.program(self.family, self.denoiser, second_module, cache, quantized)
         second = None
         if expert is not None:
             second = (expert.params, jnp.float32(expert.boundary), loop.scales_2)

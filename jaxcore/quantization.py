@@ -1,4 +1,5 @@
-"""Weight quantization of a denoiser's products, for every family through one mechanism.
+"""Quantized denoisers: weights, or weights and activations, in int8 / fp8, for every family
+through one mechanism.
 
 ``compute.quantization`` names the mode (:data:`MODES`):
 
@@ -8,12 +9,18 @@
   int8 / float8_e4m3fn values with one float32 scale per output channel (the kernel's last
   axis; absmax calibration), as torchao's int8 weight-only does. The products still run in the
   activations' dtype: each kernel is dequantized where the denoiser is called
-  (:func:`dequantized`), so what a mode saves is the weights' memory, not product time.
+  (:func:`dequantized`), so what a mode saves is the weights' memory, not product time;
+- ``int8`` / ``fp8``: the kernels held the same way, and the products themselves quantized
+  (as MaxDiffusion's qwix ``quantization=int8`` / ``fp8``, and torchao's int8 dynamic): each
+  product's activations are quantized where it runs, absmax with one scale per row (per
+  token: the non-contracting axes, qwix's default), and the product runs on the quantized values (int8 x int8 accumulating in int32,
+  e4m3 x e4m3 in float32) before both scales are applied. The seam is
+  :mod:`jaxcore.models.layers` (dense, packed dense, heads einsum): a kernel reaching it
+  quantized runs there quantized (:func:`dot_general`, :func:`einsum`). Convolutions
+  dequantize their kernel and keep float activations (see ``layers.conv2d`` for why).
 
-The quantized values are qwix's (``qwix.quantize`` / ``qwix.dequantize``, Google's quantization
-library, the one MaxDiffusion uses). ``int8`` and ``fp8`` (activations quantized too, int8 x
-int8 products) are not built yet: they need the products themselves to change, at the seam in
-:mod:`jaxcore.models.layers`; asking for them is an error that says so.
+The quantized values are qwix's (``qwix.quantize`` / ``qwix.dot_general`` ..., Google's
+quantization library, the one MaxDiffusion uses).
 """
 
 from __future__ import annotations
@@ -25,20 +32,24 @@ import jax
 import jax.numpy as jnp
 
 MODES = ("none", "int8_weights", "fp8_weights", "int8", "fp8")
-_BUILT = ("none", "int8_weights", "fp8_weights")
-_QTYPES = {"int8_weights": jnp.int8, "fp8_weights": jnp.float8_e4m3fn}
+_QTYPES = {
+    "int8_weights": jnp.int8,
+    "fp8_weights": jnp.float8_e4m3fn,
+    "int8": jnp.int8,
+    "fp8": jnp.float8_e4m3fn,
+}
 
 
 def check_mode(mode: str, key: str = "quantization") -> None:
-    """Raise ValueError naming ``key`` for a mode that is not one of :data:`MODES` or is not
-    built yet."""
+    """Raise ValueError naming ``key`` for a mode that is not one of :data:`MODES`."""
     if mode not in MODES:
         raise ValueError(f"{key}: unknown quantization {mode!r}; choose one of {list(MODES)}")
-    if mode not in _BUILT:
-        raise ValueError(
-            f"{key}: quantization={mode!r} (weights and activations) is not built yet; "
-            f"the weight-only modes are: {[m for m in _BUILT if m != 'none']}"
-        )
+
+
+def quantizes_products(mode: str) -> bool:
+    """Whether ``mode`` runs the products quantized (``int8`` / ``fp8``): the denoiser then
+    takes its quantized kernels as they are, instead of dequantized (:func:`dequantized`)."""
+    return mode in ("int8", "fp8")
 
 
 def _is_product_kernel(path, leaf) -> bool:
@@ -135,3 +146,58 @@ def dequantized(params, dtype: Any):
 def weight_bytes(params) -> int:
     """Bytes of the arrays of ``params`` (quantized kernels: values and scales)."""
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+
+
+# --- quantized products (compute.quantization=int8 / fp8), called by jaxcore.models.layers ---
+
+
+def as_dtype(array, dtype: Any):
+    """``array`` in ``dtype``, or a quantized kernel as it is (its product runs quantized)."""
+    return array if is_quantized_kernel(array) else array.astype(dtype)
+
+
+def reshape_kernel(kernel, shape: tuple[int, ...]):
+    """``kernel.reshape(shape)``; a quantized kernel keeps its last axis (the one with the
+    scales)."""
+    import qwix
+
+    if not is_quantized_kernel(kernel):
+        return kernel.reshape(shape)
+    if shape[-1] != kernel.shape[-1]:
+        raise ValueError(f"reshape_kernel keeps the output axis: {kernel.shape} -> {shape}")
+    scale = kernel.scale.reshape((1,) * (len(shape) - 1) + shape[-1:])
+    return qwix.QArray(kernel.qvalue.reshape(shape), scale, None, kernel.qtype)
+
+
+def _activations(x: jax.Array, qtype, contracting) -> Any:
+    """``x`` quantized in ``qtype``, absmax with one float32 scale per element of its
+    non-contracting axes (per token)."""
+    import qwix
+
+    rows = [axis for axis in range(x.ndim) if axis not in contracting]
+    return qwix.quantize(x, qtype, channelwise_axes=rows, scale_dtype=jnp.float32)
+
+
+def dot_general(x: jax.Array, kernel, dimensions) -> jax.Array:
+    """``jax.lax.dot_general(x, kernel, dimensions)`` with ``kernel`` quantized: ``x``
+    quantized per row as the kernel is, the product on the quantized values, both scales
+    after; the result in ``x``'s dtype."""
+    import qwix
+
+    (x_contracting, _), _ = dimensions
+    qx = _activations(x, kernel.qtype, x_contracting)
+    out = qwix.dot_general(qx, kernel, dimensions, preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)
+
+
+def einsum(spec: str, x: jax.Array, kernel) -> jax.Array:
+    """``jnp.einsum(spec, x, kernel)`` (two operands) with ``kernel`` quantized, as
+    :func:`dot_general`."""
+    import qwix
+
+    inputs, output = spec.replace(" ", "").split("->")
+    x_letters, kernel_letters = inputs.split(",")
+    contracting = [i for i, c in enumerate(x_letters) if c in kernel_letters and c not in output]
+    qx = _activations(x, kernel.qtype, contracting)
+    out = qwix.einsum(spec, qx, kernel, preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)

@@ -100,6 +100,9 @@ class Loop:
     second_module: object = None
     cache: step_cache.CachePlan = step_cache.NO_CACHE
     batched_cfg: bool = False
+    # compute.quantization=int8 / fp8: the quantized kernels go into the denoiser as they are
+    # (its products run quantized); otherwise they are dequantized first (see guided)
+    quantized_products: bool = False
 
 
 @functools.lru_cache(maxsize=32)
@@ -111,6 +114,7 @@ def denoise_fn(
     second_module=None,
     cache: step_cache.CachePlan = step_cache.NO_CACHE,
     batched_cfg: bool = False,
+    quantized_products: bool = False,
 ):
     """jit(params, latents, cond, uncond, cfg_on[B], cfg_scale[B], state, start, stop, second,
     cache_in, rescale=None) -> (latents, state, cache_out) after the steps ``start <= i < stop``.
@@ -133,7 +137,9 @@ def denoise_fn(
     """
     if cache.enabled and second_module is not None:
         raise ValueError("step caching is not supported with two experts yet")
-    loop = Loop(family, module, step_fn, use_cfg, second_module, cache, batched_cfg)
+    loop = Loop(
+        family, module, step_fn, use_cfg, second_module, cache, batched_cfg, quantized_products
+    )
     return jax.jit(functools.partial(denoise, loop))
 
 
@@ -233,8 +239,8 @@ def guided(
     (prediction - negative)`` per sample (diffusers applies CFG only when the first scale is
     > 1), then the guidance rescale; the branches batched as 2B rows or as two calls.
     Quantized kernels (``compute.quantization``) are dequantized to the weights' dtype here,
-    once for both branches."""
-    params = quantization.dequantized(params, mod.param_dtype)
+    once for both branches, unless the loop runs its products quantized."""
+    params = _for_denoiser(loop, params, mod)
     if not loop.use_cfg:
         return call(loop, mod, params, x, t, cond, cstate, compute_now)
     if loop.batched_cfg:
@@ -262,6 +268,14 @@ def guided(
         on, factor = guidance.rescale
         mixed = jnp.where(on, rescale_guidance(mixed, prediction, factor), mixed)
     return mixed, cstate, info
+
+
+def _for_denoiser(loop: Loop, params, mod):
+    """The weights the denoiser takes: quantized kernels as they are for quantized products,
+    else dequantized to ``mod``'s parameter dtype."""
+    if loop.quantized_products:
+        return params
+    return quantization.dequantized(params, mod.param_dtype)
 
 
 def call(loop: Loop, mod, params, x, t, conditioning, cstate, compute_now):
@@ -292,7 +306,7 @@ def fresh_cache_state(loop: Loop, params, x, t, cond, uncond):
 
     def shapes(rows_x, rows_t, conditioning):
         def apply():
-            weights = quantization.dequantized(params, loop.module.param_dtype)
+            weights = _for_denoiser(loop, params, loop.module)
             return loop.family.apply(
                 loop.module, weights, rows_x, rows_t, conditioning, run_stack=probe
             )

@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jaxcore import sharding, weights
+from jaxcore import quantization, sharding, weights
 from jaxcore.attention import attention as attention_fn
 from jaxcore.config import config_json_kwargs
 from jaxcore.models import layers
@@ -282,7 +282,7 @@ class Conv2d(nn.Module):
         )
         bias = self.param("bias", _BIAS_INIT, (self.features,), self.param_dtype)
 
-        x, kernel = x_bhwc.astype(self.dtype), kernel.astype(self.dtype)
+        x, kernel = x_bhwc.astype(self.dtype), quantization.as_dtype(kernel, self.dtype)
         y = layers.conv2d(x, kernel, self.strides, self.padding)
         return y + bias.astype(self.dtype)
 

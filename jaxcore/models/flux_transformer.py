@@ -66,6 +66,7 @@ from jaxcore.models.layers import (
     scale_shift,
     timestep_embedding,
 )
+from jaxcore.quantization import as_dtype, reshape_kernel
 
 Dtype = Any
 
@@ -524,11 +525,7 @@ class ChunkedMLPIn(nn.Module):
             (MLP_RATIO, self.dim),
             self.param_dtype,
         )
-        x, kernel, bias = (
-            x_bld.astype(self.dtype),
-            kernel.astype(self.dtype),
-            bias.astype(self.dtype),
-        )
+        x, kernel, bias = (as_dtype(a, self.dtype) for a in (x_bld, kernel, bias))
         return dense_general(x, kernel, bias)  # [B, L, 4, D]
 
 
@@ -558,13 +555,9 @@ class PackedProjOut(nn.Module):
             (self.dim,),
             self.param_dtype,
         )
-        x, kernel, bias = (
-            x_blkm.astype(self.dtype),
-            kernel.astype(self.dtype),
-            bias.astype(self.dtype),
-        )
+        x, kernel, bias = (as_dtype(a, self.dtype) for a in (x_blkm, kernel, bias))
         if x.ndim == 3:  # [B, L, 5D]: the chunks side by side (SingleStreamBlock)
-            out = dense_general(x, kernel.reshape(-1, self.dim), bias)
+            out = dense_general(x, reshape_kernel(kernel, (-1, self.dim)), bias)
         else:
             out = dense_general(x, kernel, bias, in_dims=2)
         return sharding.constrain(out, _IMAGE_EMBED)

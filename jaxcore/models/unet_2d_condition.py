@@ -109,6 +109,7 @@ from jaxcore.models.layers import (
     dense_general,
     gelu_erf,
 )
+from jaxcore.quantization import as_dtype
 
 Dtype = Any
 
@@ -757,7 +758,7 @@ class GatedProjection(nn.Module):
             (2, self.features),
             self.param_dtype,
         )
-        x, kernel, bias = (a.astype(self.dtype) for a in (x_bld, kernel, bias))
+        x, kernel, bias = (as_dtype(a, self.dtype) for a in (x_bld, kernel, bias))
         return dense_general(x, kernel, bias)  # [B, L, 2, F]
 
 

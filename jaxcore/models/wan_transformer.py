@@ -68,10 +68,11 @@ from jaxcore.models.layers import (
     gelu_erf,
     gelu_tanh,
     layer_norm,
-    linear,
+    projection,
     scale_shift,
     timestep_embedding,
 )
+from jaxcore.quantization import as_dtype, reshape_kernel
 
 Dtype = Any
 
@@ -576,8 +577,8 @@ class PatchEmbedding(nn.Module):
         )
         # one matrix product over the flattened patch contents, with linear's backward
         patch_inputs = patches.reshape(*patches.shape[:4], -1).astype(self.dtype)
-        kernel_2d = kernel.reshape(-1, cfg.hidden_dim).astype(self.dtype)
-        return linear(patch_inputs, kernel_2d, bias.astype(self.dtype))
+        kernel_2d = as_dtype(reshape_kernel(kernel, (-1, cfg.hidden_dim)), self.dtype)
+        return projection(patch_inputs, kernel_2d, bias.astype(self.dtype))
 
 
 class WanTransformer(nn.Module):

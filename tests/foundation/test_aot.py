@@ -5,6 +5,7 @@ paths; with libtpu installed, the TPU topologies themselves."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -233,6 +234,12 @@ def test_generate_loop_with_int8_kernels_holds_them_in_int8():
     reports = [aot.compile_program(p, CPU8) for p in (plain, int8)]
     assert all(r.compiled for r in reports)
     assert reports[0].argument_bytes - reports[1].argument_bytes == saved
+    # int8 (products quantized too): the same arguments, and the products' operands int8
+    products = program("int8")
+    assert products.details["quantization"] == "int8"
+    with sharding.mesh_context(products.mesh, products.rules):
+        text = products.fn.lower(*products.args).as_text()
+    assert re.search(r"dot_general[^\n]*\(tensor<[^>]*xi8>, tensor<[^>]*xi8>\)", text)
 
 
 # --- deploy -----------------------------------------------------------------------------------
