@@ -53,8 +53,10 @@ def quantizes_products(mode: str) -> bool:
 
 
 def _is_product_kernel(path, leaf) -> bool:
+    """A product kernel: named ``kernel`` (the last entry of a jax key path or of a tuple of
+    names) with two or more axes."""
     last = path[-1] if path else None
-    name = getattr(last, "key", getattr(last, "name", None))
+    name = last if isinstance(last, str) else getattr(last, "key", getattr(last, "name", None))
     return name == "kernel" and getattr(leaf, "ndim", 0) >= 2
 
 
@@ -98,6 +100,23 @@ def quantizer(mode: str):
     reuses the program that quantized the weights on load)."""
     check_mode(mode)
     return jax.jit(functools.partial(quantize_params, mode=mode))
+
+
+def on_load(mode: str):
+    """``(param path, placed array) -> kept``: a product kernel quantized for ``mode`` (by
+    :func:`quantizer`'s one-kernel program), anything else as it is; None for ``none``
+    (for :func:`jaxcore.weights.load_params`'s ``finish``)."""
+    check_mode(mode)
+    if mode == "none":
+        return None
+    quantize = quantizer(mode)
+
+    def finish(path, leaf):
+        if not _is_product_kernel(path, leaf):
+            return leaf
+        return quantize({"kernel": leaf})["kernel"]
+
+    return finish
 
 
 def abstract_quantized(abstract_params, mode: str):

@@ -105,7 +105,6 @@ class Loop:
     quantized_products: bool = False
 
 
-@functools.lru_cache(maxsize=32)
 def denoise_fn(
     family,
     module,
@@ -137,9 +136,16 @@ def denoise_fn(
     """
     if cache.enabled and second_module is not None:
         raise ValueError("step caching is not supported with two experts yet")
-    loop = Loop(
-        family, module, step_fn, use_cfg, second_module, cache, batched_cfg, quantized_products
+    # one cache key however the call spelled its defaults
+    return _jitted(
+        Loop(
+            family, module, step_fn, use_cfg, second_module, cache, batched_cfg, quantized_products
+        )
     )
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted(loop: Loop):
     return jax.jit(functools.partial(denoise, loop))
 
 

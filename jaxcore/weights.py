@@ -303,6 +303,7 @@ def load_params(
     shardings: Mapping | None = None,
     dtype=None,
     ignore_unused: Iterable[str] = (),
+    finish: Callable | None = None,
 ) -> dict:
     """Read, check, cast and place every parameter.
 
@@ -310,6 +311,8 @@ def load_params(
     ``shardings``: same structure of ``jax.sharding.Sharding`` (default: first device).
     ``dtype``: cast target for floating parameters (default: the abstract dtype).
     ``ignore_unused``: source keys (or key prefixes) allowed to be present but unused.
+    ``finish``: ``(path, placed array) -> what to keep``, applied to each parameter as it is
+    placed (a quantized load keeps each kernel quantized, so the float tree never exists).
     Raises WeightsError listing missing/unexpected keys and shape mismatches together.
     """
     abstract_flat = _flatten(abstract_params)
@@ -356,6 +359,8 @@ def load_params(
             target = dtype
         sharding = sharding_flat.get(path, default_sharding)
         placed[path] = jax.block_until_ready(_place(value, sharding, target))
+        if finish is not None:
+            placed[path] = jax.block_until_ready(finish(path, placed[path]))
         if hasattr(reader, "release"):
             reader.release(src)
     if mismatched:
@@ -381,6 +386,7 @@ def load_placed(
     rules=None,
     dtype=None,
     ignore_unused: Iterable[str] = (),
+    finish: Callable | None = None,
 ) -> dict:
     """:func:`load_params` for a model: each parameter placed by the logical partitioning its
     boxed abstract (``nn.Partitioned`` from ``eval_shape``) carries, on ``mesh`` under the
@@ -400,6 +406,7 @@ def load_placed(
         shardings=shardings,
         dtype=dtype,
         ignore_unused=ignore_unused,
+        finish=finish,
     )
 
 
@@ -492,12 +499,13 @@ class ModelKind:
         """The ``params`` collection as boxed ShapeDtypeStructs (``nn.Partitioned`` kept)."""
         return abstract_from_inputs(module, self.dummy_inputs(module.config), self.trace_method)
 
-    def load(self, directory: str | os.PathLike, *, mesh=None, rules=None, **options):
+    def load(self, directory: str | os.PathLike, *, mesh=None, rules=None, finish=None, **options):
         """``(module, params)`` of a diffusers model directory (config.json + safetensors):
         params cast to ``param_dtype`` and placed on ``mesh`` by the logical axis ``rules``
         when a mesh is given (else on the first device). Raises WeightsError naming
         missing/unexpected keys or the parameter whose shape does not match, and the config's
-        error for a config key the model cannot represent."""
+        error for a config key the model cannot represent. ``finish``: see
+        :func:`load_params`."""
         import jax.numpy as jnp
 
         config = self.config.from_dict(read_config(directory))
@@ -511,6 +519,7 @@ class ModelKind:
             rules=rules,
             dtype=options.get("param_dtype", jnp.float32),
             ignore_unused=self.ignore_unused(config),
+            finish=finish,
         )
         return module, params
 

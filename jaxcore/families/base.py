@@ -237,11 +237,19 @@ class Family(abc.ABC):
         kwargs = self.denoiser_kwargs(compute)
         return self.denoiser_model.kind.init(config, rng, mesh=mesh, rules=rules, **kwargs)
 
-    def load_denoiser(self, directory, compute: ComputeConfig, mesh=None, rules=None):
-        """(module, params) from a diffusers denoiser directory (config.json + safetensors)."""
+    def load_denoiser(
+        self, directory, compute: ComputeConfig, mesh=None, rules=None, quantize: bool = False
+    ):
+        """(module, params) from a diffusers denoiser directory (config.json + safetensors).
+        ``quantize``: each kernel quantized as ``compute.quantization`` says as it is placed
+        (:func:`jaxcore.quantization.on_load`), so the float weights are never all on the
+        devices at once."""
         kwargs = self.denoiser_kwargs(compute)
+        finish = quantization.on_load(compute.quantization) if quantize else None
         try:
-            return self.denoiser_model.kind.load(directory, mesh=mesh, rules=rules, **kwargs)
+            return self.denoiser_model.kind.load(
+                directory, mesh=mesh, rules=rules, finish=finish, **kwargs
+            )
         except self.denoiser_model.config_error as err:
             raise FamilyError(f"{directory}/config.json: {err}") from None
 
@@ -407,13 +415,21 @@ class Family(abc.ABC):
         directory = Path(directory)
         rules = tuple(rules) if rules is not None else sharding.LOGICAL_AXIS_RULES
         configs = self.component_configs(directory)
+        _check_quantizable(compute, self.second_expert_component(configs))
+        # quantized as they load, unless the float weights are to be kept beside
+        load_compute = compute
+        if keep_float is not None:
+            load_compute = dataclasses.replace(compute, quantization="none")
         if denoiser is None:
-            denoiser = self.load_denoiser(directory / self.denoiser_component, compute, mesh, rules)
+            denoiser = self.load_denoiser(
+                directory / self.denoiser_component, load_compute, mesh, rules, quantize=True
+            )
         module, params = denoiser
         configs[self.denoiser_component] = module.config
         self.check_configs(configs, str(directory))
-        _check_quantizable(compute, self.second_expert_component(configs))
-        fields = self.load_components(directory, configs, compute, mesh, rules, denoiser, **options)
+        fields = self.load_components(
+            directory, configs, load_compute, mesh, rules, denoiser, **options
+        )
         params, fields = _quantized(params, fields, compute, keep_float)
         return Pipeline(
             family=self,
@@ -626,7 +642,12 @@ def _quantized(
 
     if compute.quantization == "none":
         return params, fields
-    quantize = quantization.quantizer(compute.quantization)
+
+    def quantize(tree):  # what was loaded quantized already stays as it is
+        if quantization.is_quantized(tree):
+            return tree
+        return quantization.quantizer(compute.quantization)(tree)
+
     second = fields.get("second_expert")
     floats = (params, second.params if second is not None else None)
     if second is not None:

@@ -607,7 +607,9 @@ class WanFamily(Family):
         device memory together."""
         first_host = to_host(params) if compute.idle_expert == "host" else None
         if second is None:
-            second = self.load_denoiser(directory / "transformer_2", compute, mesh, rules)
+            second = self.load_denoiser(
+                directory / "transformer_2", compute, mesh, rules, quantize=True
+            )
         module_2, params_2 = second
         configs["transformer_2"] = module_2.config
         boundary = sampling.boundary_timestep(

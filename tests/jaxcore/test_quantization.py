@@ -192,6 +192,45 @@ def wan_dir(tmp_path_factory):
     )
 
 
+def test_kernels_are_quantized_as_they_load(wan_dir, monkeypatch):
+    """A quantized pipeline's denoiser is quantized kernel by kernel as the weights are placed
+    (the same values as quantizing the float tree), so the float kernels are never on the
+    device together: while loading, live float kernels stay under half of the model's."""
+    float_params = load_pipeline(wan_dir).denoiser_params
+    expected = quantization.quantize_params(float_params, "int8_weights")
+    kernel_bytes = sum(
+        a.nbytes for a in jax.tree.leaves(float_params) if a.ndim >= 2 and a.dtype == jnp.float32
+    )
+    del float_params
+
+    def float_kernel_bytes():
+        return sum(a.nbytes for a in jax.live_arrays() if a.ndim >= 2 and a.dtype == jnp.float32)
+
+    live, real = [], quantization.quantizer
+
+    def watched(mode):
+        quantize = real(mode)
+
+        def one(tree):
+            live.append(float_kernel_bytes())
+            return quantize(tree)
+
+        return one
+
+    before = float_kernel_bytes()
+    monkeypatch.setattr(quantization, "quantizer", watched)
+    pipe = load_pipeline(wan_dir, ComputeConfig(quantization="int8_weights"))
+    assert len(live) == sum(
+        quantization.is_quantized_kernel(x)
+        for x in jax.tree.leaves(expected, is_leaf=quantization.is_quantized_kernel)
+    )  # once per kernel, as it loads
+    assert max(live) - before < kernel_bytes / 2
+    for got, want in zip(
+        jax.tree.leaves(pipe.denoiser_params), jax.tree.leaves(expected), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_a_lora_set_merges_into_the_float_weights_then_requantizes(wan_dir, tmp_path):
     """keep_float='host': a set's weights are exactly quantize(float + LoRAs) (a float
     pipeline's merge, quantized), another set merges from the float base again, the empty set
