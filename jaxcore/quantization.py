@@ -220,3 +220,42 @@ def einsum(spec: str, x: jax.Array, kernel) -> jax.Array:
     qx = _activations(x, kernel.qtype, contracting)
     out = qwix.einsum(spec, qx, kernel, preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
+
+
+# --- quantized weights as tensors (the cache generate keeps, stages.generate.quantized_cache) ---
+
+
+def _name(path) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def to_tensors(params) -> dict[str, Any]:
+    """``{name: array}`` of a (quantized) parameter tree: a quantized kernel as
+    ``<path>.qvalue`` and ``<path>.scale``, any other leaf as ``<path>`` (names ``/``-joined).
+    The arrays stay where they are (the caller fetches them)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_quantized_kernel):
+        name = _name(path)
+        if is_quantized_kernel(leaf):
+            out[f"{name}.qvalue"], out[f"{name}.scale"] = leaf.qvalue, leaf.scale
+        else:
+            out[name] = leaf
+    return out
+
+
+def from_tensors(get, abstract_quantized_params):
+    """The tree :func:`to_tensors` wrote, read by ``get(name, ShapeDtypeStruct) -> array``
+    (which places it) in the structure, dtypes and shardings of ``abstract_quantized_params``
+    (:func:`abstract_quantized` of the model's sharded abstract parameters)."""
+    import qwix
+
+    def one(path, leaf):
+        name = _name(path)
+        if is_quantized_kernel(leaf):
+            values = get(f"{name}.qvalue", leaf.qvalue)
+            return qwix.QArray(values, get(f"{name}.scale", leaf.scale), None, leaf.qtype)
+        return get(name, leaf)
+
+    return jax.tree_util.tree_map_with_path(
+        one, abstract_quantized_params, is_leaf=is_quantized_kernel
+    )

@@ -110,6 +110,10 @@ class ModelSection:
     loras: tuple[LoraSpec, ...] = ()
     # A LoRA key that names no layer of the model: an error (true) or a warning (false).
     lora_strict: bool = True
+    # With compute.quantization: a folder (local or gs://) where the quantized denoiser
+    # weights are kept as an artifact per model and mode, written by the first run that
+    # lacks them and loaded by every later one (stages.generate.quantized_cache)
+    quantized_cache: str | None = None
 
     def __post_init__(self):
         ck = self.checkpoint
@@ -170,6 +174,11 @@ class GenerateConfig:
                 raise ValueError(f"{key} is required (set it in the YAML or as {key}=...)")
         if self.per_device_batch_size <= 0:
             raise ValueError(f"per_device_batch_size must be > 0, got {self.per_device_batch_size}")
+        if self.model.quantized_cache and self.compute.quantization == "none":
+            raise ValueError(
+                "model.quantized_cache keeps quantized denoiser weights: set "
+                "compute.quantization (int8_weights, fp8_weights, int8 or fp8)"
+            )
         if self.cache.compare_dense and not self.compares:
             raise ValueError(
                 "cache.compare_dense compares a cached or quantized render with the dense float "

@@ -24,6 +24,7 @@ from jaxcore.families.base import read_scheduler_config
 from jaxcore.pipeline import Pipeline, resolve_pipeline_dir
 from stages.common import checkpoints
 from stages.common.errors import StageInputError
+from stages.generate import quantized_cache
 from stages.generate.config import GenerateConfig
 
 log = logging.getLogger(__name__)
@@ -178,13 +179,44 @@ def trained_expert(train_manifest) -> str | None:
     return (train_manifest.summary.get("model_source") or {}).get("expert")
 
 
-def load(source: ModelSource, compute: ComputeConfig, mesh, keep_float: str | None = None):
+def load(
+    source: ModelSource,
+    compute: ComputeConfig,
+    mesh,
+    keep_float: str | None = None,
+    cached: tuple | None = None,
+) -> Pipeline:
     """The pipeline, with the checkpoint's denoiser when the source is a train artifact, and
     the source's scheduler config (``sampling.scheduler_config`` applied). ``keep_float``:
-    see :meth:`jaxcore.families.base.Family.load_pipeline`."""
-    pipe = _load(source, compute, mesh, keep_float)
+    see :meth:`jaxcore.families.base.Family.load_pipeline`; ``cached``: the quantized
+    denoisers' artifact (:func:`cached_weights`), read when finished, else written."""
+    if cached is None:
+        pipe = _load(source, compute, mesh, keep_float)
+    else:
+        uri, made_of = cached
+        given = quantized_cache.load(uri, source, compute, mesh)
+        if given is not None:
+            pipe = source.family.load_pipeline(source.pipeline_dir, compute, mesh, **given)
+        else:
+            pipe = _load(source, compute, mesh, keep_float)
+            quantized_cache.store(uri, made_of, pipe)
     pipe.scheduler_config = dict(source.scheduler_config)
     return pipe
+
+
+def cached_weights(source: ModelSource, compute: ComputeConfig, root, keep_float=None):
+    """(URI, what it is made of) of the quantized-weights artifact this run reads or writes;
+    None when there is none: no cache root, no quantization, the float weights kept (they
+    load anyway), or a train artifact's checkpoint (not cached)."""
+    if not root or compute.quantization == "none" or keep_float is not None:
+        return None
+    if source.checkpoint is not None:
+        log.warning(
+            "model.quantized_cache: a train artifact's checkpoint is quantized as it loads, "
+            "not cached (only a diffusers pipeline's denoisers are)"
+        )
+        return None
+    return quantized_cache.describe(root, source, compute)
 
 
 def _load(source: ModelSource, compute: ComputeConfig, mesh, keep_float) -> Pipeline:

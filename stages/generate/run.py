@@ -98,7 +98,12 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     render.check_latent_files(specs, source.latent_shape)  # also before any rendering
     render.check_memory(specs, source.latent_shape, config.prompt_file)
     image_sha = render.check_image_files(specs)
-    pipe = model.load(source, config.compute, make_mesh(config.mesh), _keep_float(config, specs))
+    keep_float = _keep_float(config, specs)
+    cached = model.cached_weights(source, config.compute, config.model.quantized_cache, keep_float)
+    pipe = model.load(source, config.compute, make_mesh(config.mesh), keep_float, cached)
+    provenance = dict(source.provenance)
+    if cached is not None:  # the quantized denoisers' artifact, read or written
+        provenance["quantized_weights"] = cached[0]
     # every LoRA set is read and checked against the model before anything renders
     pipe.check_loras({s.loras for s in specs}, strict=config.model.lora_strict)
     lora_sha = {path: lora.checksum for path, lora in pipe.lora_files.items()}
@@ -125,7 +130,7 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     if jax.process_index() != 0:
         return None  # process 0 writes the gallery and the manifest
     checks = (fingerprint, lora_sha, prompt_sha)
-    return _finish(config, writer, specs, checks, source.provenance, len(todo), elapsed, scheduler)
+    return _finish(config, writer, specs, checks, provenance, len(todo), elapsed, scheduler)
 
 
 def _keep_float(config: GenerateConfig, specs) -> str | None:
