@@ -159,7 +159,8 @@ class ComputeConfig:
     ``idle_expert``: where a two-expert model (Wan 2.2 A14B) keeps the weights of the expert
     that is not predicting: ``"device"`` (both experts resident; the switch is free) or
     ``"host"`` (one expert's weights on the devices at a time, swapped at the boundary).
-    ``quantization``: how generate holds the denoisers' product kernels
+    ``quantization``: how generate (and evaluate, scoring checkpoints as generate renders them)
+    holds the denoisers' product kernels and runs their products
     (:data:`jaxcore.quantization.MODES`; ``none`` as loaded).
     """
 
@@ -182,12 +183,12 @@ class ComputeConfig:
             raise ValueError(f"idle_expert must be 'device' or 'host', got {self.idle_expert!r}")
 
     def check_unquantized(self, stage: str) -> None:
-        """Raise ValueError for a ``quantization`` in a stage that does not quantize (only
-        generate does so far: training in fp8, and scoring quantized checkpoints, are to come)."""
+        """Raise ValueError for a ``quantization`` in a stage that does not quantize (generate
+        and evaluate do; training in fp8 is not built)."""
         if self.quantization != "none":
             raise ValueError(
                 f"compute.quantization={self.quantization}: {stage} does not quantize "
-                "(generate does); leave it at none"
+                "(generate and evaluate do); leave it at none"
             )
 
     @property

@@ -162,6 +162,12 @@ def dequantized(params, dtype: Any):
     )
 
 
+def for_denoiser(params, quantized_products: bool, dtype: Any):
+    """The weights a denoiser's module takes: quantized kernels as they are when its products
+    run quantized (``int8`` / ``fp8``), else dequantized to ``dtype`` (:func:`dequantized`)."""
+    return params if quantized_products else dequantized(params, dtype)
+
+
 def weight_bytes(params) -> int:
     """Bytes of the arrays of ``params`` (quantized kernels: values and scales)."""
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))

@@ -279,9 +279,7 @@ def guided(
 def _for_denoiser(loop: Loop, params, mod):
     """The weights the denoiser takes: quantized kernels as they are for quantized products,
     else dequantized to ``mod``'s parameter dtype."""
-    if loop.quantized_products:
-        return params
-    return quantization.dequantized(params, mod.param_dtype)
+    return quantization.for_denoiser(params, loop.quantized_products, mod.param_dtype)
 
 
 def call(loop: Loop, mod, params, x, t, conditioning, cstate, compute_now):

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from jaxcore import sharding
+from jaxcore import quantization, sharding
 from stages.common import objective, records
 from stages.common.data import DataSpec, batch_sharding, iterate_numpy, replicated, tf_dataset
 
@@ -107,19 +107,32 @@ def _global(x: np.ndarray, mesh) -> jax.Array:
 
 
 def make_eval_fn(
-    family, module, mesh, param_shardings, spec: DataSpec, seed: int, embedded=None, target=None
+    family,
+    module,
+    mesh,
+    param_shardings,
+    spec: DataSpec,
+    seed: int,
+    embedded=None,
+    target=None,
+    quantization_mode: str = "none",
 ):
     """Jitted ``(params, batch from eval_batches) -> per-record loss`` for ``spec``'s tensors;
     ``embedded``: the denoiser's scalar inputs, and ``target``: the training target (noise
-    schedule), as training used them."""
+    schedule), as training used them. ``quantization_mode``: the params come quantized
+    (:mod:`jaxcore.quantization`; they keep the shardings they were quantized on)."""
     tensor_shardings = {f.name: batch_sharding(mesh, 1 + len(f.shape)) for f in spec.features}
     embedded = dict(embedded or {})
+    products = quantization.quantizes_products(quantization_mode)
+
+    def loss(p, tensors, ts, ids):
+        p = quantization.for_denoiser(p, products, module.param_dtype)
+        return per_record_loss(family, module, p, tensors, ts, ids, seed, embedded, target)
+
     fn = jax.jit(
-        lambda p, tensors, ts, ids: per_record_loss(
-            family, module, p, tensors, ts, ids, seed, embedded, target
-        ),
+        loss,
         in_shardings=(
-            param_shardings,
+            None if quantization_mode != "none" else param_shardings,
             tensor_shardings,
             batch_sharding(mesh, 1),
             batch_sharding(mesh, 1),

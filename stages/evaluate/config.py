@@ -28,7 +28,6 @@ class EvaluateConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self):
-        self.compute.check_unquantized("evaluate")
         if self.eval_batch_size < 1:
             raise ValueError(f"eval_batch_size must be >= 1, got {self.eval_batch_size}")
         if self.max_eval_records is not None and self.max_eval_records < 1:

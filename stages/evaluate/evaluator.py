@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from jaxcore import sharding
+from jaxcore import quantization, sharding
 from jaxcore.artifacts import Manifest
 from stages.common import checkpoints, data, objective, scoring
 from stages.common.errors import StageInputError
@@ -33,14 +33,17 @@ def evaluate_checkpoints(
     # the training target and noise schedule (manifests from before it: flow matching)
     where = f"{train_manifest.uri} objective"
     target = objective.TrainingTarget.from_dict(train_manifest.summary.get("objective"), where)
+    mode = config.compute.quantization
     eval_fn = scoring.make_eval_fn(
-        family, module, mesh, param_sh, spec, config.eval_seed, embedded, target
+        family, module, mesh, param_sh, spec, config.eval_seed, embedded, target, mode
     )
     ways = sharding.batch_axis_size(mesh)
     batch = -(-config.eval_batch_size // ways) * ways
     results = {}
     for step in steps:
         params = restorer.params(step)
+        if mode != "none":  # scored as generate renders with compute.quantization
+            params = quantization.quantizer(mode)(params)
         result = scoring.score(
             eval_fn, params, spec, batch_size=batch, max_records=config.max_eval_records
         )

@@ -17,6 +17,7 @@ import pytest
 
 from jaxcore import sharding
 from jaxcore.artifacts import ArtifactWriter, open_artifact
+from jaxcore.compute import ComputeConfig
 from jaxcore.config import load_config
 from jaxcore.models import wan_transformer as wan
 from pipelines.cli import main
@@ -114,7 +115,7 @@ def test_selected_steps_reject_unknown_ones(artifacts):
         selected_steps(manifest, [2, 7])
 
 
-def _scores(train_uri, data_uri, mesh_config, batch_size=8):
+def _scores(train_uri, data_uri, mesh_config, batch_size=8, quantization="none"):
     from stages.evaluate import evaluator
 
     cfg = EvaluateConfig(
@@ -123,6 +124,7 @@ def _scores(train_uri, data_uri, mesh_config, batch_size=8):
         output_dir="unused",
         mesh=mesh_config,
         eval_batch_size=batch_size,
+        compute=ComputeConfig(quantization=quantization),
     )
     return evaluator.evaluate_checkpoints(
         cfg, open_artifact(train_uri, "train"), open_artifact(data_uri, "convert"), [1, 2]
@@ -146,6 +148,19 @@ def test_scores_are_identical_across_runs_and_meshes(artifacts):
         assert other[step]["bucket_counts"] == first[step]["bucket_counts"]
         assert other[step]["eval_loss"] == pytest.approx(first[step]["eval_loss"], rel=1e-6)
     assert first[1]["eval_loss"] != first[2]["eval_loss"]
+
+
+@pytest.mark.parametrize("mode, tolerance", [("int8_weights", 0.01), ("int8", 0.02)])
+def test_quantized_checkpoints_score_near_the_float_ones(artifacts, mode, tolerance):
+    """compute.quantization in evaluate: each checkpoint is scored quantized, as generate
+    would render it, on an 8-way data mesh; the eval loss is within ``tolerance`` (relative)
+    of the float one and not equal to it (measured: int8_weights 3e-4, int8 1.9e-3)."""
+    data_uri, train_uri = artifacts
+    dp = sharding.MeshConfig(ici_data_parallelism=8)
+    full, quantized = _scores(train_uri, data_uri, dp), _scores(train_uri, data_uri, dp, 8, mode)
+    for step in (1, 2):
+        want, got = full[step]["eval_loss"], quantized[step]["eval_loss"]
+        assert got != want and got == pytest.approx(want, rel=tolerance)
 
 
 def test_cli_writes_metrics_csv_plots_and_best_step(artifacts, tmp_path):
