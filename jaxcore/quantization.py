@@ -25,6 +25,8 @@ quantization library, the one MaxDiffusion uses).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import Any
 
@@ -44,6 +46,60 @@ def check_mode(mode: str, key: str = "quantization") -> None:
     """Raise ValueError naming ``key`` for a mode that is not one of :data:`MODES`."""
     if mode not in MODES:
         raise ValueError(f"{key}: unknown quantization {mode!r}; choose one of {list(MODES)}")
+
+
+# modes a training step takes (compute.quantization in train): fp8 products, float weights
+TRAINABLE = ("none", "fp8")
+# set while a training step is traced (training_products): how its dense products run
+_TRAINING = contextvars.ContextVar("difforge_training_quantization", default="none")
+
+
+@contextlib.contextmanager
+def training_products(mode: str):
+    """While tracing a training step under it, the denoiser's dense products (the
+    :mod:`jaxcore.models.layers` seam) run in float8 as MaxDiffusion's qwix ``fp8_full``:
+    activations and kernels in e4m3 and the incoming gradients of the backward products in
+    e5m2, each scaled by its absmax per tensor; the weights and the optimizer stay in their
+    own dtype (:func:`training_dot`). ``none``: nothing changes."""
+    if mode not in TRAINABLE:
+        raise ValueError(f"compute.quantization={mode!r} does not train; choose one of {TRAINABLE}")
+    token = _TRAINING.set(mode)
+    try:
+        yield
+    finally:
+        _TRAINING.reset(token)
+
+
+def trains_quantized() -> bool:
+    """Whether a training step with quantized products is being traced."""
+    return _TRAINING.get() != "none"
+
+
+@functools.cache
+def _fp8_training_config():
+    from qwix._src.core import dot_general_qt
+
+    e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    return dot_general_qt.DotGeneralQtConfig(
+        lhs_qtype=e4m3,
+        rhs_qtype=e4m3,
+        lhs_disable_channelwise_axes=True,
+        rhs_disable_channelwise_axes=True,
+        dlhs_grad_qtype=e5m2,
+        drhs_grad_qtype=e5m2,
+        dlhs_grad_disable_channelwise_axes=True,
+        drhs_grad_disable_channelwise_axes=True,
+    )
+
+
+def training_dot(x: jax.Array, kernel: jax.Array, dimensions) -> jax.Array:
+    """``dot_general(x, kernel, dimensions)`` as :func:`training_products` says (qwix's
+    ``dot_general_qt``: quantized forward and backward products, a custom VJP); the result in
+    ``x``'s dtype."""
+    from qwix._src.core import dot_general_qt
+
+    out = dot_general_qt.dot_general_qt(x, kernel, dimensions, _fp8_training_config())
+    return out.astype(x.dtype)
 
 
 def quantizes_products(mode: str) -> bool:

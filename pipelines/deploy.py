@@ -551,6 +551,7 @@ def train_program(config, model: FitModel, mesh, features=None):
         features,
         config.seed,
         target=target,
+        quantization_mode=config.compute.quantization,
         **({"prior_loss_weight": config.prior_preservation.prior_loss_weight} if prior else {}),
     )
     batch_args = _abstract_batch(features, batch, mesh)

@@ -56,10 +56,15 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
 
 def projection(x: jax.Array, kernel, bias: jax.Array) -> jax.Array:
     """:func:`linear`, or for a kernel held quantized (``compute.quantization=int8`` / ``fp8``)
-    its quantized product (:func:`jaxcore.quantization.dot_general`) plus ``bias``."""
+    its quantized product (:func:`jaxcore.quantization.dot_general`) plus ``bias``, or in a
+    training step traced under :func:`jaxcore.quantization.training_products` its fp8
+    training product."""
+    dimensions = (((x.ndim - 1,), (0,)), ((), ()))
     if quantization.is_quantized_kernel(kernel):
-        y = quantization.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        y = quantization.dot_general(x, kernel, dimensions)
         return y + bias.astype(y.dtype)
+    if quantization.trains_quantized():  # a training step in fp8 (compute.quantization=fp8)
+        return quantization.training_dot(x, kernel, dimensions) + bias.astype(x.dtype)
     return linear(x, kernel, bias)
 
 
@@ -82,9 +87,11 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array, in_dims: int
     the denoising loop and keeps the copies for the whole loop (Flux schnell on a v6e-4: 6.2
     GiB a chip for the 38 single blocks' [D, 4, D] and [5, D, D] kernels). A kernel held
     quantized runs its quantized product over the same axes."""
+    contracting = tuple(range(x.ndim - in_dims, x.ndim)), tuple(range(in_dims))
     if quantization.is_quantized_kernel(kernel):
-        contracting = tuple(range(x.ndim - in_dims, x.ndim)), tuple(range(in_dims))
         return quantization.dot_general(x, kernel, (contracting, ((), ()))) + bias
+    if quantization.trains_quantized():
+        return quantization.training_dot(x, kernel, (contracting, ((), ()))) + bias
     in_size = math.prod(kernel.shape[:in_dims])
     out_shape = kernel.shape[in_dims:]
     flat_x = x.reshape(*x.shape[: x.ndim - in_dims], in_size)

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from jaxcore import quantization
 from jaxcore.compute import ComputeConfig
 from jaxcore.sharding import MeshConfig
 from stages.common.objective import ObjectiveSection
@@ -277,7 +278,12 @@ class TrainConfig:
     def __post_init__(self):
         if self.max_train_steps < 1:
             raise ValueError(f"max_train_steps must be >= 1, got {self.max_train_steps}")
-        self.compute.check_unquantized("train")
+        if self.compute.quantization not in quantization.TRAINABLE:
+            raise ValueError(
+                f"compute.quantization={self.compute.quantization}: train runs its products in "
+                "fp8 (quantization=fp8: e4m3 forward, e5m2 gradients, float weights) or not at "
+                "all; the other modes are for generate and evaluate"
+            )
         if self.per_device_batch_size <= 0:
             raise ValueError(f"per_device_batch_size must be > 0, got {self.per_device_batch_size}")
         if self.input.dataset_type == "tfrecord" and not self.data:

@@ -359,6 +359,7 @@ def _trainable_and_step(
         else None,
         empty_prompt=empty_prompt,
         proportion_empty_prompts=config.input.proportion_empty_prompts,
+        quantization_mode=config.compute.quantization,
     )
     return trainable, opt_state, step_fn
 

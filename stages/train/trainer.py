@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxcore import sharding
+from jaxcore import quantization, sharding
 from jaxcore.compute import train_step_compiler_options
 from jaxcore.kernels.sharded import platform_of
 from stages.common import objective
@@ -123,6 +123,7 @@ def make_train_step(
     prior_loss_weight: float | None = None,
     empty_prompt=None,
     proportion_empty_prompts: float = 0.0,
+    quantization_mode: str = "none",
 ) -> TrainStep:
     """Jit the step with explicit in/out shardings; params and opt_state buffers are donated.
 
@@ -135,7 +136,8 @@ def make_train_step(
     :func:`~stages.common.objective.prior_preservation_loss` and the metrics carry its parts.
     ``empty_prompt`` (``{name: one row}``, the empty caption's conditioning) replaces those
     tensors in each row with probability ``proportion_empty_prompts``
-    (:func:`drop_captions`).
+    (:func:`drop_captions`). ``quantization_mode``: ``fp8`` traces the loss with the
+    denoiser's dense products in float8 (:func:`jaxcore.quantization.training_products`).
     """
     effective = effective or (lambda params, frozen: params)
     embedded = objective.embedded_inputs(family, module.config, objective_cfg)
@@ -147,9 +149,17 @@ def make_train_step(
             batch = {name: jnp.concatenate([batch[name], prior[name]]) for name in batch}
         if empty_prompt and proportion_empty_prompts:
             batch = drop_captions(batch, empty_prompt, proportion_empty_prompts, key)
-        per_sample = objective.weighted_losses(
-            family, module, effective(params, frozen), batch, key, objective_cfg, embedded, target
-        )
+        with quantization.training_products(quantization_mode):
+            per_sample = objective.weighted_losses(
+                family,
+                module,
+                effective(params, frozen),
+                batch,
+                key,
+                objective_cfg,
+                embedded,
+                target,
+            )
         if not rows:
             return jnp.mean(per_sample), {}
         return objective.prior_preservation_loss(per_sample, rows, prior_loss_weight)

@@ -189,7 +189,7 @@ def test_generate_with_int8_kernels_records_the_mode_and_stays_near_diffusers(
     assert not storage.exists(storage.join(failing, "manifest.json"))
     train = ["train", str(REPO / "configs/stages/train.yml"), f"output_dir={tmp_path / 't'}"]
     assert cli.main([*train, "quantization=int8_weights"]) != 0
-    assert "compute.quantization=int8_weights: train does not quantize" in capsys.readouterr().err
+    assert "compute.quantization=int8_weights: train runs its products" in capsys.readouterr().err
 
 
 @pytest.mark.gcs

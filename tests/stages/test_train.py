@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -322,6 +323,66 @@ def _summary(uri):
 def _losses(uri):
     rows = [json.loads(x) for x in (Path(uri) / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows}
+
+
+def test_fp8_training_follows_the_float_loss(tiny_data, one_layer_model, tmp_path):
+    """compute.quantization=fp8 in train: the step's dense products run on e4m3 operands and
+    its weight gradients on e5m2 ones (in the lowered step), the weights stay float32, and
+    over 60 steps the loss falls as the float run's does: the mean of the last 10 steps
+    within 5% of float's (measured: see the issue note), not equal to it. Other modes are
+    refused by name."""
+    runs = {}
+    for mode in ("none", "fp8"):
+        out = tmp_path / mode
+        args = [
+            "train",
+            str(TRAIN_YML),
+            f"data={tiny_data}",
+            f"output_dir={out}",
+            "dataset_type=tfrecord",
+            f"model.model_config={one_layer_model}",
+            "max_train_steps=60",
+            "checkpoint_every=60",
+            "learning_rate=3e-3",
+            f"quantization={mode}",
+            "-q",
+        ]
+        assert main(args) == 0
+        losses = _losses(out)
+        runs[mode] = (
+            np.mean([losses[s] for s in range(1, 11)]),
+            np.mean([losses[s] for s in range(51, 61)]),
+        )
+    (_, float_last), (fp8_first, fp8_last) = runs["none"], runs["fp8"]
+    print(f"fp8 training: last-10 mean {fp8_last:.5f} vs float {float_last:.5f}")
+    assert fp8_last < 0.8 * fp8_first
+    assert fp8_last != float_last and abs(fp8_last - float_last) < 0.05 * float_last
+    with pytest.raises(ValueError, match="compute.quantization=int8: train runs its products"):
+        _config(tmp_path / "x", "quantization=int8")
+
+
+def test_fp8_training_products_are_float8_both_ways():
+    import re
+
+    from jaxcore import quantization
+    from jaxcore.models import layers
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(4, 16)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)
+
+    def loss(kernel, x):
+        return jnp.sum(layers.projection(x, kernel, jnp.zeros(8)) ** 2)
+
+    want = jax.grad(loss, argnums=(0, 1))(kernel, x)
+    with quantization.training_products("fp8"):
+        got = jax.grad(loss, argnums=(0, 1))(kernel, x)
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(kernel, x).as_text()
+    dots = re.findall(r"stablehlo.dot_general[^\n]*", text)
+    assert sum("f8E4M3FN" in d for d in dots) >= 1  # the forward
+    assert sum("f8E5M2" in d for d in dots) == 2  # both backward products
+    for g, w in zip(got, want, strict=True):  # e4m3 / e5m2 rounding: within 10% of the largest
+        assert 0 < float(jnp.abs(g - w).max() / jnp.abs(w).max()) < 0.1
 
 
 def test_end_to_end_train_and_evaluate_local(tiny_data, one_layer_model, tmp_path, caplog):
