@@ -44,6 +44,7 @@ BENCHMARKS = {
     "vae": "bench.vae",
     "generate": "bench.generate",
     "step_cache": "bench.step_cache",
+    "quantization": "bench.quantization",
     "convert": "bench.convert",
     "compile_cache": "bench.compile_cache",
     "compile_layers": "bench.compile_layers",
@@ -62,6 +63,9 @@ GOALS = {
     "generate": "S: seconds per prompt <= diffusers' WanPipeline; share of wall time outside "
     "device compute < 0.10",
     "step_cache": "MagCache (diffusers' defaults) >= 1.8x fewer block-stack evaluations at PSNR >= 30 dB",
+    "quantization": "every mode's PSNR against float32 diffusers >= torchao int8 dynamic's; "
+    "int8_weights >= torchao int8 weight-only's (CPU times are reported, not a goal: XLA CPU "
+    "runs no int8 GEMM)",
     "convert": "records/s of the whole Beam run >= 0.5x the bare encoders' items/s",
     "compile_layers": "with compute.scan_layers, compile seconds of the train step do not grow "
     "with depth (growth from the shallow to the 5x deeper model ~1x)",

@@ -9,7 +9,7 @@ import pytest
 from bench import run as bench_run
 from bench.common import BenchContext, check_record, timed_record, value_record
 
-FAST = ("matmul", "transformer", "flux", "unet", "vae", "maxdiffusion")
+FAST = ("matmul", "transformer", "flux", "unet", "vae", "maxdiffusion", "quantization")
 SLOW = (
     "train_step",
     "generate",
@@ -44,6 +44,10 @@ def test_benchmark_smoke(name, ctx):
         for impl in ("difforge", "difforge_dot_product"):
             ours = next(r for r in records if r["impl"] == impl)
             assert ours["max_abs_diff_vs_diffusers"] < 1e-4  # same weights, same computation
+    if name == "quantization":  # every mode and torchao's two, each with its PSNR
+        impls = {r["impl"]: r["psnr_db"] for r in records}
+        assert {"difforge_int8", "torchao_int8_weights", "torchao_int8_dynamic"} <= set(impls)
+        assert impls["difforge"] > 80 and 15 < impls["difforge_int8"] < impls["difforge"]
 
 
 def test_every_benchmark_has_a_test():
