@@ -62,6 +62,27 @@ def test_int8_weights_are_per_output_channel_absmax_round_to_nearest():
     assert quantization.quantize_params(params, "none") is params
 
 
+def test_int8_weights_are_torchaos_int8_weight_only():
+    """The same tensor quantized by torchao's Int8WeightOnlyConfig (a diffusers user's int8
+    weight-only): equal scales (absmax / 127.5 per output row), equal int8 values except where
+    a value sits within float rounding of a bucket's edge (there: one apart)."""
+    import torch
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 24)
+    weight = linear.weight.detach().numpy().copy()  # [out, in]
+    quantize_(torch.nn.Sequential(linear), Int8WeightOnlyConfig())
+    theirs, their_scale = linear.weight.qdata.numpy(), linear.weight.scale.numpy().reshape(-1)
+    ours = quantization.quantize_params({"kernel": weight.T}, "int8_weights")["kernel"]
+    values, scale = np.asarray(ours.qvalue).T, np.asarray(ours.scale).reshape(-1)
+    np.testing.assert_allclose(scale, their_scale, rtol=1e-6)
+    steps = weight / scale[:, None]
+    at_edge = np.abs(np.abs(steps - np.trunc(steps)) - 0.5) < 1e-4
+    assert np.array_equal(values[~at_edge], theirs[~at_edge])
+    assert np.abs(values.astype(int) - theirs).max() <= 1
+
+
 def test_fp8_weights_are_within_e4m3_rounding():
     params = _tree(np.random.default_rng(1))
     quantized = quantization.quantize_params(params, "fp8_weights")
