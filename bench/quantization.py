@@ -8,11 +8,12 @@ float32 eager and, quantized by torchao's ``quantize_``, int8 weight-only
 (``Int8WeightOnlyConfig``) and int8 dynamic (``Int8DynamicActivationInt8WeightConfig``), the two
 a diffusers user reaches for. Every record carries ``psnr_db``: the output's PSNR against
 float32 diffusers' (peak = the reference's largest magnitude), so speed and quality sit side
-by side; all sides are timed in turn, call by call. On this CPU the int8 / float8 products are
-emulated by XLA (no int8 GEMM is used), so the difforge quantized rows measure the cost of
-(de)quantizing, not a TPU's int8 speed: the TPU figure is ``difforge fit``'s estimate.
+by side; all sides are timed in turn, call by call. The CPU times say what XLA CPU makes of
+each mode (int8 products ran about 2x faster than float32 at size S on this 2-core host; float8
+ones have no CPU kernel and are converted), not what a TPU does: the TPU figure is
+``difforge fit``'s estimate.
 
-Needs ``torchao`` (the ``bench`` extra); without it the torchao rows are left out with a note.
+Needs ``torchao`` (in the ``test`` extra); without it the torchao rows are left out with a note.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _torchao_calls(directory, torch_inputs) -> tuple[dict, str | None]:
             quantize_,
         )
     except ImportError as err:
-        return {}, f"torchao is not installed ({err}): pip install -e '.[bench]'"
+        return {}, f"torchao is not installed ({err}): pip install -e '.[test]'"
     import torch
     from diffusers import WanTransformer3DModel
 

@@ -186,6 +186,17 @@ def _other_rows(results: list[dict]) -> list[str]:
             f"{mag['mean_psnr_db']:.1f} dB mean) | dense {_time(dense)} | "
             f"{_ratio(mag, dense):.2f}x wall |"
         )
+    for mode, peer in (("int8_weights", "torchao_int8_weights"), ("int8", "torchao_int8_dynamic")):
+        ours = _find(results, "quantization", "S", f"difforge_{mode}")
+        theirs = _find(results, "quantization", "S", peer)
+        if ours and theirs:
+            close = ours["psnr_db"] >= theirs["psnr_db"] - 3
+            rows.append(
+                f"| Wan S forward, `quantization={mode}` (PSNR vs float32 diffusers) | "
+                f"{_time(ours)}, {ours['psnr_db']:.1f} dB | `{peer}` {_time(theirs)}, "
+                f"{theirs['psnr_db']:.1f} dB | {_ratio(ours, theirs):.2f}x; PSNR within 3 dB: "
+                f"{_met(close)} |"
+            )
     for case in ("tiny-1200items", "S-64items"):
         conv = _find(results, "convert", case, "difforge_beam")
         if conv:
