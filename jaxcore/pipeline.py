@@ -681,10 +681,12 @@ class Pipeline:
             self.denoiser_params = self.second_expert.params = None
         return self._host_experts
 
-    def decode(self, latents) -> jax.Array:
-        """Latents -> frames ``[B, F, H, W, 3]`` float32 in [0, 1]."""
+    def decode(self, latents, conditioning: Mapping[str, Any] | None = None) -> jax.Array:
+        """Latents -> frames ``[B, F, H, W, 3]`` float32 in [0, 1]; ``conditioning``: the
+        rows' conditioning (:meth:`conditioning`'s first), whose per-prompt decode settings
+        a family may read (None: the pipeline's defaults)."""
         with self.context():
-            return self.family.decode(self, latents)
+            return self.family.decode(self, latents, conditioning)
 
     def __call__(
         self,
@@ -734,7 +736,7 @@ class Pipeline:
             guidance_rescale=guidance.guidance_rescale,
             seeds=seeds,
         )
-        return np.asarray(self.decode(z))
+        return np.asarray(self.decode(z, cond))
 
 
 def _cache_stats(cache_out, use_cfg: bool, batched_cfg: bool) -> dict:

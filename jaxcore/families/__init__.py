@@ -28,11 +28,12 @@ from jaxcore.families.base import (
     read_model_index,
 )
 from jaxcore.families.flux import FluxFamily
+from jaxcore.families.ltx import LTXFamily
 from jaxcore.families.sd import SDFamily
 from jaxcore.families.wan import WanFamily
 
 FAMILIES: dict[str, Family] = {
-    family.name: family for family in (WanFamily(), FluxFamily(), SDFamily())
+    family.name: family for family in (WanFamily(), FluxFamily(), SDFamily(), LTXFamily())
 }
 
 

@@ -456,8 +456,11 @@ class Family(abc.ABC):
         """Prompts -> ``{conditioning name: [B, ...]}`` float32 on the host."""
 
     @abc.abstractmethod
-    def decode(self, pipe, latents):
-        """Latents -> video ``[B, F, H, W, 3]`` float32 in [0, 1] (diffusers ``output_type="np"``)."""
+    def decode(self, pipe, latents, conditioning: Mapping[str, Any] | None = None):
+        """Latents -> video ``[B, F, H, W, 3]`` float32 in [0, 1] (diffusers ``output_type="np"``).
+        ``conditioning``: the rows' conditioning tensors (:meth:`Pipeline.conditioning`'s
+        first), for a family whose decoding follows per-prompt settings (LTX-Video's decode
+        timestep and noise); None: the pipeline's defaults."""
 
     @abc.abstractmethod
     def sampling_defaults(self, configs: Mapping[str, Any]) -> dict[str, Any]:

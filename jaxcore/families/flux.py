@@ -302,7 +302,8 @@ class FluxFamily(Family):
             )
         return encode_text(pipe.components, prompts, max_sequence_length)
 
-    def decode(self, pipe, latents):
+    def decode(self, pipe, latents, conditioning=None):
+        del conditioning  # decoding takes no per-prompt settings
         vae, params = pipe.components["vae"]
         z = autoencoder_kl.denormalize_latents(jnp.asarray(latents, jnp.float32), vae.config)
         return decoded_frames(autoencoder_kl.decode(vae, params, z.astype(vae.dtype)))

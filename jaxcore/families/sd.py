@@ -640,7 +640,8 @@ class SDFamily(Family):
         uncond = np.asarray([u for _, u in rows], np.float32).reshape(len(rows), NUM_TIME_IDS)
         return {TIME_IDS: cond}, {TIME_IDS: uncond}
 
-    def decode(self, pipe, latents):
+    def decode(self, pipe, latents, conditioning=None):
+        del conditioning  # decoding takes no per-prompt settings
         vae, params = pipe.components["vae"]
         z = unscale_latents(jnp.asarray(latents, jnp.float32), vae.config, is_xl(pipe.configs))
         return decoded_frames(autoencoder_kl.decode(vae, params, z.astype(vae.dtype)))

@@ -649,7 +649,8 @@ class WanFamily(Family):
         )
         return {TEXT: embeddings}
 
-    def decode(self, pipe, latents):
+    def decode(self, pipe, latents, conditioning=None):
+        del conditioning  # decoding takes no per-prompt settings
         vae, params = pipe.components["vae"]
         z = wan_vae.denormalize_latents(jnp.asarray(latents, jnp.float32), vae.config)
         return decoded_frames(wan_vae.decode(vae, params, z.astype(vae.dtype)))

@@ -714,6 +714,21 @@ class LTXVideoTransformer(nn.Module):
         )
         return sharding.constrain(cos, axes), sharding.constrain(sin, axes)
 
+    def _caption_projection(self, encoder_hidden_states):
+        """Captions [B, S, caption_channels] -> [B, S, D] (``PixArtAlphaTextProjection``)."""
+        dim = self.config.hidden_dim
+        context = MLP2(
+            dim,
+            dim,
+            gelu_tanh,
+            (None, "embed"),
+            ("embed", None),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="caption_projection",
+        )(encoder_hidden_states.astype(self.dtype))
+        return sharding.constrain(context, _TEXT_EMBED)
+
     @nn.compact
     def __call__(
         self,
@@ -757,17 +772,7 @@ class LTXVideoTransformer(nn.Module):
         temb, embedded_timestep = TimeEmbedding(cfg, self.param_dtype, name="time_embed")(
             timestep.reshape(batch, -1)
         )
-        context = MLP2(
-            dim,
-            dim,
-            gelu_tanh,
-            (None, "embed"),
-            ("embed", None),
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="caption_projection",
-        )(encoder_hidden_states.astype(self.dtype))
-        context = sharding.constrain(context, _TEXT_EMBED)
+        context = self._caption_projection(encoder_hidden_states)
 
         block_cls = remat_block(LTXBlock, self.remat_policy)
         block_args = (cfg, self.dtype, self.param_dtype, self.attention, self.mesh)

@@ -46,6 +46,12 @@ class SamplingSection:
     scheduler_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     # SD / SDXL: diffusers' guidance_rescale (0 = off); other families refuse a nonzero value
     guidance_rescale: float = 0.0
+    # LTX-Video's render settings (families without them refuse a value): the frame rate its
+    # RoPE is scaled for, the timestep its VAE decodes at and the share of noise mixed into the
+    # latents before (a fraction in [0, 1]); None: the pipeline's own (25; 0; decode_timestep)
+    frame_rate: float | None = None
+    decode_timestep: float | None = None
+    decode_noise_scale: float | None = None
     negative_prompt: str = ""
     seed: int = 0
     max_sequence_length: int = 512
@@ -69,6 +75,12 @@ class SamplingSection:
             )
         if not 0.0 <= self.guidance_rescale <= 1.0:
             raise ValueError(f"guidance_rescale must be in [0, 1], got {self.guidance_rescale}")
+        if self.frame_rate is not None and not self.frame_rate > 0:
+            raise ValueError(f"frame_rate must be > 0, got {self.frame_rate}")
+        if self.decode_timestep is not None and not self.decode_timestep >= 0:
+            raise ValueError(f"decode_timestep must be >= 0, got {self.decode_timestep}")
+        if self.decode_noise_scale is not None and not 0.0 <= self.decode_noise_scale <= 1.0:
+            raise ValueError(f"decode_noise_scale must be in [0, 1], got {self.decode_noise_scale}")
         for key, value in self.scheduler_config.items():
             if not isinstance(key, str) or key.startswith("_"):
                 raise ValueError(

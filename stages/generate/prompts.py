@@ -10,7 +10,10 @@ Formats (local path or ``gs://``):
   or absolute/gs://), ``image`` and ``last_image`` (conditioning images of image-to-video
   models, PNG/JPEG/..., paths as for ``latents``) and ``loras`` (a list of ``{"path", "scale", "expert"}``,
   ``expert`` ``low`` for a two-expert model's ``transformer_2``: the LoRAs of this prompt
-  instead of the config's ``model.loras``; prompts are grouped by LoRA set).
+  instead of the config's ``model.loras``; prompts are grouped by LoRA set), and the render
+  settings only some families take (:data:`FAMILY_SETTINGS`: LTX-Video's ``frame_rate``,
+  ``decode_timestep`` and ``decode_noise_scale``; a model whose family has no default for one
+  refuses it, naming the line).
   Values a line leaves out come from the config's ``sampling`` section, then from the
   pipeline's own defaults; sizes are checked against the model.
 
@@ -37,12 +40,19 @@ from stages.common.errors import StageInputError
 from stages.generate.config import SamplingSection
 
 FIELDS_INT = ("seed", "height", "width", "num_frames", "num_inference_steps")
+# Render settings only some families take (LTX-Video's RoPE frame rate and decode noise): a
+# line's value, else the config's sampling section, else the model's sampling_defaults; a
+# family takes one exactly when its sampling_defaults name it. They reach the family with the
+# size conditioning (PromptSpec.micro_conditioning), together with the prompt's seed (the
+# decode noise is drawn from it).
+FAMILY_SETTINGS = ("frame_rate", "decode_timestep", "decode_noise_scale")
 FIELDS_FLOAT = (
     "guidance_scale",
     "guidance_scale_2",
     "true_cfg_scale",
     "flow_shift",
     "guidance_rescale",
+    *FAMILY_SETTINGS,
 )
 FIELDS_STR = ("id", "prompt", "negative_prompt", "latents", "image", "last_image")
 FIELDS_LIST = ("loras",)
@@ -93,8 +103,10 @@ class PromptSpec:
     guidance_rescale: float = 0.0  # SD / SDXL's rescale of the CFG result (0 = off)
     image: str | None = None  # URI of the conditioning image (image-to-video)
     last_image: str | None = None  # URI of the last frame's image (first-last-frame models)
-    # SDXL micro-conditioning the line sets, (name, (a, b)) sorted by name; unset = defaults
-    micro_conditioning: tuple[tuple[str, tuple[int, int]], ...] = ()
+    # what the family's size conditioning reads, (name, value) sorted by name: SDXL's
+    # micro-conditioning the line sets ((a, b) pairs; unset = defaults) and the family render
+    # settings (FAMILY_SETTINGS, with the seed) of a family that takes them
+    micro_conditioning: tuple[tuple[str, tuple[int, int] | float | int], ...] = ()
 
     @property
     def group_key(self) -> tuple:
@@ -135,8 +147,8 @@ class PromptSpec:
         }
         if self.guidance_rescale:
             out["guidance_rescale"] = self.guidance_rescale
-        for name, pair in self.micro_conditioning:
-            out[name] = list(pair)
+        for name, value in self.micro_conditioning:
+            out[name] = list(value) if isinstance(value, tuple) else value
         return out
 
 
@@ -297,6 +309,29 @@ def _check_values(
             raise StageInputError(str(err)) from None
 
 
+def _family_settings(
+    given: dict, base: dict, model_defaults: dict | None, seed: int, where: str
+) -> tuple[tuple[str, float | int], ...]:
+    """A line's :data:`FAMILY_SETTINGS` (the line's, else the config's / the model's defaults),
+    and its seed beside them when the model's family takes any; a setting the model's family
+    has no default for is an error naming the line (without a model, all pass through)."""
+    settings: dict[str, float | int] = {}
+    for key in FAMILY_SETTINGS:
+        value = given.get(key, base.get(key))
+        if value is None:
+            continue
+        if model_defaults is not None and key not in model_defaults:
+            raise StageInputError(
+                f"{where}: {key}={value} is not a setting of this model's pipelines (its "
+                "family takes no such value); leave it unset"
+            )
+        settings[key] = value
+    takes = model_defaults is not None and any(k in model_defaults for k in FAMILY_SETTINGS)
+    if settings or takes:
+        settings["seed"] = seed
+    return tuple(settings.items())
+
+
 def _raw_entries(uri: str, lines: Iterable[str]) -> Iterable[tuple[int, dict]]:
     """(line number, fields given on that line) for every prompt line."""
     is_jsonl = uri.endswith(".jsonl")
@@ -392,7 +427,8 @@ def resolve_prompts(
                 raise StageInputError(f"{where}: latents must name a .npy file, got {latents!r}")
             latents = _resolve_path(latents, uri)
         own = _resolve_loras(given["loras"], uri) if "loras" in given else tuple(loras)
-        micro = tuple(sorted((key, given[key]) for key in FIELDS_PAIR if key in given))
+        micro = [(key, given[key]) for key in FIELDS_PAIR if key in given]
+        micro += _family_settings(given, base, model_defaults, fields["seed"], where)
         specs.append(
             PromptSpec(
                 index=index,
@@ -401,7 +437,7 @@ def resolve_prompts(
                 name=name,
                 latents=latents,
                 loras=own,
-                micro_conditioning=micro,
+                micro_conditioning=tuple(sorted(micro)),
                 **fields,
             )
         )

@@ -333,7 +333,7 @@ def _dispatch(
     }
     args = (pipe, latents, cond, uncond, scales, first, scheduler, cache, per_row)
     z, stats = _sample(*args, plan)
-    video = pipe.decode(z)
+    video = pipe.decode(z, cond)
     if cache is None or not cache.config.compare_dense:
         return _InFlight(batch, video, started, stats)
     import jax
@@ -342,7 +342,7 @@ def _dispatch(
     cached_done = time.perf_counter()
     reference = pipe.float_reference() if pipe.quantization != "none" else contextlib.nullcontext()
     with reference:  # dense, and with the float weights when the run is quantized
-        dense = pipe.decode(_sample(*args, step_cache.NO_CACHE)[0])
+        dense = pipe.decode(_sample(*args, step_cache.NO_CACHE)[0], cond)
         jax.block_until_ready(dense)
     seconds = (cached_done - started, time.perf_counter() - cached_done)
     key = (first.group_key, pipe.denoiser)

@@ -162,13 +162,17 @@ def test_quantized_products_run_on_quantized_values_near_the_float_ones(mode):
 # --- every family's pipeline ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["wan", "flux", "sd"])
+@pytest.fixture(scope="module", params=["wan", "flux", "sd", "ltx"])
 def tiny_pipeline_dir(request, tmp_path_factory):
     where = tmp_path_factory.mktemp(f"quantized_{request.param}")
     if request.param == "wan":
         return build_tiny_wan_pipeline(where, seed=1, transformer_output_scale=20.0)
     if request.param == "flux":
         return build_flux_pipeline(where, seed=1)
+    if request.param == "ltx":
+        from tests.support.tiny_ltx import build_ltx_pipeline
+
+        return build_ltx_pipeline(where, seed=1)
     return build_sd_pipeline(where, seed=1)
 
 
