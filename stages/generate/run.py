@@ -200,6 +200,8 @@ def _write_prompt(
         "batch_size": batch_size,
         "process_index": jax.process_index(),
     }
+    if config.compute.quantization != "none":  # what ran: the denoisers' quantization
+        record["quantization"] = config.compute.quantization
     if "cache" in extra:
         record["cache"] = {"kind": config.cache.kind, **extra["cache"]}
     if "dense" in extra:

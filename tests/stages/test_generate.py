@@ -181,6 +181,7 @@ def test_generate_with_int8_kernels_records_the_mode_and_stays_near_diffusers(
         record = json.loads(storage.read_text(storage.join(out, f"records/{entry['name']}.json")))
         measured = quality.psnr(reference[entry["id"]], _array(out, entry["name"]))
         assert abs(record["cache"]["psnr"] - measured) < 0.05, (entry["id"], record["cache"])
+        assert record["quantization"] == "int8_weights"
         assert record["cache"]["dense_output"].endswith(".dense.png")
     assert "int8_weights vs dense" in storage.read_text(storage.join(out, "index.html"))
     failing = str(tmp_path / "floor")
