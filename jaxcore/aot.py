@@ -695,8 +695,9 @@ def generate_program(
 
     The pipeline's other components (text encoders, VAE) are not part of it: they run before
     and after the loop, in programs of their own. A two-expert model's second expert is on
-    the devices (``idle_expert=device``). Text- (and image-) conditioned Wan and Flux models;
-    not SDXL's size conditioning.
+    the devices (``idle_expert=device``). The conditioning is the family's tensors and its size
+    conditioning at the pipeline's defaults (SDXL's ``time_ids``, LTX-Video's RoPE scale and
+    decode settings).
     """
     from jaxcore.pipeline import Pipeline
 
@@ -718,6 +719,9 @@ def generate_program(
     cond = _abstract_conditioning(
         family, module, configs, guidance, mesh, batch, text_length, shape, rules
     )
+    sized, _ = family.size_conditioning(configs, height, width, [{}] * batch)
+    for key, value in sized.items():  # what depends on the size and the render settings
+        cond.setdefault(key, batch_array(mesh, np.shape(value), np.asarray(value).dtype, rules))
     second_module, second = _abstract_second_expert(family, configs, compute, mesh, batch, rules)
     fn = sampling.denoise_fn(
         family,

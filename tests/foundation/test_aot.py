@@ -210,6 +210,29 @@ def test_generate_loop_on_cpu_mesh():
     assert program.model_flops == 3 * forward
 
 
+def test_generate_loop_of_a_size_conditioned_family_compiles():
+    """LTX-Video's denoiser reads its RoPE scale from the size conditioning: the abstract loop
+    carries the family's size conditioning (at the pipeline's defaults) and compiles."""
+    model = deploy.fit_model("configs/models/ltx_tiny.yml")
+    mesh = sharding.make_mesh(sharding.MeshConfig(), devices=CPU8.devices())
+    program = aot.generate_program(
+        model.family,
+        model.configs,
+        model.scheduler_config,
+        _train_config().compute,
+        mesh,
+        batch=8,
+        height=32,
+        width=64,
+        num_frames=9,
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        text_length=8,
+    )
+    assert "rope_interpolation_scale" in program.args[2]
+    assert aot.compile_program(program, CPU8).compiled
+
+
 def test_generate_loop_with_int8_kernels_holds_them_in_int8():
     """compute.quantization=int8_weights: the loop's kernels are int8 with float32 scales, as
     the run holds them, so the program's arguments shrink by what the kernels do; its
