@@ -459,6 +459,11 @@ class LTXFamily(Family):
         _, f, h, w = latent_shape
         return (f // config.patch_size_t) * (h // config.patch_size) * (w // config.patch_size)
 
+    def lora_to_diffusers(self, state_dict, denoiser_config, where: str):
+        from jaxcore.lora import ltx
+
+        return ltx.to_diffusers(state_dict, denoiser_config, where)
+
     def check_heads(self, config, mesh) -> None:
         sharding.check_divisible(mesh, heads=config.num_attention_heads)
 
