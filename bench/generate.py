@@ -55,8 +55,10 @@ def device_seconds(config, prompts: list[str]) -> float:
     from jaxcore.sampling import initial_latents
     from jaxcore.sharding import make_mesh
     from stages.generate import model, render
+    from stages.generate.config import DEFAULT_MAX_SEQUENCE_LENGTH
 
     s = config.sampling
+    text_length = s.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH  # the Wan pipeline's
     pipe = model.load(model.describe(config), config.compute, make_mesh(config.mesh))
     batch = render.global_batch_size(config.per_device_batch_size, pipe.batch_ways)
     shape = pipe.latent_shape(s.height, s.width, s.num_frames)
@@ -66,7 +68,7 @@ def device_seconds(config, prompts: list[str]) -> float:
         chunk += [chunk[-1]] * (math.ceil(batch / pipe.batch_ways) * pipe.batch_ways - len(chunk))
         guidance = [pipe.guidance(s.guidance_scale, s.true_cfg_scale)] * len(chunk)
         cond, uncond, scales = pipe.conditioning(
-            chunk, [s.negative_prompt] * len(chunk), guidance, s.max_sequence_length
+            chunk, [s.negative_prompt] * len(chunk), guidance, text_length
         )
         latents = np.stack([initial_latents(i, shape) for i in range(len(chunk))])
         batches.append((latents, cond, uncond, scales))

@@ -644,6 +644,7 @@ def generate_program(config, model: FitModel, mesh):
     import math
 
     from jaxcore import aot, sharding
+    from stages.generate.config import DEFAULT_MAX_SEQUENCE_LENGTH
 
     s = config.sampling
     defaults = model.family.sampling_defaults(model.configs)
@@ -662,7 +663,8 @@ def generate_program(config, model: FitModel, mesh):
         num_inference_steps=s.num_inference_steps or defaults["num_inference_steps"],
         guidance_scale=defaults["guidance_scale"] if s.guidance_scale is None else s.guidance_scale,
         true_cfg_scale=s.true_cfg_scale,
-        text_length=s.max_sequence_length,
+        text_length=s.max_sequence_length
+        or defaults.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH),
         scheduler=s.scheduler,
         shift=s.flow_shift,
     )

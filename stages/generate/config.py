@@ -54,7 +54,9 @@ class SamplingSection:
     decode_noise_scale: float | None = None
     negative_prompt: str = ""
     seed: int = 0
-    max_sequence_length: int = 512
+    # text tokens per prompt; None: the pipeline's own (DEFAULT_MAX_SEQUENCE_LENGTH, or the
+    # family's sampling default: LTX-Video's 128)
+    max_sequence_length: int | None = None
 
     def __post_init__(self):
         for key in ("height", "width", "num_frames", "num_inference_steps"):
@@ -63,7 +65,7 @@ class SamplingSection:
                 raise ValueError(f"{key} must be >= 1, got {value}")
         if self.flow_shift is not None and self.flow_shift <= 0:
             raise ValueError(f"flow_shift must be > 0, got {self.flow_shift}")
-        if self.max_sequence_length < 1:
+        if self.max_sequence_length is not None and self.max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
@@ -154,6 +156,12 @@ class OutputSection:
             )
         if self.thumbnail_size < 8:
             raise ValueError(f"thumbnail_size must be >= 8, got {self.thumbnail_size}")
+
+
+# diffusers' max_sequence_length default of the Wan and Flux pipelines (SD's CLIP takes 77
+# whatever is asked); a family whose pipelines default to another names it in its
+# sampling_defaults
+DEFAULT_MAX_SEQUENCE_LENGTH = 512
 
 
 @dataclasses.dataclass(frozen=True)

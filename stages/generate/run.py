@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -14,7 +15,7 @@ from jaxcore.config import to_dict
 from stages.common.errors import StageInputError
 from stages.common.preemption import Preempted, Preemption
 from stages.generate import caching, outputs
-from stages.generate.config import GenerateConfig
+from stages.generate.config import DEFAULT_MAX_SEQUENCE_LENGTH, GenerateConfig
 from stages.generate.prompts import (
     PromptSpec,
     lora_entry,
@@ -81,6 +82,7 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     maybe_initialize_distributed()
     entries = read_prompt_entries(config.prompt_file)  # syntax errors before anything else
     source = model.describe(config)  # the family and its sizes, no weights
+    config = _with_text_length(config, source)
     specs, scheduler = _checked_prompts(config, entries, source)
     cache = caching.prepare(config.cache)
     prompt_sha = _prompt_file_sha256(config.prompt_file)
@@ -131,6 +133,16 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
         return None  # process 0 writes the gallery and the manifest
     checks = (fingerprint, lora_sha, prompt_sha)
     return _finish(config, writer, specs, checks, provenance, len(todo), elapsed, scheduler)
+
+
+def _with_text_length(config: GenerateConfig, source) -> GenerateConfig:
+    """``config`` with ``sampling.max_sequence_length`` resolved: the config's, else the
+    pipeline's default (its family's sampling default, else DEFAULT_MAX_SEQUENCE_LENGTH)."""
+    if config.sampling.max_sequence_length is not None:
+        return config
+    length = source.sampling_defaults().get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)
+    sampling = dataclasses.replace(config.sampling, max_sequence_length=int(length))
+    return dataclasses.replace(config, sampling=sampling)
 
 
 def _keep_float(config: GenerateConfig, specs) -> str | None:

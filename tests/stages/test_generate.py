@@ -413,3 +413,30 @@ def test_kill_and_resume_renders_only_the_rest(tiny_dir, tmp_path):
         np.testing.assert_allclose(
             np.load(killed / rel), np.load(fresh / rel), atol=INVARIANCE_TOLERANCE, rtol=0
         )
+
+
+def test_text_length_defaults_to_the_pipelines_own(tmp_path):
+    """sampling.max_sequence_length unset: the family's pipeline default (LTX-Video's 128, as
+    diffusers' LTXPipeline; 512 for the others), an explicit value kept."""
+    from jaxcore.config import load_config
+    from stages.generate import run as generate_run
+    from stages.generate.config import GenerateConfig
+
+    class Source:
+        def __init__(self, defaults):
+            self.defaults = defaults
+
+        def sampling_defaults(self):
+            return self.defaults
+
+    required = ["pretrained_model_name_or_path=x", "prompt_file=p.txt", f"output_dir={tmp_path}"]
+
+    def length(source, *extra):
+        config = load_config(
+            GenerateConfig, REPO / "configs/stages/generate.yml", [*required, *extra]
+        )
+        return generate_run._with_text_length(config, source).sampling.max_sequence_length
+
+    assert length(Source({})) == 512
+    assert length(Source({"max_sequence_length": 128})) == 128
+    assert length(Source({"max_sequence_length": 128}), "max_sequence_length=64") == 64
