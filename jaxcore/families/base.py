@@ -30,7 +30,9 @@ What a family tells the stages:
   denoiser and the timestep where it takes over (:class:`jaxcore.pipeline.SecondExpert`).
 - **the training target**: :attr:`Family.objective` ("flow_matching" for the flow families;
   "epsilon" / "v_prediction" for UNet families, where it depends on the pipeline's scheduler
-  config: :meth:`Family.pipeline_objective`).
+  config: :meth:`Family.pipeline_objective`), and where its loss counts
+  (:meth:`Family.loss_mask`: LTX-Video's image-to-video records leave their clean first frame
+  out).
 - **size and negative conditioning** (SDXL): tensors that depend on the render size and join
   both CFG branches (:meth:`Family.size_conditioning`), and how the negative branch's encoded
   prompts are finished (:meth:`Family.negative_conditioning`).
@@ -572,6 +574,13 @@ class Family(abc.ABC):
         """The sampling loop's result -> the latents to decode (jittable). Default: as is."""
         del conditioning
         return latents
+
+    def loss_mask(self, latents_shape, conditioning: Mapping[str, Any]):
+        """Training: where the loss counts, an array broadcastable to ``latents_shape`` (0 on
+        elements the conditioning fixes, e.g. a clean first frame), the per-sample loss then
+        the mean over those elements; None (the default): everywhere. Jittable."""
+        del latents_shape, conditioning
+        return None
 
 
 # --- helpers ----------------------------------------------------------------------------------

@@ -48,15 +48,40 @@ the size conditioning (:meth:`LTXFamily.size_conditioning`), which turns them in
 tensors that join both CFG branches; :meth:`LTXFamily.decode` reads the decode settings
 from the rows' conditioning the pipeline hands it with the latents.
 
+Convert and train (:class:`LTXEncoders`, as LTX-Video-Trainer's preprocessing and
+``_training_step``, ``src/ltxv_trainer/trainer.py``):
+
+- a record holds the VAE posterior *mean* of its clip normalised as the pipelines normalise
+  (``(z - latents_mean) * scaling_factor / latents_std``, :func:`jaxcore.models.ltx_vae.
+  normalize_latents`; the trainer samples the posterior, the mean keeps records deterministic)
+  in the unpacked layout ``[C, F', H', W']``, the T5 states and attention mask exactly as
+  :func:`encode_text` makes them for generate, and the RoPE scale ``[3]`` the transformer is
+  trained with: :data:`TRAIN_FRAME_RATE` = 25 fps (the pipelines' default ``frame_rate``;
+  convert samples clips at its own ``fps``, so set ``fps=25`` to train what the scale says).
+  Images are 1-frame clips;
+- training is the shared flow-matching objective (``stages/common/objective.py``): ``x_t =
+  (1 - s) x + s noise``, target velocity ``noise - x``, the transformer applied by
+  :meth:`LTXFamily.apply` as generate applies it (packed tokens, the records' RoPE scale, the
+  attention mask), timesteps ``1000 s``. The trainer's ``shifted_logit_normal`` sampling is
+  ``sigmoid(N(mu, 1))`` with ``mu`` linear in the token count (:func:`trainer_logit_mean`),
+  which the shared ``timestep_sampling=logit_normal logit_mean=<mu>`` draws;
+- image-to-video (records converted with an ``LTXImageToVideoPipeline``, clips of more than
+  one latent frame): each record also holds its clip's first frame encoded as generate encodes
+  a conditioning image (``image_latents``); training puts it in place of the first latent frame
+  with timestep 0 for its tokens (as generate does) and scores the other frames only
+  (:meth:`LTXFamily.loss_mask`). LTX-Video-Trainer does this for a random share
+  ``first_frame_conditioning_p`` of its steps; here every step of such records (1.0).
+
 Not built: ``LTXConditionPipeline`` (0.9.5+ conditioning on frames at any position, 0.9.7's
-pipelines; refused by name), multi-scale / latent upsampling, convert / train / evaluate, LoRA,
-step caching.
+pipelines; refused by name), multi-scale / latent upsampling, LoRA, step caching.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -70,6 +95,7 @@ from jaxcore.compute import ComputeConfig
 from jaxcore.families.base import (
     TEXT_FEATURE,
     DenoiserModel,
+    Encoders,
     Family,
     FamilyError,
     Geometry,
@@ -81,6 +107,8 @@ from jaxcore.families.base import (
 )
 from jaxcore.families.wan import pixels  # diffusers' VideoProcessor, as for Wan's images
 from jaxcore.models import ltx_transformer, ltx_vae, t5
+
+log = logging.getLogger(__name__)
 
 TEXT = TEXT_FEATURE  # [L, caption_channels]: T5's last hidden state
 TEXT_MASK = "encoder_attention_mask"  # [L]: 1 for the prompt's tokens, 0 for padding
@@ -96,6 +124,11 @@ CONDITION_PIPELINE = "LTXConditionPipeline"
 # LTXPipeline / LTXImageToVideoPipeline.__call__'s defaults
 DEFAULT_FRAME_RATE = 25.0
 DEFAULT_MAX_SEQUENCE_LENGTH = 128
+# The frame rate whose RoPE scale convert writes into the records (the pipelines' default)
+TRAIN_FRAME_RATE = DEFAULT_FRAME_RATE
+# LTX-Video-Trainer's shifted_logit_normal: mu linear from 0.95 at 1024 tokens to 2.05 at 4096
+TRAINER_SHIFT_TOKENS = (1024, 4096)
+TRAINER_SHIFTS = (0.95, 2.05)
 # diffusers' check_inputs: height and width divisible by 32 whatever the VAE
 PIPELINE_SIZE_MULTIPLE = 32
 # The render settings a prompt gives the size conditioning (with its seed).
@@ -181,6 +214,17 @@ def rope_scale(frame_rate: float, temporal: int, spatial: int) -> np.ndarray:
     )
 
 
+def trainer_logit_mean(tokens: int) -> float:
+    """The mean of LTX-Video-Trainer's ``shifted_logit_normal`` timestep sampling for a video of
+    ``tokens`` latent tokens (``F' H' W'``): linear through (1024, 0.95) and (4096, 2.05), not
+    clipped, as the trainer's ``_get_shift_for_sequence_length``. Its sigmas are
+    ``sigmoid(N(mu, 1))``: the shared ``timestep_sampling=logit_normal`` with this
+    ``logit_mean``."""
+    (lo, hi), (low, high) = TRAINER_SHIFT_TOKENS, TRAINER_SHIFTS
+    slope = (high - low) / (hi - lo)
+    return float(slope * tokens + low - slope * lo)
+
+
 def seed_words(seed: int) -> tuple[int, int]:
     """A seed >= 0 as (low, high) 32-bit words."""
     return seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
@@ -232,6 +276,24 @@ def first_frame_inputs(latents, timestep_b, image_latents):
     mask[0] = 1.0
     per_token = timestep_b.astype(jnp.float32)[:, None] * jnp.asarray(1.0 - mask.reshape(-1))
     return x, per_token
+
+
+def image_latents(vae, params, clips) -> np.ndarray:
+    """One-frame clips ``[B, 3, 1, H, W]`` in [-1, 1] -> the image-to-video pipeline's first
+    latent frames ``[B, C, 1, H', W']`` float32: the posterior mean normalised *without*
+    ``scaling_factor`` (diffusers' image-to-video pipeline calls ``_normalize_latents`` with its
+    default 1.0)."""
+    unscaled = dataclasses.replace(vae.config, scaling_factor=1.0)
+    posterior = ltx_vae.encode(vae, params, jnp.asarray(clips, vae.dtype))
+    mean = posterior.mean.astype(jnp.float32)
+    return np.asarray(ltx_vae.normalize_latents(mean, params, unscaled), np.float32)
+
+
+def first_frame_loss_mask(frames: int) -> np.ndarray:
+    """``[1, 1, F', 1, 1]``: 0 on the first latent frame (kept clean, not scored), 1 elsewhere."""
+    mask = np.ones((1, 1, frames, 1, 1), np.float32)
+    mask[:, :, 0] = 0.0
+    return mask
 
 
 def _number(values: Mapping, key: str, default):
@@ -360,6 +422,71 @@ def _load_text_encoder(directory: Path, compute: ComputeConfig) -> dict:
     return {"text_encoder": encoder, "tokenizer": load_tokenizer(directory / "tokenizer")}
 
 
+def _conditions_first_frame(num_frames: int, vae) -> bool:
+    """Whether a clip of ``num_frames`` trains image-to-video: it has latent frames after the
+    first (a 1-frame clip would have nothing left to score, as LTX-Video-Trainer skips it)."""
+    temporal, _ = pipeline_compression(vae)
+    return (num_frames - 1) // temporal + 1 > 1
+
+
+class LTXEncoders(Encoders):
+    """The VAE encoder, T5 and tokenizer of an LTX-Video pipeline directory (convert).
+
+    Media ``[B, 3, F, H, W]`` -> the posterior *mean* normalised as the pipelines normalise
+    (``(z - latents_mean) * scaling_factor / latents_std``) ``[B, C, F', H', W']``, and per
+    clip the RoPE scale of :data:`TRAIN_FRAME_RATE`; captions -> the T5 states and mask exactly
+    as :func:`encode_text` (generate) makes them.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        compute: ComputeConfig,
+        max_sequence_length: int,
+        batch_size: int,
+        configs: Mapping,
+    ):
+        self.batch_size = batch_size
+        self.max_sequence_length = max_sequence_length
+        started = time.perf_counter()
+        try:
+            self.vae, self.vae_params = ltx_vae.load_ltx_vae(
+                directory / "vae", dtype=compute.dtype, encoder_only=True
+            )
+        except ltx_vae.LTXVideoVAEConfigError as err:
+            raise FamilyError(f"{directory / 'vae'}: {err}") from None
+        self.text = _load_text_encoder(directory, compute)
+        temporal, spatial = pipeline_compression(configs["vae"])
+        self.rope_scale = rope_scale(TRAIN_FRAME_RATE, temporal, spatial)
+        self.image_to_video = configs.get("pipeline", LTXPipelineOptions()).image_to_video
+        log.info("loaded LTX encoders from %s in %.1fs", directory, time.perf_counter() - started)
+
+    def encode_media(self, videos: np.ndarray) -> np.ndarray:
+        videos = np.asarray(videos, np.float32)
+        padded, count = self._padded(list(videos), "videos")
+        posterior = ltx_vae.encode(self.vae, self.vae_params, jnp.asarray(np.stack(padded)))
+        mean = posterior.mean.astype(jnp.float32)
+        latents = ltx_vae.normalize_latents(mean, self.vae_params, self.vae.config)
+        return np.asarray(latents, np.float32)[:count]
+
+    def encode_media_conditioning(self, videos: np.ndarray) -> dict[str, np.ndarray]:
+        """Per clip the RoPE scale and, for an image-to-video pipeline and clips of more than
+        one latent frame, the clip's first frame as generate encodes a conditioning image."""
+        count = self._check_batch(len(videos), "videos")
+        out = {ROPE_SCALE: np.tile(self.rope_scale[None], (count, 1))}
+        videos = np.asarray(videos, np.float32)
+        if self.image_to_video and _conditions_first_frame(videos.shape[2], self.vae.config):
+            padded, _ = self._padded(list(videos[:, :, :1]), "videos")
+            first = image_latents(self.vae, self.vae_params, np.stack(padded))
+            out[IMAGE_LATENTS] = first[:count]
+        return out
+
+    def encode_text(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
+        padded, count = self._padded(list(captions), "captions")
+        encoded = encode_text(self.text, padded, self.max_sequence_length)
+        return {name: value[:count] for name, value in encoded.items()}
+
+
 class LTXFamily(Family):
     name = "ltx"
     description = (
@@ -425,8 +552,8 @@ class LTXFamily(Family):
             raise FamilyError("step caching is not built for the ltx family yet")
         if ROPE_SCALE not in conditioning:
             raise FamilyError(
-                f"the ltx conditioning needs {ROPE_SCALE!r} (Pipeline.conditioning's size "
-                "conditioning: size_conditioning)"
+                f"the ltx conditioning needs {ROPE_SCALE!r} (generate: the size conditioning, "
+                "size_conditioning; train: the records, written by convert)"
             )
         _, _, f, h, w = latents.shape
         x, t = latents, timestep.astype(jnp.float32)
@@ -442,6 +569,13 @@ class LTXFamily(Family):
             video_coords=video_coords(conditioning[ROPE_SCALE], (f, h, w)),
         )
         return ltx_transformer.unpack_latents(prediction, f, h, w)
+
+    def loss_mask(self, latents_shape, conditioning):
+        """Image-to-video training (records with ``image_latents``): the first latent frame is
+        the clean conditioning (its tokens at timestep 0, :meth:`apply`) and not scored."""
+        if IMAGE_LATENTS not in conditioning:
+            return None
+        return jnp.asarray(first_frame_loss_mask(latents_shape[2]))
 
     def finish_latents(self, latents, conditioning):
         """Image-to-video: the first latent frame is the image's."""
@@ -469,14 +603,32 @@ class LTXFamily(Family):
 
     # --- conditioning and latents -----------------------------------------------------------
     def conditioning_specs(self, denoiser_config, text_length, latent_shape, image_tokens=None):
+        """T5's states and attention mask, and the RoPE scale (records: the one of
+        :data:`TRAIN_FRAME_RATE`; generate: each prompt's ``frame_rate``)."""
         del latent_shape, image_tokens
         return (
             TensorSpec(TEXT, (text_length, denoiser_config.caption_channels)),
             TensorSpec(TEXT_MASK, (text_length,)),
+            TensorSpec(ROPE_SCALE, (3,)),
         )
 
     def latent_channels(self, denoiser_config) -> int:
         return denoiser_config.in_channels
+
+    def record_features(self, directory, height, width, num_frames, max_sequence_length):
+        """The base records and, for an image-to-video pipeline and clips of more than one
+        latent frame, ``image_latents [C, 1, H', W']``: the clip's first frame encoded as
+        generate encodes a conditioning image, which trains first-frame conditioning."""
+        features = super().record_features(
+            directory, height, width, num_frames, max_sequence_length
+        )
+        configs = self.component_configs(directory)
+        if configs["pipeline"].image_to_video and _conditions_first_frame(
+            num_frames, configs["vae"]
+        ):
+            channels, _, h, w = features[0].shape
+            features = (*features, TensorSpec(IMAGE_LATENTS, (channels, 1, h, w)))
+        return features
 
     def geometry(self, configs) -> Geometry:
         temporal, spatial = pipeline_compression(configs["vae"])
@@ -491,10 +643,22 @@ class LTXFamily(Family):
         return (vae.latent_channels, (num_frames - 1) // t + 1, height // s, width // s)
 
     def load_encoders(self, directory, compute, max_sequence_length, batch_size):
-        raise FamilyError(
-            f"{directory}: convert (and so train / evaluate) is not built for the ltx family yet; "
-            "generate renders LTX-Video pipelines"
-        )
+        configs = self.component_configs(directory)
+        return LTXEncoders(Path(directory), compute, max_sequence_length, batch_size, configs)
+
+    def latent_normalization(self, configs) -> dict:
+        vae = configs["vae"]
+        temporal, spatial = pipeline_compression(vae)
+        return {
+            "latent_sampling": "mean",
+            "formula": "(z - latents_mean) * scaling_factor / latents_std",
+            "scaling_factor": vae.scaling_factor,
+            "latents_mean": "the VAE's latents_mean buffer (vae/*.safetensors)",
+            "latents_std": "the VAE's latents_std buffer (vae/*.safetensors)",
+            "layout": "[C, F', H', W'] (unpacked)",
+            "frame_rate": TRAIN_FRAME_RATE,
+            ROPE_SCALE: rope_scale(TRAIN_FRAME_RATE, temporal, spatial).tolist(),
+        }
 
     # --- inference --------------------------------------------------------------------------
     def default_scheduler_config(self) -> dict:
@@ -569,6 +733,7 @@ class LTXFamily(Family):
             "frame_rate": DEFAULT_FRAME_RATE,
             "decode_timestep": 0.0,
             "decode_noise_scale": None,
+            "max_sequence_length": 128,
         }
 
     def default_scheduler(self, scheduler_config) -> str:
@@ -671,11 +836,8 @@ class LTXFamily(Family):
         if not height:
             raise FamilyError("LTX-Video image conditioning needs the render size")
         vae, params = pipe.components["vae"]
-        unscaled = dataclasses.replace(vae.config, scaling_factor=1.0)
         rows = []
         for image, _ in images:  # one at a time: the VAE is compiled for one clip
             clip = pixels(image, height, width)[None, :, None]
-            posterior = ltx_vae.encode(vae, params, jnp.asarray(clip, vae.dtype))
-            mean = posterior.mean.astype(jnp.float32)
-            rows.append(np.asarray(ltx_vae.normalize_latents(mean, params, unscaled))[0])
-        return {IMAGE_LATENTS: np.stack(rows).astype(np.float32)}
+            rows.append(image_latents(vae, params, clip)[0])
+        return {IMAGE_LATENTS: np.stack(rows)}

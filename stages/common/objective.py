@@ -291,10 +291,19 @@ def split_batch(
 
 
 def loss_at(family, module, params, latents, conditioning, t, noise) -> jax.Array:
-    """Per-sample flow-matching MSE of ``latents`` at times ``t`` [B] with ``noise``."""
+    """Per-sample flow-matching MSE of ``latents`` at times ``t`` [B] with ``noise``, over the
+    elements the family's :meth:`~jaxcore.families.Family.loss_mask` counts (all by default)."""
     x_t = noisy_input(latents, noise, t)
     prediction = family.apply(module, params, x_t, t * NUM_TRAIN_TIMESTEPS, conditioning)
-    return per_sample_loss(prediction, velocity_target(latents, noise))
+    target = velocity_target(latents, noise)
+    loss_mask = getattr(family, "loss_mask", None)  # optional, as noise_schedule
+    mask = None if loss_mask is None else loss_mask(latents.shape, conditioning)
+    if mask is None:
+        return per_sample_loss(prediction, target)
+    error = (prediction.astype(jnp.float32) - target.astype(jnp.float32)) ** 2
+    mask = jnp.broadcast_to(jnp.asarray(mask, jnp.float32), error.shape)
+    axes = tuple(range(1, error.ndim))
+    return jnp.sum(error * mask, axis=axes) / jnp.sum(mask, axis=axes)
 
 
 def ddpm_loss_at(
