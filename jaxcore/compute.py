@@ -148,6 +148,37 @@ def run_blocks(parent: nn.Module, blocks: Sequence[nn.Module], carry, call, scan
     return carry
 
 
+def block_stack(
+    parent: nn.Module,
+    block_cls,
+    block_args: tuple,
+    prefix: str,
+    num_layers: int,
+    call,
+    x,
+    run_stack=None,
+    scan_layers: bool = False,
+):
+    """A transformer's one-stream block stack: ``num_layers`` blocks ``block_cls(*block_args)``
+    named ``f"{prefix}{i}"`` (submodules of ``parent``, built inside its compact call), ``x``
+    carried through them by :func:`run_blocks` (``call(block, h) -> h``; ``scan_layers``: as
+    one ``lax.scan``). ``run_stack`` (step caching, :mod:`jaxcore.step_cache`) runs the stack
+    instead, as ``run_stack((x,), run_blocks, num_layers) -> ((x,), extra)``. Returns
+    ``(x, extra)``; ``extra`` is None without ``run_stack``."""
+    blocks = [block_cls(*block_args, name=f"{prefix}{i}") for i in range(num_layers)]
+    template = block_cls(*block_args, parent=None) if scan_layers else None
+
+    def run_some(streams, start, stop):
+        (h,) = streams
+        return (run_blocks(parent, blocks[start:stop], h, call, template),)
+
+    if run_stack is None:
+        (x,) = run_some((x,), 0, num_layers)
+        return x, None
+    (x,), extra = run_stack((x,), run_some, num_layers)
+    return x, extra
+
+
 @dataclasses.dataclass(frozen=True)
 class ComputeConfig:
     """Weights and activation dtypes, attention backend and remat policy of every model.

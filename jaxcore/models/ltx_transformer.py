@@ -774,26 +774,22 @@ class LTXVideoTransformer(nn.Module):
         )
         context = self._caption_projection(encoder_hidden_states)
 
-        block_cls = remat_block(LTXBlock, self.remat_policy)
-        block_args = (cfg, self.dtype, self.param_dtype, self.attention, self.mesh)
-        blocks = [
-            block_cls(*block_args, name=f"transformer_blocks_{i}") for i in range(cfg.num_layers)
-        ]
-
         def one_block(block, h):
             return block(h, context, temb, *rope, kv_mask)
 
-        template = block_cls(*block_args, parent=None) if self.scan_layers else None
-
-        def run_blocks(streams, start, stop):
-            (h,) = streams
-            return (compute.run_blocks(self, blocks[start:stop], h, one_block, template),)
-
-        extra = None
-        if run_stack is None:
-            (x,) = run_blocks((x,), 0, cfg.num_layers)
-        else:
-            (x,), extra = run_stack((x,), run_blocks, cfg.num_layers)
+        block_cls = remat_block(LTXBlock, self.remat_policy)
+        block_args = (cfg, self.dtype, self.param_dtype, self.attention, self.mesh)
+        x, extra = compute.block_stack(
+            self,
+            block_cls,
+            block_args,
+            "transformer_blocks_",
+            cfg.num_layers,
+            one_block,
+            x,
+            run_stack,
+            self.scan_layers,
+        )
 
         table = _modulation_table(self, 2, dim, self.param_dtype)
         shift, scale = _split_modulation(table, embedded_timestep[:, :, None, :])

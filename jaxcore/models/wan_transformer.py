@@ -692,24 +692,22 @@ class WanTransformer(nn.Module):
             cfg, self.dtype, self.param_dtype, name="condition_embedder"
         )(timestep, encoder_hidden_states, image)
 
-        block_cls = remat_block(WanBlock, self.remat_policy)
-        block_args = (cfg, self.dtype, self.param_dtype, self.attention, self.mesh)
-        blocks = [block_cls(*block_args, name=f"blocks_{i}") for i in range(cfg.num_layers)]
-
         def one_block(block, h):
             return block(h, context, temb_6d, *rope, image)
 
-        template = block_cls(*block_args, parent=None) if self.scan_layers else None
-
-        def run_blocks(streams, start, stop):
-            (h,) = streams
-            return (compute.run_blocks(self, blocks[start:stop], h, one_block, template),)
-
-        extra = None
-        if run_stack is None:
-            (x,) = run_blocks((x,), 0, cfg.num_layers)
-        else:
-            (x,), extra = run_stack((x,), run_blocks, cfg.num_layers)
+        block_cls = remat_block(WanBlock, self.remat_policy)
+        block_args = (cfg, self.dtype, self.param_dtype, self.attention, self.mesh)
+        x, extra = compute.block_stack(
+            self,
+            block_cls,
+            block_args,
+            "blocks_",
+            cfg.num_layers,
+            one_block,
+            x,
+            run_stack,
+            self.scan_layers,
+        )
 
         table = _modulation_table(self, 2, dim, self.param_dtype)
         if temb.ndim == 3:  # per-token timesteps: shift/scale [B, L, D]
