@@ -240,6 +240,7 @@ def table(run: dict) -> str:
     lines = ["| what | difforge | reference | ratio (goal) |", "|---|---|---|---|"]
     lines += _forward_rows(results, "transformer_forward", "Wan DiT forward")
     lines += _forward_rows(results, "flux_forward", "Flux DiT forward")
+    lines += _forward_rows(results, "ltx_forward", "LTX-Video DiT forward", ("S",))
     lines += _forward_rows(results, "unet_forward", "SD UNet forward", ("SD2-half", "SDXL-half"))
     lines += _train_rows(results)
     lines += _maxdiffusion_rows(results)

@@ -39,6 +39,7 @@ BENCHMARKS = {
     "matmul": "bench.matmul",
     "transformer": "bench.transformer",
     "flux": "bench.flux",
+    "ltx": "bench.ltx",
     "unet": "bench.unet",
     "train_step": "bench.train_step",
     "vae": "bench.vae",
@@ -56,6 +57,7 @@ GOALS = {
     "transformer_forward": "difforge >= 1.0x diffusers eager and torch.compile (fp32, S and M); "
     ">= 1.0x diffusers eager in bf16",
     "flux_forward": "difforge >= 1.0x diffusers eager",
+    "ltx_forward": "difforge >= 1.0x diffusers eager and torch.compile (fp32)",
     "unet_forward": "difforge >= 1.0x diffusers eager and torch.compile (fp32)",
     "train_step": "difforge >= 1.0x PyTorch eager and torch.compile (diffusers' model, torch "
     "AdamW; fp32 and bf16 mixed, S and M); MFU >= 0.70",

@@ -9,7 +9,7 @@ import pytest
 from bench import run as bench_run
 from bench.common import BenchContext, check_record, timed_record, value_record
 
-FAST = ("matmul", "transformer", "flux", "unet", "vae", "maxdiffusion", "quantization")
+FAST = ("matmul", "transformer", "flux", "ltx", "unet", "vae", "maxdiffusion", "quantization")
 SLOW = (
     "train_step",
     "generate",
@@ -40,7 +40,7 @@ def _check_all(records, module_name):
 def test_benchmark_smoke(name, ctx):
     records = importlib.import_module(bench_run.BENCHMARKS[name]).run(ctx)
     _check_all(records, name)
-    if name in ("transformer", "flux"):
+    if name in ("transformer", "flux", "ltx"):
         for impl in ("difforge", "difforge_dot_product"):
             ours = next(r for r in records if r["impl"] == impl)
             assert ours["max_abs_diff_vs_diffusers"] < 1e-4  # same weights, same computation
