@@ -581,7 +581,7 @@ class Pipeline:
         sharded like the batch; empty without a cache."""
         # this process's rows (all rows on one host); the scales are per local row too
         rows = latents.shape[0]
-        latents = self.shard_batch(latents)
+        latents = self.shard_batch(self.family.start_latents(latents, cond))
         scales, scales_2 = _per_row_scales(cfg_scale, rows)
         # one compiled program for every host: generate groups a batch by CFG on/off, so the
         # hosts of a multi-host job agree on this

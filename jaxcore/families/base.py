@@ -570,6 +570,13 @@ class Family(abc.ABC):
             raise FamilyError(f"the {self.name} family takes no conditioning image")
         return {}
 
+    def start_latents(self, latents, conditioning: Mapping[str, Any]):
+        """The initial latents (``[B, ...]``, the prompts' noise) -> what the sampling loop
+        starts from, which may have another shape (:meth:`finish_latents` maps it back).
+        Default: as is. LTXConditionPipeline blends conditions in and adds frames."""
+        del conditioning
+        return latents
+
     def finish_latents(self, latents, conditioning: Mapping[str, Any]):
         """The sampling loop's result -> the latents to decode (jittable). Default: as is."""
         del conditioning

@@ -1,8 +1,9 @@
-"""LTX-Video as a family: the twin of diffusers' ``LTXPipeline`` (text-to-video) and
-``LTXImageToVideoPipeline`` (image-to-video), for generate.
+"""LTX-Video as a family: the twin of diffusers' ``LTXPipeline`` (text-to-video),
+``LTXImageToVideoPipeline`` (image-to-video) and ``LTXConditionPipeline`` (frame conditions),
+for generate.
 
-Reference: ``diffusers/pipelines/ltx/pipeline_ltx.py`` and ``pipeline_ltx_image2video.py``
-(diffusers 0.42):
+Reference: ``diffusers/pipelines/ltx/pipeline_ltx.py``, ``pipeline_ltx_image2video.py`` and
+``pipeline_ltx_condition.py`` (diffusers 0.42):
 
 - prompts -> T5 v1.1's last hidden state, the encoder run *without* a mask on the ids padded to
   ``max_sequence_length`` (diffusers' default 128), and the tokenizer's attention mask, which
@@ -72,13 +73,44 @@ Convert and train (:class:`LTXEncoders`, as LTX-Video-Trainer's preprocessing an
   (:meth:`LTXFamily.loss_mask`). LTX-Video-Trainer does this for a random share
   ``first_frame_conditioning_p`` of its steps; here every step of such records (1.0).
 
-Not built: ``LTXConditionPipeline`` (0.9.5+ conditioning on frames at any position, 0.9.7's
-pipelines; refused by name), multi-scale / latent upsampling, LoRA, step caching.
+Conditioning on frames (``LTXConditionPipeline``, ``pipeline_ltx_condition.py``; see
+:class:`LTXCondition` and :func:`condition_inputs`): each condition (an image or a video of
+``t k + 1`` frames, at ``frame_index``, with ``strength``) is resized like the image above
+(videos trimmed as ``trim_conditioning_sequence``), VAE-encoded (posterior mean) and normalised
+without ``scaling_factor``. At ``frame_index`` 0 its latent frames are blended into the first
+frames of the initial latents (``torch.lerp(latents, cond, strength)``, the conditioning mask
+``strength`` there); elsewhere its first latent frame (a video: its first two, the rest blended
+into the main latents from ``frame_index // t + 2``) becomes extra tokens placed *before* the
+video's tokens (``lerp(noise, cond, strength)``, mask ``strength``) with their own RoPE
+coordinates (``_scale_video_ids`` with ``frame_index``; every token's frame coordinate is the
+causal-fixed ``max(f t + 1 - t, 0) + frame_index`` times ``1 / frame_rate``). The loop carries
+the extra tokens as extra latent frames in front ([B, C, F_x + F', H', W'], packed in the same
+order as diffusers concatenates), set up by :meth:`LTXFamily.start_latents` and dropped by
+:meth:`LTXFamily.finish_latents`. Every step: the tokens with mask ~1 are replaced by ``cond +
+image_cond_noise_scale * noise * (t / 1000) ** 2`` for the transformer's input, the per-token
+timesteps are ``min(t, 1000 (1 - mask))``, and only tokens with ``t / 1000 - 1e-6 < 1 - mask``
+are stepped (here: the others' prediction is 0, so the Euler step leaves them as they are).
+The schedule is the pipeline's ``linear_quadratic_schedule`` (timesteps ``1000 sigma`` handed to
+the scheduler, which must not shift them: no dynamic shifting, shift 1, no ``shift_terminal``,
+as 0.9.5 / 0.9.7 ship). T5 runs *with* the tokenizer's mask there, and the pipeline's defaults
+``max_sequence_length`` 256 and ``image_cond_noise_scale`` 0.15 (a per-prompt setting). Randomness diffusers draws with torch is drawn here from the prompt's
+seed, as the decode noise (streams 2 and 3 below): stream 2, the noise of extra tokens with
+strength < 1; stream 3 folded with the float32 bits of ``t``, the per-step noise of
+``image_cond_noise_scale``. Two known differences from diffusers beyond those numbers: the
+hard-conditioned tokens are decoded as their clean latents (diffusers decodes them with the
+last step's ``image_cond_noise``, ``0.15 noise (t_N / 1000) ** 2``), and a token whose
+``1 - mask`` lies within 1e-6 below ``t / 1000`` steps with the full step (diffusers: from its
+own timestep). Not built for it: ``denoise_strength`` < 1 (video-to-video), ``guidance_rescale``
+(diffusers' rescale takes the std over the frozen tokens' predictions too), overlapping
+conditions on the same latent frames, step caching.
+
+Not built: multi-scale / latent upsampling, LoRA training, step caching.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -117,6 +149,13 @@ DECODE_TIMESTEP = "decode_timestep"  # []
 DECODE_NOISE_SCALE = "decode_noise_scale"  # []
 DECODE_SEED = "decode_seed"  # [2] uint32: the prompt's seed, low and high words
 IMAGE_LATENTS = "image_latents"  # [C, 1, H', W']: image-to-video's first latent frame
+# LTXConditionPipeline (F_x: the extra conditioning frames, L = (F_x + F') H' W')
+CONDITION_LATENTS = "condition_latents"  # [C, F_x + F', H', W']: conditions' latents (else 0)
+CONDITION_MASK = "conditioning_mask"  # [F']: each latent frame's strength (0: free)
+EXTRA_MASK = "extra_conditioning_mask"  # [F_x]: the extra frames' strengths
+CONDITION_IDS = "condition_video_ids"  # [3, L]: scaled (frame, row, column) ids, before 1/fps
+FRAME_SCALE = "frame_coordinate_scale"  # []: float32(1 / frame_rate)
+IMAGE_COND_NOISE_SCALE = "image_cond_noise_scale"  # []
 
 T2V_PIPELINE = "LTXPipeline"
 I2V_PIPELINE = "LTXImageToVideoPipeline"
@@ -133,8 +172,14 @@ TRAINER_SHIFTS = (0.95, 2.05)
 PIPELINE_SIZE_MULTIPLE = 32
 # The render settings a prompt gives the size conditioning (with its seed).
 SETTINGS = ("frame_rate", "decode_timestep", "decode_noise_scale")
+# LTXConditionPipeline.__call__'s defaults that differ, and its own setting
+CONDITION_MAX_SEQUENCE_LENGTH = 256
+DEFAULT_IMAGE_COND_NOISE_SCALE = 0.15
+CONDITION_SETTINGS = (*SETTINGS, IMAGE_COND_NOISE_SCALE)
 DECODE_NOISE_KEY = 0x4C5458  # "LTX"
 LATENT_NOISE_STREAM, DECODER_NOISE_STREAM = 0, 1
+EXTRA_TOKEN_NOISE_STREAM, COND_STEP_NOISE_STREAM = 2, 3
+HARD_CONDITION_EPS = 1e-6  # add_noise_to_image_conditioning_latents' eps
 
 # LTX-Video 0.9.1's scheduler (diffusers' convert_ltx_to_diffusers.py; 0.9.5 and 0.9.7 use
 # the scheduler's defaults, no dynamic shifting): the scheduler of a model YAML, which names none.
@@ -151,32 +196,28 @@ REFERENCE_SCHEDULER_CONFIG: dict[str, object] = {
 }
 
 
-def _refuse_condition_pipeline(class_name: str) -> None:
-    if class_name == CONDITION_PIPELINE:
-        raise ValueError(
-            f"{CONDITION_PIPELINE} (LTX-Video 0.9.5+ conditioning on frames and videos, the "
-            f"pipeline 0.9.7 ships with) is not built yet; {T2V_PIPELINE} and {I2V_PIPELINE} "
-            "are (load the same transformer, VAE and T5 in one of them)"
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class LTXPipelineOptions:
     """What ``model_index.json`` says beyond the components: the pipeline class (text- or
-    image-to-video; the components are the same)."""
+    image-to-video, or conditioning on frames; the components are the same)."""
 
     pipeline_class: str = T2V_PIPELINE
 
     def __post_init__(self):
-        _refuse_condition_pipeline(self.pipeline_class)
-        if self.pipeline_class not in (T2V_PIPELINE, I2V_PIPELINE):
+        known = (T2V_PIPELINE, I2V_PIPELINE, CONDITION_PIPELINE)
+        if self.pipeline_class not in known:
             raise ValueError(
-                f"pipeline_class={self.pipeline_class!r}: expected {T2V_PIPELINE} or {I2V_PIPELINE}"
+                f"pipeline_class={self.pipeline_class!r}: expected one of {list(known)}"
             )
 
     @property
     def image_to_video(self) -> bool:
         return self.pipeline_class == I2V_PIPELINE
+
+    @property
+    def frame_conditions(self) -> bool:
+        """``LTXConditionPipeline``: conditions on frames at any index (:class:`LTXCondition`)."""
+        return self.pipeline_class == CONDITION_PIPELINE
 
     @classmethod
     def from_index(cls, index: Mapping) -> LTXPipelineOptions:
@@ -296,6 +337,237 @@ def first_frame_loss_mask(frames: int) -> np.ndarray:
     return mask
 
 
+# --- LTXConditionPipeline -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LTXCondition:
+    """One of diffusers' ``LTXVideoCondition``: ``image`` (a PIL image) or ``video`` (a sequence
+    of PIL images, ``t k + 1`` of them once trimmed to the render), conditioning the video at
+    pixel frame ``frame_index`` with ``strength`` in [0, 1] (1: the frames are kept)."""
+
+    image: Any = None
+    video: Sequence[Any] | None = None
+    frame_index: int = 0
+    strength: float = 1.0
+
+    def __post_init__(self):
+        if (self.image is None) == (self.video is None):
+            raise ValueError("a condition takes exactly one of image and video")
+        index = self.frame_index
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"frame_index={index!r}: expected an integer >= 0")
+        strength = self.strength
+        if isinstance(strength, bool) or not isinstance(strength, int | float):
+            raise ValueError(f"strength={strength!r}: expected a number in [0, 1]")
+        if not 0.0 <= float(strength) <= 1.0:
+            raise ValueError(f"strength={strength}: must be in [0, 1]")
+
+
+def linear_quadratic_schedule(num_steps: int) -> list[float]:
+    """LTXConditionPipeline's sigmas (``linear_quadratic_schedule``, from LTX-Video's
+    ``schedulers/rf.py``; threshold noise 0.025, half the steps linear), python floats as the
+    pipeline computes them before ``torch.tensor``."""
+    threshold_noise, linear_steps = 0.025, num_steps // 2
+    if num_steps < 2:
+        return [1.0]
+    linear = [i * threshold_noise / linear_steps for i in range(linear_steps)]
+    step_diff = linear_steps - threshold_noise * num_steps
+    quadratic_steps = num_steps - linear_steps
+    quadratic_coef = step_diff / (linear_steps * quadratic_steps**2)
+    linear_coef = threshold_noise / linear_steps - 2 * step_diff / (quadratic_steps**2)
+    const = quadratic_coef * (linear_steps**2)
+    quadratic = [
+        quadratic_coef * (i**2) + linear_coef * i + const for i in range(linear_steps, num_steps)
+    ]
+    schedule = [1.0 - x for x in [*linear, *quadratic, 1.0]]
+    return schedule[:-1]
+
+
+def condition_schedule(num_steps: int, num_train_timesteps: int = 1000):
+    """``(sigmas [N + 1], timesteps [N])`` float32 as the pipeline hands ``timesteps =
+    sigmas * 1000`` (float32) to an unshifted scheduler: sigmas ``timesteps / 1000``, then 0."""
+    timesteps = np.asarray(linear_quadratic_schedule(num_steps), np.float32) * np.float32(1000)
+    sigmas = (timesteps / np.float32(num_train_timesteps)).astype(np.float32)
+    return np.concatenate([sigmas, np.zeros(1, np.float32)]), timesteps
+
+
+def torch_lerp(start, end, weight):
+    """``torch.lerp`` as its CPU kernel computes it: ``start + w (end - start)`` for ``|w| <
+    0.5``, else ``end - (end - start) (1 - w)`` (so weight 1 gives ``end`` exactly)."""
+    w = jnp.asarray(weight, jnp.float32)
+    diff = end - start
+    return jnp.where(jnp.abs(w) < 0.5, start + w * diff, end - diff * (1.0 - w))
+
+
+def trim_condition_frames(frames: int, frame_index: int, num_frames: int, temporal: int) -> int:
+    """``trim_conditioning_sequence``: at most the frames left after ``frame_index``, cut to
+    ``t k + 1``."""
+    count = min(frames, num_frames - frame_index)
+    return (count - 1) // temporal * temporal + 1
+
+
+def _step_noise_key(words, t) -> jax.Array:
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(t, jnp.float32), jnp.uint32)
+    return jax.random.fold_in(_row_key(words, COND_STEP_NOISE_STREAM), bits)
+
+
+def condition_step_noise(seeds, timestep_b, shape) -> jax.Array:
+    """``[B, *shape]``: each row's ``image_cond_noise`` at timestep ``t`` (stream 3 of its
+    seed folded with ``t``'s float32 bits)."""
+    shape = tuple(int(n) for n in shape)
+
+    def one(words, t):
+        return jax.random.normal(_step_noise_key(words, t), shape, jnp.float32)
+
+    return jax.vmap(one)(jnp.asarray(seeds, jnp.uint32), timestep_b.astype(jnp.float32))
+
+
+def extra_token_noise(seeds, shape) -> jax.Array:
+    """``[B, *shape]``: each row's noise for extra conditioning tokens (stream 2)."""
+    shape = tuple(int(n) for n in shape)
+
+    def one(words):
+        return jax.random.normal(_row_key(words, EXTRA_TOKEN_NOISE_STREAM), shape, jnp.float32)
+
+    return jax.vmap(one)(jnp.asarray(seeds, jnp.uint32))
+
+
+def _condition_pixels(condition: LTXCondition, height, width, num_frames, temporal, where):
+    """``[3, F, H, W]`` in [-1, 1]: the image, or the video trimmed (VideoProcessor's resize)."""
+    if condition.image is not None:
+        return pixels(condition.image, height, width)[:, None]
+    frames = list(condition.video)
+    count = trim_condition_frames(len(frames), condition.frame_index, num_frames, temporal)
+    if count < 1 or count % temporal != 1 % temporal:
+        raise FamilyError(
+            f"{where}: a video of {len(frames)} frames at frame_index={condition.frame_index} "
+            f"keeps {count} frames of {num_frames}; needs t k + 1 (t = {temporal}) frames"
+        )
+    return np.stack([pixels(frame, height, width) for frame in frames[:count]], axis=1)
+
+
+def condition_inputs(
+    encode,
+    conditions: Sequence[LTXCondition],
+    grid,
+    channels: int,
+    temporal: int,
+    spatial: int,
+    where: str,
+) -> dict[str, np.ndarray]:
+    """One row's conditioning tensors (see the module docstring), as ``prepare_latents``
+    lays them out: ``condition_latents [C, F_x + F', H', W']`` (the extra frames first),
+    ``extra_conditioning_mask [F_x]``, ``conditioning_mask [F']`` and ``condition_video_ids
+    [3, L]``. ``encode``: ``[1, 3, F, H, W]`` pixels
+    -> normalised latents ``[1, C, F'', H', W']``; ``grid``: ``(num_frames, height, width)``."""
+    num_frames, height, width = grid
+    frames, h, w = (num_frames - 1) // temporal + 1, height // spatial, width // spatial
+    main, mask = np.zeros((channels, frames, h, w), np.float32), np.zeros(frames, np.float32)
+    extras, extra_masks, extra_ids = [], [], []
+    prefix = 2  # prepare_latents' num_prefix_latent_frames
+    for number, condition in enumerate(conditions):
+        here = f"{where}, condition {number}"
+        clip = _condition_pixels(condition, height, width, num_frames, temporal, here)
+        latents = np.asarray(encode(clip[None]), np.float32)[0]
+        strength, index = float(condition.strength), condition.frame_index
+        count = latents.shape[1]
+
+        def blend(start, values, here=here, strength=strength):
+            stop = start + values.shape[1]
+            if stop > frames or (mask[start:stop] > 0).any():
+                raise FamilyError(
+                    f"{here}: its latent frames {start}..{stop - 1} overlap another condition's "
+                    f"or pass the video's {frames} (not built)"
+                )
+            main[:, start:stop] = values
+            mask[start:stop] = strength
+
+        if index == 0:
+            blend(0, latents)
+            continue
+        if clip.shape[1] > 1:
+            if count < prefix:
+                raise FamilyError(f"{here}: a video needs at least {prefix} latent frames")
+            if count > prefix:
+                blend(index // temporal + prefix, latents[:, prefix:])
+                latents = latents[:, :prefix]
+        extras.append(latents)
+        extra_masks.append(np.full(latents.shape[1], strength, np.float32))
+        extra_ids.append(
+            ltx_transformer.condition_video_coords(
+                1,
+                latents.shape[1],
+                h,
+                w,
+                1.0,
+                vae_temporal_compression_ratio=temporal,
+                vae_spatial_compression_ratio=spatial,
+                frame_index=index,
+            )[0]
+        )
+    ids = ltx_transformer.condition_video_coords(
+        1,
+        frames,
+        h,
+        w,
+        1.0,
+        vae_temporal_compression_ratio=temporal,
+        vae_spatial_compression_ratio=spatial,
+    )[0]
+    return {
+        CONDITION_LATENTS: np.concatenate([*extras, main], axis=1),
+        EXTRA_MASK: np.concatenate([np.zeros(0, np.float32), *extra_masks]),
+        CONDITION_MASK: mask,
+        CONDITION_IDS: np.concatenate([*extra_ids, ids], axis=1),
+    }
+
+
+def _frame_mask(conditioning) -> jax.Array:
+    """``[B, F_x + F']``: every latent frame's strength, the extra frames first."""
+    extra = jnp.asarray(conditioning[EXTRA_MASK], jnp.float32)
+    return jnp.concatenate([extra, jnp.asarray(conditioning[CONDITION_MASK], jnp.float32)], 1)
+
+
+def start_condition_latents(latents, conditioning):
+    """``prepare_latents``' blending: the extra frames ``lerp(noise, cond, strength)`` in front
+    of the initial latents, the conditioned frames ``lerp(latents, cond, strength)``."""
+    cond = jnp.asarray(conditioning[CONDITION_LATENTS], jnp.float32)
+    mask = _frame_mask(conditioning)
+    latents = jnp.asarray(latents, jnp.float32)
+    extra = conditioning[EXTRA_MASK].shape[1]
+    if extra:
+        noise = extra_token_noise(
+            conditioning[DECODE_SEED], (*cond.shape[1:2], extra, *cond.shape[3:])
+        )
+        latents = jnp.concatenate([noise, latents], axis=2)
+    return torch_lerp(latents, cond, mask[:, None, :, None, None])
+
+
+def condition_model_inputs(latents, timestep_b, conditioning):
+    """The transformer's input, per-token timesteps ``[B, L]``, RoPE coordinates ``[B, 3, L]``
+    and which latent frames the step moves ``[B, 1, F, 1, 1]`` (see the module docstring)."""
+    _, _, f, h, w = latents.shape
+    mask = _frame_mask(conditioning)  # [B, F_x + F']
+    frame_mask = mask[:, None, :, None, None]
+    t = timestep_b.astype(jnp.float32)
+    sigma = t / 1000.0
+    scale = conditioning[IMAGE_COND_NOISE_SCALE].astype(jnp.float32)
+    cond = conditioning[CONDITION_LATENTS].astype(jnp.float32)
+    noise = condition_step_noise(conditioning[DECODE_SEED], t, latents.shape[1:])
+    per_row = (-1, 1, 1, 1, 1)
+    noised = cond + (scale.reshape(per_row) * noise) * (sigma * sigma).reshape(per_row)
+    hard = (frame_mask > 1.0 - HARD_CONDITION_EPS) & (scale.reshape(per_row) > 0)
+    x = jnp.where(hard, noised, latents)
+    token_mask = jnp.repeat(mask, h * w, axis=1)
+    per_token = jnp.minimum(t[:, None], (1.0 - token_mask) * 1000.0)
+    ids = conditioning[CONDITION_IDS].astype(jnp.float32)
+    frame_scale = conditioning[FRAME_SCALE].astype(jnp.float32)
+    coords = jnp.concatenate([ids[:, :1] * frame_scale[:, None, None], ids[:, 1:]], axis=1)
+    moves = (sigma - HARD_CONDITION_EPS).reshape(per_row) < (1.0 - frame_mask)
+    return x, per_token, coords, moves
+
+
 def _number(values: Mapping, key: str, default):
     """``values[key]`` as a float (``default`` when absent or None); an error names a value
     that is not a finite number."""
@@ -307,14 +579,16 @@ def _number(values: Mapping, key: str, default):
     return float(value)
 
 
-def render_settings(values: Mapping[str, Any]) -> tuple[float, float, float, tuple[int, int]]:
+def render_settings(
+    values: Mapping[str, Any], settings: Sequence[str] = SETTINGS
+) -> tuple[float, float, float, tuple[int, int]]:
     """One row's (frame rate, decode timestep, decode noise scale, seed words) from a prompt's
     size-conditioning values, with diffusers' defaults; an unknown or bad value is an error
     naming it."""
-    unknown = sorted(set(values) - {*SETTINGS, "seed"})
+    unknown = sorted(set(values) - {*settings, "seed"})
     if unknown:
         raise FamilyError(
-            f"{unknown}: not settings of LTX-Video's pipelines (they take {list(SETTINGS)})"
+            f"{unknown}: not settings of LTX-Video's pipelines (this one takes {list(settings)})"
         )
     frame_rate = _number(values, "frame_rate", DEFAULT_FRAME_RATE)
     if not frame_rate > 0:
@@ -332,16 +606,26 @@ def render_settings(values: Mapping[str, Any]) -> tuple[float, float, float, tup
     return frame_rate, timestep, scale, seed_words(seed)
 
 
-def encode_text(components: Mapping, prompts: Sequence[str], max_sequence_length: int) -> dict:
+def image_cond_noise_scale(values: Mapping[str, Any]) -> float:
+    """A row's ``image_cond_noise_scale`` (LTXConditionPipeline; default 0.15)."""
+    scale = _number(values, IMAGE_COND_NOISE_SCALE, DEFAULT_IMAGE_COND_NOISE_SCALE)
+    if scale < 0:
+        raise FamilyError(f"{IMAGE_COND_NOISE_SCALE}={scale}: must be >= 0")
+    return scale
+
+
+def encode_text(
+    components: Mapping, prompts: Sequence[str], max_sequence_length: int, masked: bool = False
+) -> dict:
     """``{encoder_hidden_states [B, L, D], encoder_attention_mask [B, L]}`` float32 on the host,
     as ``LTXPipeline._get_t5_prompt_embeds``: ids padded to ``L`` (truncated, ``</s>``
-    appended), T5 run without a mask, the tokenizer's mask beside."""
+    appended), T5 run without a mask, the tokenizer's mask beside. ``masked``: T5 run with
+    the tokenizer's mask, as ``LTXConditionPipeline._get_t5_prompt_embeds``."""
     from jaxcore.text import call_tokenizer
 
     encoder, params = components["text_encoder"]
     tokenizer = components["tokenizer"]
     prompts = list(prompts)
-    hidden = t5.encode_prompts(tokenizer, encoder, params, prompts, max_sequence_length)
     encoded = call_tokenizer(
         tokenizer,
         prompts,
@@ -350,7 +634,18 @@ def encode_text(components: Mapping, prompts: Sequence[str], max_sequence_length
         truncation=True,
         return_tensors="np",
     )
-    return {TEXT: hidden, TEXT_MASK: np.asarray(encoded["attention_mask"], np.float32)}
+    mask = np.asarray(encoded["attention_mask"], np.int32)
+    if masked:
+        ids = np.asarray(encoded["input_ids"], np.int32)
+        hidden = np.asarray(_masked_encoder(encoder)(params, ids, mask), np.float32)
+    else:
+        hidden = t5.encode_prompts(tokenizer, encoder, params, prompts, max_sequence_length)
+    return {TEXT: hidden, TEXT_MASK: mask.astype(np.float32)}
+
+
+@functools.lru_cache(maxsize=4)
+def _masked_encoder(module):
+    return jax.jit(lambda params, ids, mask: module.apply({"params": params}, ids, mask))
 
 
 def _transformer_problems(transformer) -> list[str]:
@@ -458,7 +753,7 @@ class LTXEncoders(Encoders):
         self.text = _load_text_encoder(directory, compute)
         temporal, spatial = pipeline_compression(configs["vae"])
         self.rope_scale = rope_scale(TRAIN_FRAME_RATE, temporal, spatial)
-        self.image_to_video = configs.get("pipeline", LTXPipelineOptions()).image_to_video
+        self.image_to_video = _options(configs).image_to_video
         log.info("loaded LTX encoders from %s in %.1fs", directory, time.perf_counter() - started)
 
     def encode_media(self, videos: np.ndarray) -> np.ndarray:
@@ -490,10 +785,9 @@ class LTXEncoders(Encoders):
 class LTXFamily(Family):
     name = "ltx"
     description = (
-        "LTX-Video text-to-video and image-to-video (LTXPipeline, LTXImageToVideoPipeline)"
+        "LTX-Video text-to-video, image-to-video and frame conditions (LTXPipeline, "
+        "LTXImageToVideoPipeline, LTXConditionPipeline)"
     )
-    # LTXConditionPipeline is listed so that its model_index.json finds this family, whose
-    # check_model_index refuses it by name (not built yet)
     pipeline_classes = (T2V_PIPELINE, I2V_PIPELINE, CONDITION_PIPELINE)
     denoiser_classes = ("LTXVideoTransformer3DModel",)
     denoiser_component = "transformer"
@@ -516,7 +810,7 @@ class LTXFamily(Family):
 
     def check_model_index(self, index: Mapping, where: str) -> None:
         try:
-            _refuse_condition_pipeline(str(index.get("_class_name")))
+            LTXPipelineOptions.from_index(index)
         except ValueError as err:
             raise FamilyError(f"{where}: {err}") from None
 
@@ -557,6 +851,11 @@ class LTXFamily(Family):
             )
         _, _, f, h, w = latents.shape
         x, t = latents, timestep.astype(jnp.float32)
+        moves = None
+        if CONDITION_MASK in conditioning:
+            x, t, coords, moves = condition_model_inputs(x, t, conditioning)
+        else:
+            coords = video_coords(conditioning[ROPE_SCALE], (f, h, w))
         if IMAGE_LATENTS in conditioning:
             x, t = first_frame_inputs(x, t, conditioning[IMAGE_LATENTS])
         dtype = module.dtype
@@ -566,9 +865,12 @@ class LTXFamily(Family):
             conditioning[TEXT].astype(dtype),
             t,
             conditioning[TEXT_MASK],
-            video_coords=video_coords(conditioning[ROPE_SCALE], (f, h, w)),
+            video_coords=coords,
         )
-        return ltx_transformer.unpack_latents(prediction, f, h, w)
+        prediction = ltx_transformer.unpack_latents(prediction, f, h, w)
+        if moves is not None:  # frozen tokens: a 0 velocity, so the Euler step keeps them
+            prediction = jnp.where(moves, prediction, jnp.zeros_like(prediction))
+        return prediction
 
     def loss_mask(self, latents_shape, conditioning):
         """Image-to-video training (records with ``image_latents``): the first latent frame is
@@ -577,8 +879,18 @@ class LTXFamily(Family):
             return None
         return jnp.asarray(first_frame_loss_mask(latents_shape[2]))
 
+    def start_latents(self, latents, conditioning):
+        """LTXConditionPipeline: the conditions blended into the initial latents and their
+        extra frames in front (:func:`start_condition_latents`)."""
+        if CONDITION_MASK not in conditioning:
+            return latents
+        return np.asarray(start_condition_latents(latents, conditioning))
+
     def finish_latents(self, latents, conditioning):
-        """Image-to-video: the first latent frame is the image's."""
+        """Image-to-video: the first latent frame is the image's. Conditions on frames: the
+        extra frames dropped."""
+        if CONDITION_MASK in conditioning:
+            latents = latents[:, :, conditioning[EXTRA_MASK].shape[1] :]
         if IMAGE_LATENTS in conditioning:
             image = conditioning[IMAGE_LATENTS].astype(latents.dtype)
             latents = jnp.concatenate([image, latents[:, :, 1:]], axis=2)
@@ -672,7 +984,8 @@ class LTXFamily(Family):
         return {"components": components}
 
     def encode_prompts(self, pipe, prompts, max_sequence_length):
-        return encode_text(pipe.components, prompts, max_sequence_length)
+        masked = _options(pipe.configs).frame_conditions  # LTXConditionPipeline masks T5
+        return encode_text(pipe.components, prompts, max_sequence_length, masked)
 
     def size_conditioning(self, configs, height, width, micro):
         """Per row, the render settings (:data:`SETTINGS`, diffusers' defaults where a row
@@ -682,13 +995,20 @@ class LTXFamily(Family):
         given)."""
         del height, width
         temporal, spatial = pipeline_compression(configs["vae"])
-        rows = [render_settings(values) for values in micro]
+        conditions = _options(configs).frame_conditions
+        settings = CONDITION_SETTINGS if conditions else SETTINGS
+        rows = [render_settings(values, settings) for values in micro]
         cond = {
             ROPE_SCALE: np.stack([rope_scale(r[0], temporal, spatial) for r in rows]),
             DECODE_TIMESTEP: np.asarray([r[1] for r in rows], np.float32),
             DECODE_NOISE_SCALE: np.asarray([r[2] for r in rows], np.float32),
             DECODE_SEED: np.asarray([r[3] for r in rows], np.uint32).reshape(len(rows), 2),
         }
+        if conditions:  # the frame coordinates' scale, as the pipeline rounds 1 / frame_rate
+            cond[FRAME_SCALE] = np.asarray([1.0 / r[0] for r in rows], np.float32)
+            cond[IMAGE_COND_NOISE_SCALE] = np.asarray(
+                [image_cond_noise_scale(values) for values in micro], np.float32
+            )
         return cond, dict(cond)
 
     def decode(self, pipe, latents, conditioning=None):
@@ -723,7 +1043,17 @@ class LTXFamily(Family):
         return decoded_frames(jnp.concatenate(frames))
 
     def sampling_defaults(self, configs) -> dict:
-        # LTXPipeline / LTXImageToVideoPipeline.__call__'s defaults, the render settings too
+        # LTXPipeline / LTXImageToVideoPipeline / LTXConditionPipeline.__call__'s defaults,
+        # the render settings too
+        if _options(configs).frame_conditions:
+            return {
+                **self._sampling_defaults(),
+                "max_sequence_length": CONDITION_MAX_SEQUENCE_LENGTH,
+                IMAGE_COND_NOISE_SCALE: DEFAULT_IMAGE_COND_NOISE_SCALE,
+            }
+        return self._sampling_defaults()
+
+    def _sampling_defaults(self) -> dict:
         return {
             "height": 512,
             "width": 704,
@@ -769,6 +1099,8 @@ class LTXFamily(Family):
                 f"flow_shift={shift}: this scheduler shifts by the video's size "
                 "(use_dynamic_shifting), so a flow_shift has no effect; leave it unset"
             )
+        if _options(getattr(pipe, "configs", {})).frame_conditions:
+            return _condition_schedule(options, num_inference_steps, shift, where)
         _, _, f, h, w = latent_shape
         mu = calculate_shift(
             f * h * w,
@@ -810,21 +1142,71 @@ class LTXFamily(Family):
         return Guidance(cfg_scale=float(guidance_scale))
 
     def with_guidance_rescale(self, configs, guidance, guidance_rescale):
-        del configs
         value = float(guidance_rescale)
         if not value >= 0.0:
             raise FamilyError(f"guidance_rescale={guidance_rescale}: must be >= 0 (0 = off)")
+        if value and _options(configs).frame_conditions:
+            raise FamilyError(
+                f"guidance_rescale={guidance_rescale}: not built for {CONDITION_PIPELINE} "
+                "(diffusers' rescale reads the frozen conditioning tokens' predictions too)"
+            )
         return dataclasses.replace(guidance, guidance_rescale=value)
 
     # --- image-to-video ---------------------------------------------------------------------
     def image_inputs(self, configs) -> ImageInputs:
-        options = configs.get("pipeline", LTXPipelineOptions())
+        options = _options(configs)
         return ImageInputs("required" if options.image_to_video else "none")
+
+    def encode_conditions(
+        self, pipe, conditions: Sequence[Sequence[LTXCondition]], height, width, num_frames
+    ) -> dict[str, np.ndarray]:
+        """LTXConditionPipeline: per row its conditions (:class:`LTXCondition`, none for a
+        plain render) -> the conditioning tensors of :func:`condition_inputs`, ``[B, ...]``,
+        for both branches. The rows of one batch must have as many extra frames."""
+        if not _options(pipe.configs).frame_conditions:
+            raise FamilyError(
+                f"conditions on frames need an {CONDITION_PIPELINE} (this model's pipeline is "
+                f"{pipe.configs['pipeline'].pipeline_class})"
+            )
+        if not height:
+            raise FamilyError("LTX-Video frame conditions need the render size")
+        vae, params = pipe.components["vae"]
+        temporal, spatial = pipeline_compression(vae.config)
+        channels = vae.config.latent_channels
+
+        def encode(clip):  # one at a time: the VAE is compiled per clip length
+            return image_latents(vae, params, clip)
+
+        rows = [
+            condition_inputs(
+                encode,
+                _as_conditions(row, f"row {number}"),
+                (num_frames, height, width),
+                channels,
+                temporal,
+                spatial,
+                f"row {number}",
+            )
+            for number, row in enumerate(conditions)
+        ]
+        extra = {row[EXTRA_MASK].shape[0] for row in rows}
+        if len(extra) > 1:
+            raise FamilyError(
+                f"the rows of one batch have {sorted(extra)} extra conditioning frames; "
+                "render them in separate batches"
+            )
+        return {name: np.stack([row[name] for row in rows]) for name in rows[0]}
 
     def encode_images(self, pipe, images, height, width, num_frames):
         """Image-to-video: per row the image's latent frame ``[C, 1, H', W']``, the posterior
-        mean normalised without ``scaling_factor`` (as diffusers' pipeline does)."""
-        del num_frames
+        mean normalised without ``scaling_factor`` (as diffusers' pipeline does).
+        LTXConditionPipeline: rows without conditions (:meth:`encode_conditions`)."""
+        if _options(pipe.configs).frame_conditions:
+            if any(image is not None or last is not None for image, last in images):
+                raise FamilyError(
+                    f"{CONDITION_PIPELINE} takes its images as conditions, not as image"
+                )
+            return self.encode_conditions(pipe, [[] for _ in images], height, width, num_frames)
         inputs = self.image_inputs(pipe.configs)
         for row, (image, last) in enumerate(images):
             try:
@@ -835,9 +1217,58 @@ class LTXFamily(Family):
             return {}
         if not height:
             raise FamilyError("LTX-Video image conditioning needs the render size")
+        del num_frames
         vae, params = pipe.components["vae"]
         rows = []
         for image, _ in images:  # one at a time: the VAE is compiled for one clip
             clip = pixels(image, height, width)[None, :, None]
             rows.append(image_latents(vae, params, clip)[0])
         return {IMAGE_LATENTS: np.stack(rows)}
+
+
+def _as_conditions(row: Sequence, where: str) -> list[LTXCondition]:
+    """A row's conditions: :class:`LTXCondition` or mappings of its fields."""
+    out = []
+    for number, item in enumerate(row):
+        try:
+            out.append(item if isinstance(item, LTXCondition) else LTXCondition(**item))
+        except (TypeError, ValueError) as err:
+            raise FamilyError(f"{where}, condition {number}: {err}") from None
+    return out
+
+
+def _options(configs: Mapping) -> LTXPipelineOptions:
+    return configs.get("pipeline", LTXPipelineOptions())
+
+
+def _condition_schedule(options, num_inference_steps: int, shift, where: str):
+    """LTXConditionPipeline's schedule (:func:`condition_schedule`) as a flow-Euler state and
+    step; the scheduler must take the pipeline's timesteps as they are (diffusers fails or
+    shifts them otherwise)."""
+    from jaxcore.schedulers import flow_euler, make_scheduler
+
+    unshifted = (
+        not options.use_dynamic_shifting
+        and float(options.shift) == 1.0
+        and not options.shift_terminal
+        and not options.invert_sigmas
+        and not (
+            options.use_karras_sigmas or options.use_exponential_sigmas or options.use_beta_sigmas
+        )
+    )
+    if not unshifted:
+        raise FamilyError(
+            f"{where}: {CONDITION_PIPELINE} is built for an unshifted scheduler (shift 1, no "
+            "dynamic shifting, shift_terminal, respacing or inversion: 0.9.5 / 0.9.7's); this "
+            "one shifts its timesteps"
+        )
+    if shift is not None and float(shift) != 1.0:
+        raise FamilyError(f"flow_shift={shift}: {CONDITION_PIPELINE}'s schedule is not shifted")
+    _, step_fn = make_scheduler("flow_euler", num_inference_steps, 1.0)
+    sigmas, timesteps = condition_schedule(num_inference_steps, options.num_train_timesteps)
+    state = flow_euler.FlowEulerState(
+        sigmas=jnp.asarray(sigmas),
+        timesteps=jnp.asarray(timesteps),
+        step_index=jnp.zeros((), jnp.int32),
+    )
+    return state, step_fn

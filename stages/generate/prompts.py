@@ -12,8 +12,11 @@ Formats (local path or ``gs://``):
   ``expert`` ``low`` for a two-expert model's ``transformer_2``: the LoRAs of this prompt
   instead of the config's ``model.loras``; prompts are grouped by LoRA set), and the render
   settings only some families take (:data:`FAMILY_SETTINGS`: LTX-Video's ``frame_rate``,
-  ``decode_timestep`` and ``decode_noise_scale``; a model whose family has no default for one
-  refuses it, naming the line).
+  ``decode_timestep``, ``decode_noise_scale`` and ``image_cond_noise_scale``; a model whose
+  family has no default for one refuses it, naming the line), and ``conditions`` (a list of
+  ``{"image" | "video": path, "frame_index": int, "strength": number}``, LTXConditionPipeline
+  only: a ``video`` is a ``.npy`` of frames ``[F, H, W, 3]`` in [0, 1] or a video file imageio
+  reads; paths as for ``latents``).
   Values a line leaves out come from the config's ``sampling`` section, then from the
   pipeline's own defaults; sizes are checked against the model.
 
@@ -45,7 +48,9 @@ FIELDS_INT = ("seed", "height", "width", "num_frames", "num_inference_steps")
 # family takes one exactly when its sampling_defaults name it. They reach the family with the
 # size conditioning (PromptSpec.micro_conditioning), together with the prompt's seed (the
 # decode noise is drawn from it).
-FAMILY_SETTINGS = ("frame_rate", "decode_timestep", "decode_noise_scale")
+FAMILY_SETTINGS = ("frame_rate", "decode_timestep", "decode_noise_scale", "image_cond_noise_scale")
+# Frame conditions (LTXConditionPipeline): taken by a model whose defaults name this setting
+CONDITIONS_SETTING = "image_cond_noise_scale"
 FIELDS_FLOAT = (
     "guidance_scale",
     "guidance_scale_2",
@@ -55,7 +60,7 @@ FIELDS_FLOAT = (
     *FAMILY_SETTINGS,
 )
 FIELDS_STR = ("id", "prompt", "negative_prompt", "latents", "image", "last_image")
-FIELDS_LIST = ("loras",)
+FIELDS_LIST = ("loras", "conditions")
 FIELDS_PAIR = MICRO_CONDITIONING  # SDXL's size / crop conditioning: [a, b] integer pairs
 KNOWN_FIELDS = frozenset((*FIELDS_INT, *FIELDS_FLOAT, *FIELDS_STR, *FIELDS_LIST, *FIELDS_PAIR))
 
@@ -107,6 +112,9 @@ class PromptSpec:
     # micro-conditioning the line sets ((a, b) pairs; unset = defaults) and the family render
     # settings (FAMILY_SETTINGS, with the seed) of a family that takes them
     micro_conditioning: tuple[tuple[str, tuple[int, int] | float | int], ...] = ()
+    # frame conditions (LTXConditionPipeline): (kind "image" | "video", URI, frame_index,
+    # strength)
+    conditions: tuple[tuple[str, str, int, float], ...] = ()
 
     @property
     def group_key(self) -> tuple:
@@ -122,6 +130,7 @@ class PromptSpec:
             self.loras,
             self.image is not None,
             self.last_image is not None,
+            self.conditions,  # a batch shares its conditions' token layout
         )
 
     def params(self) -> dict:
@@ -147,6 +156,8 @@ class PromptSpec:
         }
         if self.guidance_rescale:
             out["guidance_rescale"] = self.guidance_rescale
+        if self.conditions:
+            out["conditions"] = [condition_entry(*c) for c in self.conditions]
         for name, value in self.micro_conditioning:
             out[name] = list(value) if isinstance(value, tuple) else value
         return out
@@ -189,6 +200,55 @@ def lora_entry(path: str, scale: float, expert: str = "high") -> dict:
     return entry
 
 
+def condition_entry(kind: str, uri: str, frame_index: int, strength: float) -> dict:
+    """How a frame condition is recorded (as the prompt line gives it, the path resolved)."""
+    return {kind: uri, "frame_index": frame_index, "strength": strength}
+
+
+def _check_conditions(value, where: str) -> list[dict]:
+    """A line's ``conditions``: a list of ``{"image" | "video": str, "frame_index": int >= 0,
+    "strength": number in [0, 1]}`` (frame_index 0 and strength 1 by default)."""
+    if not isinstance(value, list) or not value:
+        raise StageInputError(
+            f'{where}: conditions must be a non-empty list of {{"image" | "video": path, '
+            f'"frame_index": int, "strength": number}}, got {value!r}'
+        )
+    for i, item in enumerate(value):
+        name = f"{where}: conditions[{i}]"
+        if not isinstance(item, dict):
+            raise StageInputError(f"{name} must be an object, got {item!r}")
+        unknown = sorted(set(item) - {"image", "video", "frame_index", "strength"})
+        if unknown:
+            raise StageInputError(f"{name} has unknown field(s) {unknown}")
+        kinds = [k for k in ("image", "video") if k in item]
+        if len(kinds) != 1 or not isinstance(item[kinds[0]], str) or not item[kinds[0]]:
+            raise StageInputError(f"{name} needs exactly one of image and video (a path)")
+        index = item.get("frame_index", 0)
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise StageInputError(f"{name}.frame_index must be an integer >= 0, got {index!r}")
+        strength = item.get("strength", 1.0)
+        if isinstance(strength, bool) or not isinstance(strength, int | float):
+            raise StageInputError(f"{name}.strength must be a number, got {strength!r}")
+        if not 0.0 <= strength <= 1.0:
+            raise StageInputError(f"{name}.strength must be in [0, 1], got {strength!r}")
+    return value
+
+
+def _resolve_conditions(given: list[dict], prompt_file: str, where: str, model_defaults):
+    """(kind, URI, frame_index, strength) per condition; refused where the model's family
+    takes none (its defaults have no :data:`CONDITIONS_SETTING`)."""
+    if model_defaults is not None and CONDITIONS_SETTING not in model_defaults:
+        raise StageInputError(
+            f"{where}: conditions are for LTXConditionPipeline models; this model takes none"
+        )
+    out = []
+    for item in given:
+        kind = "image" if "image" in item else "video"
+        uri = _resolve_path(item[kind], prompt_file)
+        out.append((kind, uri, int(item.get("frame_index", 0)), float(item.get("strength", 1.0))))
+    return tuple(out)
+
+
 def _check_loras(value, where: str) -> list[dict]:
     """A line's ``loras``: a list of ``{"path": str, "scale": number, "expert": "high" |
     "low"}`` objects (scale and expert optional)."""
@@ -212,6 +272,8 @@ def _check_loras(value, where: str) -> list[dict]:
 
 def _check_type(value, field: str, where: str):
     """Validate one field's JSON type; ints are accepted for float fields."""
+    if field == "conditions":
+        return _check_conditions(value, where)
     if field in FIELDS_LIST:
         return _check_loras(value, where)
     if field in FIELDS_PAIR:
@@ -429,6 +491,9 @@ def resolve_prompts(
         own = _resolve_loras(given["loras"], uri) if "loras" in given else tuple(loras)
         micro = [(key, given[key]) for key in FIELDS_PAIR if key in given]
         micro += _family_settings(given, base, model_defaults, fields["seed"], where)
+        conditions = ()
+        if "conditions" in given:
+            conditions = _resolve_conditions(given["conditions"], uri, where, model_defaults)
         specs.append(
             PromptSpec(
                 index=index,
@@ -438,6 +503,7 @@ def resolve_prompts(
                 latents=latents,
                 loras=own,
                 micro_conditioning=tuple(sorted(micro)),
+                conditions=conditions,
                 **fields,
             )
         )

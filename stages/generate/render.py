@@ -196,15 +196,61 @@ def read_image(uri: str, where: str):
 
 
 def check_image_files(specs: Sequence[PromptSpec]) -> dict[str, str]:
-    """Before rendering: every ``image`` / ``last_image`` reads as an image. Returns
-    ``{uri: sha256}`` (a changed image re-renders its prompts on resume)."""
+    """Before rendering: every ``image`` / ``last_image`` reads as an image, every frame
+    condition's image or video as one. Returns ``{uri: sha256}`` (a changed file re-renders
+    its prompts on resume)."""
     checksums = {}
     for spec in specs:
+        where = f"line {spec.line} (id {spec.id!r})"
         for uri in (spec.image, spec.last_image):
             if uri is not None and uri not in checksums:
-                _, data = read_image(uri, f"line {spec.line} (id {spec.id!r})")
+                _, data = read_image(uri, where)
+                checksums[uri] = hashlib.sha256(data).hexdigest()
+        for kind, uri, _, _ in spec.conditions:
+            if uri not in checksums:
+                _, data = (read_image if kind == "image" else read_video)(uri, where)
                 checksums[uri] = hashlib.sha256(data).hexdigest()
     return checksums
+
+
+def read_video(uri: str, where: str):
+    """A conditioning video (local or gs://) as (its frames as PIL images; its bytes): a
+    ``.npy`` of frames ``[F, H, W, 3]`` in [0, 1] (rounded to 8 bits, as an image file holds
+    them), or a video file imageio reads."""
+    from PIL import Image
+
+    try:
+        data = storage.read_bytes(uri)
+    except storage.StorageError:
+        raise StageInputError(f"{where}: video {uri} does not exist") from None
+    try:
+        if uri.endswith(".npy"):
+            frames = np.load(io.BytesIO(data), allow_pickle=False)
+            if frames.ndim != 4 or frames.shape[-1] != 3 or not np.isfinite(frames).all():
+                raise ValueError(f"expected finite frames [F, H, W, 3], got {frames.shape}")
+            frames = np.round(np.clip(frames, 0.0, 1.0) * 255.0).astype(np.uint8)
+        else:
+            import imageio.v3 as iio
+
+            frames = np.asarray(
+                iio.imread(data, index=None, extension="." + uri.rsplit(".", 1)[-1])
+            )
+            if frames.ndim != 4:
+                raise ValueError(f"expected frames [F, H, W, C], got {frames.shape}")
+            frames = frames[..., :3].astype(np.uint8)
+    except (ValueError, OSError) as err:
+        raise StageInputError(f"{where}: {uri} is not a readable video: {err}") from None
+    return [Image.fromarray(frame) for frame in frames], data
+
+
+def _conditions(spec: PromptSpec) -> list[dict]:
+    """The prompt's frame conditions as the family takes them (images and frames decoded)."""
+    where = f"line {spec.line} (id {spec.id!r})"
+    out = []
+    for kind, uri, frame_index, strength in spec.conditions:
+        media = (read_image if kind == "image" else read_video)(uri, where)[0]
+        out.append({kind: media, "frame_index": frame_index, "strength": strength})
+    return out
 
 
 def _images(spec: PromptSpec) -> tuple:
@@ -326,6 +372,12 @@ def _dispatch(
         size=(first.height, first.width, first.num_frames),
         micro_conditioning=[dict(s.micro_conditioning) for s in rows],
     )
+    if first.conditions:  # frame conditions (LTXConditionPipeline): a batch shares them
+        size = (first.height, first.width, first.num_frames)
+        framed = pipe.family.encode_conditions(pipe, [_conditions(s) for s in rows], *size)
+        cond.update(framed)
+        if uncond is not None:
+            uncond.update(framed)
     plan = step_cache.NO_CACHE if cache is None else cache.plan
     per_row = {  # each row's own seed: samplers that draw noise per step draw it from it
         "seeds": [s.seed for s in rows],

@@ -61,6 +61,8 @@ def _fingerprint(
         "lora_sha256": [lora_checksums[use[0]] for use in spec.loras],
         "image_sha256": [image_checksums.get(u) for u in (spec.image, spec.last_image) if u],
     }
+    if spec.conditions:  # frame conditions' files (absent otherwise: earlier runs match)
+        payload["condition_sha256"] = [image_checksums.get(c[1]) for c in spec.conditions]
     if cache_fingerprint:
         payload["cache"] = cache_fingerprint
     blob = json.dumps(payload, sort_keys=True)

@@ -80,6 +80,9 @@ SCHEDULER = dict(
     max_image_seq_len=512,
     shift_terminal=0.15,
 )
+# LTXConditionPipeline passes its own timesteps and no mu: 0.9.5 / 0.9.7 ship the scheduler's
+# defaults (no dynamic shifting), as the tiny condition pipeline does
+CONDITION_SCHEDULER = dict(shift=1.0)
 TOKENIZER_MAX_LENGTH = 128  # diffusers' convert_ltx_to_diffusers.py
 LOGVAR_BIAS = -1000.0
 
@@ -122,10 +125,12 @@ def build_ltx_pipeline(
     *,
     seed: int = 0,
     image_to_video: bool = False,
+    condition: bool = False,
     scheduler: dict | None = None,
     vae: dict | None = None,
 ) -> Path:
-    """Write a tiny ``LTXPipeline`` (``image_to_video``: ``LTXImageToVideoPipeline``, the same
+    """Write a tiny ``LTXPipeline`` (``image_to_video``: ``LTXImageToVideoPipeline``;
+    ``condition``: ``LTXConditionPipeline`` with :data:`CONDITION_SCHEDULER`; the same
     components) into ``directory``; returns it. ``vae``: config values over :data:`VAE` (e.g.
     a decoder that injects noise, as 0.9.1's)."""
     import torch
@@ -145,6 +150,11 @@ def build_ltx_pipeline(
     )
     torch.manual_seed(seed)
     cls = LTXImageToVideoPipeline if image_to_video else LTXPipeline
+    if condition:
+        from diffusers import LTXConditionPipeline
+
+        cls = LTXConditionPipeline
+        scheduler = CONDITION_SCHEDULER if scheduler is None else scheduler
     pipe = cls(
         transformer=_perturbed(LTXVideoTransformer3DModel(**TRANSFORMER), seed),
         vae=_vae(seed + 1, vae),
