@@ -104,7 +104,9 @@ own timestep). Not built for it: ``denoise_strength`` < 1 (video-to-video), ``gu
 (diffusers' rescale takes the std over the frozen tokens' predictions too), overlapping
 conditions on the same latent frames, step caching.
 
-Not built: multi-scale / latent upsampling, LoRA training, step caching.
+Step caching (First-Block-Cache, MagCache) runs the transformer's block stack as for Wan, in
+the text- and image-to-video pipelines. Not built: multi-scale / latent upsampling, LoRA
+training.
 """
 
 from __future__ import annotations
@@ -841,9 +843,10 @@ class LTXFamily(Family):
     def apply(self, module, params, latents, timestep, conditioning, run_stack=None):
         """Pack ``latents [B, C, F', H', W']`` into tokens, run the transformer with each row's
         RoPE scale (image-to-video: the image's latent frame first, per-token timesteps),
-        unpack the prediction."""
-        if run_stack is not None:
-            raise FamilyError("step caching is not built for the ltx family yet")
+        unpack the prediction. ``run_stack``: step caching runs the block stack (the
+        prediction comes with what the cache measured)."""
+        if run_stack is not None and CONDITION_MASK in conditioning:
+            raise FamilyError("step caching is not built for LTXConditionPipeline yet")
         if ROPE_SCALE not in conditioning:
             raise FamilyError(
                 f"the ltx conditioning needs {ROPE_SCALE!r} (generate: the size conditioning, "
@@ -866,11 +869,15 @@ class LTXFamily(Family):
             t,
             conditioning[TEXT_MASK],
             video_coords=coords,
+            run_stack=run_stack,
         )
+        extra = None
+        if run_stack is not None:
+            prediction, extra = prediction
         prediction = ltx_transformer.unpack_latents(prediction, f, h, w)
         if moves is not None:  # frozen tokens: a 0 velocity, so the Euler step keeps them
             prediction = jnp.where(moves, prediction, jnp.zeros_like(prediction))
-        return prediction
+        return prediction if run_stack is None else (prediction, extra)
 
     def loss_mask(self, latents_shape, conditioning):
         """Image-to-video training (records with ``image_latents``): the first latent frame is
