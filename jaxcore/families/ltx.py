@@ -105,8 +105,8 @@ own timestep). Not built for it: ``denoise_strength`` < 1 (video-to-video), ``gu
 conditions on the same latent frames, step caching.
 
 Step caching (First-Block-Cache, MagCache) runs the transformer's block stack as for Wan, in
-the text- and image-to-video pipelines. Not built: multi-scale / latent upsampling, LoRA
-training.
+the text- and image-to-video pipelines; LoRAs load (:mod:`jaxcore.lora.ltx`) and train
+(the attention projections by default). Not built: multi-scale / latent upsampling.
 """
 
 from __future__ import annotations
@@ -794,6 +794,8 @@ class LTXFamily(Family):
     denoiser_classes = ("LTXVideoTransformer3DModel",)
     denoiser_component = "transformer"
     objective = "flow_matching"
+    # the attention projections, as LTX-Video-Trainer's and diffusers' LoRA scripts train them
+    lora_default_targets = ("to_q", "to_k", "to_v", "to_out.0")
     denoiser_model = DenoiserModel(
         kind=ltx_transformer.KIND,
         weight_map=ltx_transformer.weight_map,
