@@ -105,6 +105,39 @@ def linear_factor(key: str, value: np.ndarray, where: str) -> np.ndarray:
     return value
 
 
+def split_part(key: str, parts: Mapping[str, str]) -> tuple[str, str] | None:
+    """``<module>.<suffix>`` -> (module, the part ``parts[suffix]`` names: down / up / alpha
+    ...), for the first suffix of ``parts`` the key ends with; None for none."""
+    for suffix, part in parts.items():
+        if key.endswith(f".{suffix}"):
+            return key[: -len(suffix) - 1], part
+    return None
+
+
+def paired_layer(parts: Mapping[str, tuple[str, np.ndarray]], where: str) -> LoraLayer | None:
+    """The LoRA of one Linear from its parts ``{"down" | "up" | "alpha": (key, value)}``: the
+    factors as matrices, their ranks checked, the ``alpha / rank`` scale; None when it has no
+    down / up pair (an alpha alone). A down without its up, or the other way, is a LoraError."""
+    if ("down" in parts) != ("up" in parts):
+        have, lack = ("down", "up") if "down" in parts else ("up", "down")
+        raise LoraError(f"{where}: {parts[have][0]} has no matching lora_{lack} / lora_{lack[0]}")
+    if "down" not in parts:
+        return None
+    (down_key, down), (up_key, up) = parts["down"], parts["up"]
+    down, up = linear_factor(down_key, down, where), linear_factor(up_key, up, where)
+    if up.shape[1] != down.shape[0]:
+        raise LoraError(
+            f"{where}: rank mismatch: {down_key} is {list(down.shape)} (rank {down.shape[0]}) "
+            f"but {up_key} is {list(up.shape)} (rank {up.shape[1]})"
+        )
+    alpha = None
+    if "alpha" in parts:
+        alpha_key, alpha = parts["alpha"]
+        if np.size(alpha) != 1:
+            raise LoraError(f"{where}: {alpha_key} has {np.size(alpha)} values, not one")
+    return LoraLayer(down=down, up=up, scale=alpha_scale(alpha, down.shape[0]))
+
+
 LORA_FILE_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' load_lora_weights looks for
 
 

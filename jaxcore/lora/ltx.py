@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxcore.lora.base import Converted, LoraError, LoraLayer, alpha_scale, linear_factor
+from jaxcore.lora.base import Converted, LoraError, paired_layer, split_part
 
 if TYPE_CHECKING:
     from jaxcore.models.ltx_transformer import LTXVideoTransformerConfig
@@ -93,14 +93,6 @@ def linear_modules(config: LTXVideoTransformerConfig) -> dict[str, str]:
     return blocks | _TOP_LINEARS
 
 
-def _split(key: str) -> tuple[str, str] | None:
-    """``transformer_blocks.0.attn1.to_q.lora_A.weight`` -> (``...attn1.to_q``, "down")."""
-    for suffix, part in _PARTS.items():
-        if key.endswith(f".{suffix}"):
-            return key[: -len(suffix) - 1], part
-    return None
-
-
 class _Locator:
     """File key -> (format, diffusers module, part), or None for a key no rule places."""
 
@@ -109,7 +101,7 @@ class _Locator:
         self.diffusers = set(self.original.values())
 
     def __call__(self, key: str) -> tuple[str, str, str] | None:
-        split = _split(key)
+        split = split_part(key, _PARTS)
         placed = None if split is None else self._module(split[0])
         return None if placed is None else (*placed, split[1])
 
@@ -126,29 +118,6 @@ class _Locator:
         if module in self.original:
             return COMFYUI, self.original[module]
         return None
-
-
-def _layer(parts: Mapping[str, tuple[str, np.ndarray]], where: str) -> LoraLayer | None:
-    """The LoRA of one module from its parts {"down"|"up"|"alpha": (key, value)}; None for an
-    alpha alone."""
-    if ("down" in parts) != ("up" in parts):
-        have, lack = ("down", "up") if "down" in parts else ("up", "down")
-        raise LoraError(f"{where}: {parts[have][0]} has no matching lora_{lack} / lora_{lack[0]}")
-    if "down" not in parts:
-        return None
-    (down_key, down), (up_key, up) = parts["down"], parts["up"]
-    down, up = linear_factor(down_key, down, where), linear_factor(up_key, up, where)
-    if up.shape[1] != down.shape[0]:
-        raise LoraError(
-            f"{where}: rank mismatch: {down_key} is {list(down.shape)} (rank {down.shape[0]}) "
-            f"but {up_key} is {list(up.shape)} (rank {up.shape[1]})"
-        )
-    alpha = None
-    if "alpha" in parts:
-        alpha_key, alpha = parts["alpha"]
-        if np.size(alpha) != 1:
-            raise LoraError(f"{where}: {alpha_key} has {np.size(alpha)} values, not one")
-    return LoraLayer(down=down, up=up, scale=alpha_scale(alpha, down.shape[0]))
 
 
 def to_diffusers(
@@ -179,7 +148,7 @@ def to_diffusers(
 
     layers = {}
     for module, parts in modules.items():
-        layer = _layer(parts, where)
+        layer = paired_layer(parts, where)
         if layer is None:  # an alpha alone
             unmatched.append(parts["alpha"][0])
             formats.pop(module)

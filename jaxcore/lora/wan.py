@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxcore.lora.base import Converted, LoraError, LoraLayer, alpha_scale, linear_factor
+from jaxcore.lora.base import Converted, LoraError, LoraLayer, paired_layer, split_part
 
 if TYPE_CHECKING:
     from jaxcore.models.wan_transformer import WanTransformerConfig
@@ -103,14 +103,6 @@ def linear_modules(config: WanTransformerConfig) -> dict[str, str]:
     return names | _TOP_LINEARS
 
 
-def _split(key: str) -> tuple[str, str] | None:
-    """``blocks.0.self_attn.q.lora_down.weight`` -> (``blocks.0.self_attn.q``, "down")."""
-    for suffix, part in _PARTS.items():
-        if key.endswith(f".{suffix}"):
-            return key[: -len(suffix) - 1], part
-    return None
-
-
 class _Locator:
     """File key -> (format, diffusers module, part), or None for a key no rule places."""
 
@@ -120,7 +112,7 @@ class _Locator:
         self.musubi = {name.replace(".", "_"): name for name in self.original}
 
     def __call__(self, key: str) -> tuple[str, str, str] | None:
-        split = _split(key)
+        split = split_part(key, _PARTS)
         placed = None if split is None else self._module(split[0])
         return None if placed is None else (*placed, split[1])
 
@@ -162,25 +154,8 @@ def _layer(
 ) -> tuple[LoraLayer | None, list[str]]:
     """The LoRA of one module from its parts {"down"|"up"|"alpha"|"diff": (key, value)}, and the
     keys it did not use (an alpha without a down/up pair)."""
-    layer, unused = None, []
-    if ("down" in parts) != ("up" in parts):
-        have, lack = ("down", "up") if "down" in parts else ("up", "down")
-        raise LoraError(f"{where}: {parts[have][0]} has no matching lora_{lack} / lora_{lack[0]}")
-    if "down" in parts:
-        (down_key, down), (up_key, up) = parts["down"], parts["up"]
-        down, up = linear_factor(down_key, down, where), linear_factor(up_key, up, where)
-        if up.shape[1] != down.shape[0]:
-            raise LoraError(
-                f"{where}: rank mismatch: {down_key} is {list(down.shape)} (rank {down.shape[0]}) "
-                f"but {up_key} is {list(up.shape)} (rank {up.shape[1]})"
-            )
-        alpha = None
-        if "alpha" in parts:
-            alpha_key, alpha = parts["alpha"]
-            if np.size(alpha) != 1:
-                raise LoraError(f"{where}: {alpha_key} has {np.size(alpha)} values, not one")
-        layer = LoraLayer(down=down, up=up, scale=alpha_scale(alpha, down.shape[0]))
-    elif "alpha" in parts:
+    layer, unused = paired_layer(parts, where), []
+    if layer is None and "alpha" in parts:
         unused.append(parts["alpha"][0])
     if "diff" in parts:
         diff_key, diff = parts["diff"]
