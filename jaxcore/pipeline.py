@@ -529,6 +529,7 @@ class Pipeline:
         batched_cfg: bool = True,
         guidance_rescale: float | Sequence[float] = 0.0,
         seeds: Sequence[int] | None = None,
+        timesteps: Sequence[float] | None = None,
     ) -> jax.Array:
         """Run the whole denoising loop (one jitted call); returns the final latents.
 
@@ -542,6 +543,8 @@ class Pipeline:
         ``guidance_rescale``: one value or one per sample (``Guidance.guidance_rescale``);
         applied after CFG where > 0. ``seeds``: one per row (this process's rows), the per-step
         noise of stochastic schedulers (Euler ancestral, ...); required by those only.
+        ``timesteps``: a custom timestep list (diffusers' ``timesteps=``; ``num_inference_steps``
+        its length), for a family that takes one (LTX-Video's ``LTXConditionPipeline``).
         """
         x, _ = self.sample_with_stats(
             latents,
@@ -554,6 +557,7 @@ class Pipeline:
             batched_cfg=batched_cfg,
             guidance_rescale=guidance_rescale,
             seeds=seeds,
+            timesteps=timesteps,
         )
         return x
 
@@ -572,6 +576,7 @@ class Pipeline:
         cache_schedule=None,
         guidance_rescale: float | Sequence[float] = 0.0,
         seeds: Sequence[int] | None = None,
+        timesteps: Sequence[float] | None = None,
     ) -> tuple[jax.Array, dict]:
         """:meth:`sample` with step caching (:mod:`jaxcore.step_cache`): ``cache`` the method,
         ``cache_schedule`` MagCache's ``[num_inference_steps]`` bool compute mask. Returns
@@ -592,6 +597,8 @@ class Pipeline:
         uncond = cond if uncond is None else {k: self.shard_batch(v) for k, v in uncond.items()}
         if seeds is not None and len(seeds) != rows:
             raise ValueError(f"{len(seeds)} seeds for a batch of {rows} rows")
+        # custom timesteps reach only a family whose make_seeded_schedule takes them (LTX)
+        custom = {} if timesteps is None else {"timesteps": tuple(float(t) for t in timesteps)}
         state, step_fn = self.family.make_seeded_schedule(
             self,
             scheduler or self.default_scheduler,
@@ -599,6 +606,7 @@ class Pipeline:
             self.default_shift if shift is None else float(shift),
             latents.shape,
             seeds=None if seeds is None else [int(s) for s in seeds],
+            **custom,
         )
         latents = latents.astype(jnp.float32)
         sigma = schedulers.init_noise_sigma(state)

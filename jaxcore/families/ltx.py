@@ -102,7 +102,9 @@ last step's ``image_cond_noise``, ``0.15 noise (t_N / 1000) ** 2``), and a token
 ``1 - mask`` lies within 1e-6 below ``t / 1000`` steps with the full step (diffusers: from its
 own timestep). Not built for it: ``denoise_strength`` < 1 (video-to-video), ``guidance_rescale``
 (diffusers' rescale takes the std over the frozen tokens' predictions too), overlapping
-conditions on the same latent frames, step caching.
+conditions on the same latent frames, step caching. Custom timesteps (a prompt's
+``timesteps``, diffusers' ``timesteps=``, the distilled models' lists; :func:`custom_schedule`)
+replace that schedule here only: diffusers' other two pipelines fail with them.
 
 Step caching (First-Block-Cache, MagCache) runs the transformer's block stack as for Wan, in
 the text- and image-to-video pipelines; LoRAs load (:mod:`jaxcore.lora.ltx`) and train
@@ -392,6 +394,33 @@ def condition_schedule(num_steps: int, num_train_timesteps: int = 1000):
     timesteps = np.asarray(linear_quadratic_schedule(num_steps), np.float32) * np.float32(1000)
     sigmas = (timesteps / np.float32(num_train_timesteps)).astype(np.float32)
     return np.concatenate([sigmas, np.zeros(1, np.float32)]), timesteps
+
+
+def custom_schedule(timesteps: Sequence[float], num_train_timesteps: int = 1000):
+    """``(sigmas [N + 1], timesteps [N])`` float32 for a custom ``timesteps=`` list, as
+    ``FlowMatchEulerDiscreteScheduler.set_timesteps(timesteps=...)`` makes them for an unshifted
+    scheduler (what ``LTXConditionPipeline`` calls; the distilled models' lists): the timesteps
+    as given (float32), sigmas ``timesteps / num_train_timesteps``, then 0. ValueError for a
+    list that is empty, not strictly decreasing or outside ``[0, num_train_timesteps]``."""
+    problem = timesteps_problem(timesteps, num_train_timesteps)
+    if problem:
+        raise ValueError(problem)
+    steps = np.asarray(list(timesteps), np.float64).astype(np.float32)
+    sigmas = (steps / np.float32(num_train_timesteps)).astype(np.float32)
+    return np.concatenate([sigmas, np.zeros(1, np.float32)]), steps
+
+
+def timesteps_problem(timesteps: Sequence[float], num_train_timesteps: int = 1000) -> str | None:
+    """What is wrong with a custom timestep list (None: nothing): it must be non-empty,
+    finite, strictly decreasing and within ``[0, num_train_timesteps]``."""
+    values = [float(t) for t in timesteps]
+    if not values:
+        return "timesteps must be a non-empty list of numbers"
+    if not all(math.isfinite(t) and 0.0 <= t <= num_train_timesteps for t in values):
+        return f"timesteps={values}: each must be in [0, {num_train_timesteps}]"
+    if any(b >= a for a, b in zip(values, values[1:], strict=False)):
+        return f"timesteps={values}: must be strictly decreasing"
+    return None
 
 
 def torch_lerp(start, end, weight):
@@ -1059,6 +1088,7 @@ class LTXFamily(Family):
                 **self._sampling_defaults(),
                 "max_sequence_length": CONDITION_MAX_SEQUENCE_LENGTH,
                 IMAGE_COND_NOISE_SCALE: DEFAULT_IMAGE_COND_NOISE_SCALE,
+                "timesteps": None,  # a custom timestep list (the distilled models')
             }
         return self._sampling_defaults()
 
@@ -1084,9 +1114,26 @@ class LTXFamily(Family):
             )
         return "flow_euler"
 
-    def make_schedule(self, pipe, scheduler, num_inference_steps, shift, latent_shape):
+    def make_seeded_schedule(
+        self, pipe, scheduler, num_inference_steps, shift, latent_shape, seeds=None, timesteps=None
+    ):
+        """:meth:`make_schedule` (the family's samplers draw no noise); ``timesteps``: a custom
+        timestep list (see :meth:`make_schedule`)."""
+        del seeds
+        return self.make_schedule(
+            pipe, scheduler, num_inference_steps, shift, latent_shape, timesteps=timesteps
+        )
+
+    def make_schedule(
+        self, pipe, scheduler, num_inference_steps, shift, latent_shape, timesteps=None
+    ):
         """The pipelines' schedule: sigmas ``linspace(1, 1/N, N)``, ``mu`` from the video's
-        token count (used under dynamic shifting), the config's ``shift_terminal``."""
+        token count (used under dynamic shifting), the config's ``shift_terminal``.
+
+        ``timesteps`` (a list, as diffusers' ``timesteps=``; the distilled models'): taken by an
+        ``LTXConditionPipeline`` only (diffusers' ``LTXPipeline`` / ``LTXImageToVideoPipeline``
+        fail with one: they pass their own ``sigmas`` too), as its unshifted scheduler takes
+        them (:func:`custom_schedule`); ``num_inference_steps`` must be their count."""
         from jaxcore.schedulers import make_scheduler
         from jaxcore.schedulers.flow_euler import (
             FlowEulerConfigError,
@@ -1108,8 +1155,15 @@ class LTXFamily(Family):
                 f"flow_shift={shift}: this scheduler shifts by the video's size "
                 "(use_dynamic_shifting), so a flow_shift has no effect; leave it unset"
             )
-        if _options(getattr(pipe, "configs", {})).frame_conditions:
-            return _condition_schedule(options, num_inference_steps, shift, where)
+        frame_conditions = _options(getattr(pipe, "configs", {})).frame_conditions
+        if timesteps is not None and not frame_conditions:
+            raise FamilyError(
+                f"timesteps={list(timesteps)}: custom timesteps are taken by an "
+                f"{CONDITION_PIPELINE} model only (diffusers' {T2V_PIPELINE} and "
+                f"{I2V_PIPELINE} fail with them)"
+            )
+        if frame_conditions:
+            return _condition_schedule(options, num_inference_steps, shift, where, timesteps)
         _, _, f, h, w = latent_shape
         mu = calculate_shift(
             f * h * w,
@@ -1250,10 +1304,10 @@ def _options(configs: Mapping) -> LTXPipelineOptions:
     return configs.get("pipeline", LTXPipelineOptions())
 
 
-def _condition_schedule(options, num_inference_steps: int, shift, where: str):
-    """LTXConditionPipeline's schedule (:func:`condition_schedule`) as a flow-Euler state and
-    step; the scheduler must take the pipeline's timesteps as they are (diffusers fails or
-    shifts them otherwise)."""
+def _condition_schedule(options, num_inference_steps: int, shift, where: str, timesteps=None):
+    """LTXConditionPipeline's schedule (:func:`condition_schedule`, or the custom
+    ``timesteps``' :func:`custom_schedule`) as a flow-Euler state and step; the scheduler must
+    take the pipeline's timesteps as they are (diffusers fails or shifts them otherwise)."""
     from jaxcore.schedulers import flow_euler, make_scheduler
 
     unshifted = (
@@ -1273,8 +1327,19 @@ def _condition_schedule(options, num_inference_steps: int, shift, where: str):
         )
     if shift is not None and float(shift) != 1.0:
         raise FamilyError(f"flow_shift={shift}: {CONDITION_PIPELINE}'s schedule is not shifted")
+    if timesteps is None:
+        sigmas, timesteps = condition_schedule(num_inference_steps, options.num_train_timesteps)
+    else:
+        try:
+            sigmas, timesteps = custom_schedule(timesteps, options.num_train_timesteps)
+        except ValueError as err:
+            raise FamilyError(str(err)) from None
+        if len(timesteps) != num_inference_steps:
+            raise FamilyError(
+                f"num_inference_steps={num_inference_steps} with {len(timesteps)} custom "
+                "timesteps: the steps are the timesteps' count"
+            )
     _, step_fn = make_scheduler("flow_euler", num_inference_steps, 1.0)
-    sigmas, timesteps = condition_schedule(num_inference_steps, options.num_train_timesteps)
     state = flow_euler.FlowEulerState(
         sigmas=jnp.asarray(sigmas),
         timesteps=jnp.asarray(timesteps),

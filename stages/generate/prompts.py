@@ -16,7 +16,10 @@ Formats (local path or ``gs://``):
   family has no default for one refuses it, naming the line), and ``conditions`` (a list of
   ``{"image" | "video": path, "frame_index": int, "strength": number}``, LTXConditionPipeline
   only: a ``video`` is a ``.npy`` of frames ``[F, H, W, 3]`` in [0, 1] or a video file imageio
-  reads; paths as for ``latents``).
+  reads; paths as for ``latents``), and ``timesteps`` (a custom timestep list, as diffusers'
+  ``timesteps=``: strictly decreasing numbers in [0, 1000], the step count their number; taken
+  by a model whose family's defaults name ``timesteps``, LTXConditionPipeline's, e.g. the
+  distilled LTX-Video models; prompts are grouped by it).
   Values a line leaves out come from the config's ``sampling`` section, then from the
   pipeline's own defaults; sizes are checked against the model.
 
@@ -61,8 +64,13 @@ FIELDS_FLOAT = (
 )
 FIELDS_STR = ("id", "prompt", "negative_prompt", "latents", "image", "last_image")
 FIELDS_LIST = ("loras", "conditions")
+# A custom timestep list (diffusers' timesteps=), taken by a model whose defaults name it
+TIMESTEPS = "timesteps"
+MAX_TIMESTEP = 1000  # the flow-match schedulers' num_train_timesteps (the family re-checks)
 FIELDS_PAIR = MICRO_CONDITIONING  # SDXL's size / crop conditioning: [a, b] integer pairs
-KNOWN_FIELDS = frozenset((*FIELDS_INT, *FIELDS_FLOAT, *FIELDS_STR, *FIELDS_LIST, *FIELDS_PAIR))
+KNOWN_FIELDS = frozenset(
+    (*FIELDS_INT, *FIELDS_FLOAT, *FIELDS_STR, *FIELDS_LIST, *FIELDS_PAIR, TIMESTEPS)
+)
 
 # Per-prompt values that fall back to the config's sampling section (then the model's).
 PER_PROMPT_DEFAULTS = (
@@ -115,6 +123,8 @@ class PromptSpec:
     # frame conditions (LTXConditionPipeline): (kind "image" | "video", URI, frame_index,
     # strength)
     conditions: tuple[tuple[str, str, int, float], ...] = ()
+    # a custom timestep list (num_inference_steps is its length), None: the pipeline's schedule
+    timesteps: tuple[float, ...] | None = None
 
     @property
     def group_key(self) -> tuple:
@@ -131,6 +141,7 @@ class PromptSpec:
             self.image is not None,
             self.last_image is not None,
             self.conditions,  # a batch shares its conditions' token layout
+            self.timesteps,
         )
 
     def params(self) -> dict:
@@ -158,6 +169,8 @@ class PromptSpec:
             out["guidance_rescale"] = self.guidance_rescale
         if self.conditions:
             out["conditions"] = [condition_entry(*c) for c in self.conditions]
+        if self.timesteps is not None:
+            out[TIMESTEPS] = list(self.timesteps)
         for name, value in self.micro_conditioning:
             out[name] = list(value) if isinstance(value, tuple) else value
         return out
@@ -270,8 +283,51 @@ def _check_loras(value, where: str) -> list[dict]:
     return value
 
 
+def _check_timesteps(value, where: str) -> tuple[float, ...]:
+    """A line's ``timesteps``: a non-empty list of numbers, strictly decreasing, each in
+    ``[0, MAX_TIMESTEP]``."""
+    numbers = isinstance(value, list) and all(
+        not isinstance(v, bool) and isinstance(v, int | float) for v in value
+    )
+    if not numbers or not value:
+        raise StageInputError(
+            f"{where}: timesteps must be a non-empty list of numbers, got {value!r}"
+        )
+    if not all(math.isfinite(v) and 0 <= v <= MAX_TIMESTEP for v in value):
+        raise StageInputError(
+            f"{where}: timesteps must each be in [0, {MAX_TIMESTEP}], got {value!r}"
+        )
+    if any(b >= a for a, b in zip(value, value[1:], strict=False)):
+        raise StageInputError(f"{where}: timesteps must be strictly decreasing, got {value!r}")
+    return tuple(float(v) for v in value)
+
+
+def _resolve_timesteps(given: dict, fields: dict, where: str, model_defaults) -> tuple | None:
+    """The line's ``timesteps`` (None when it gives none), refused where the model takes none
+    (its defaults do not name them) or where the line's ``num_inference_steps`` differs from
+    their count; ``fields["num_inference_steps"]`` becomes their count."""
+    timesteps = given.get(TIMESTEPS)
+    if timesteps is None:
+        return None
+    if model_defaults is not None and TIMESTEPS not in model_defaults:
+        raise StageInputError(
+            f"{where}: timesteps are for models whose pipeline takes a custom timestep list "
+            "(an LTXConditionPipeline, as the distilled models are); this model takes none"
+        )
+    steps = given.get("num_inference_steps")
+    if steps is not None and steps != len(timesteps):
+        raise StageInputError(
+            f"{where}: num_inference_steps={steps} with {len(timesteps)} timesteps; leave "
+            "num_inference_steps unset (the steps are the timesteps' count)"
+        )
+    fields["num_inference_steps"] = len(timesteps)
+    return timesteps
+
+
 def _check_type(value, field: str, where: str):
     """Validate one field's JSON type; ints are accepted for float fields."""
+    if field == TIMESTEPS:
+        return _check_timesteps(value, where)
     if field == "conditions":
         return _check_conditions(value, where)
     if field in FIELDS_LIST:
@@ -480,6 +536,7 @@ def resolve_prompts(
         }
         for key in PER_PROMPT_DEFAULTS:
             fields[key] = given.get(key, base[key])
+        timesteps = _resolve_timesteps(given, fields, where, model_defaults)
         for key in ("image", "last_image"):
             fields[key] = _resolve_path(given[key], uri) if key in given else None
         _check_values(fields, where, geometry, image_inputs)
@@ -504,6 +561,7 @@ def resolve_prompts(
                 loras=own,
                 micro_conditioning=tuple(sorted(micro)),
                 conditions=conditions,
+                timesteps=timesteps,
                 **fields,
             )
         )

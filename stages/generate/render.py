@@ -295,6 +295,7 @@ def _sample(
         scheduler=scheduler,
         cache=plan,
         cache_schedule=schedule,
+        timesteps=first.timesteps,  # a custom list (LTX-Video), in the group key
         **per_row,
     )
 
