@@ -18,7 +18,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-TIMESTEP_METHODS = ("uniform", "logit_normal", "shifted")
+TIMESTEP_METHODS = ("uniform", "logit_normal", "shifted", "shifted_logit_normal")
+# LTX-Video-Trainer's shifted_logit_normal: the logit mean linear in the latent token count,
+# through these (tokens, mean) points (its _get_shift_for_sequence_length), not clipped
+SHIFT_TOKENS, SHIFT_MEANS = (1024, 4096), (0.95, 2.05)
+
+
+def shifted_logit_mean(tokens: int) -> float:
+    """The logit mean of ``shifted_logit_normal`` for ``tokens`` latent tokens per sample: linear
+    through (1024, 0.95) and (4096, 2.05) (LTX-Video-Trainer)."""
+    (lo, hi), (low, high) = SHIFT_TOKENS, SHIFT_MEANS
+    slope = (high - low) / (hi - lo)
+    return float(slope * tokens + low - slope * lo)
+
+
 WEIGHT_SCHEMES = ("none", "gaussian")
 
 # MaxDiffusion's Wan trainer keeps a little noise at t = 0: sigma = (1 - t) * SIGMA_MIN + t.
@@ -57,6 +70,8 @@ def sample_timesteps(
       ``"logit_normal"``: ``t = sigmoid(n)``, ``n ~ N(logit_mean, logit_std^2)`` (SD3 sec. 3.1).
       ``"shifted"``: ``t ~ U[0, 1)`` then :func:`shift_timesteps` with ``shift`` (Wan /
         MaxDiffusion default, ``shift = 3``).
+      ``"shifted_logit_normal"``: ``"logit_normal"`` with the mean given by the caller from
+        the token count (:func:`shifted_logit_mean`; LTX-Video-Trainer's default).
     """
     if method not in TIMESTEP_METHODS:
         raise ValueError(f"unknown timestep method {method!r}; expected one of {TIMESTEP_METHODS}")
@@ -67,7 +82,7 @@ def sample_timesteps(
     lo, hi = (float(v) for v in t_range)
     if not 0.0 <= lo < hi <= 1.0:
         raise ValueError(f"t_range must satisfy 0 <= lo < hi <= 1, got {t_range}")
-    if method == "logit_normal":
+    if method in ("logit_normal", "shifted_logit_normal"):
         # t = sigmoid(mean + std n) is monotone in n: truncate n to the matching interval
         if (lo, hi) == (0.0, 1.0):
             normal = jax.random.normal(rng, (batch,), jnp.float32)

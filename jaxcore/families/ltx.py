@@ -64,8 +64,8 @@ Convert and train (:class:`LTXEncoders`, as LTX-Video-Trainer's preprocessing an
   (1 - s) x + s noise``, target velocity ``noise - x``, the transformer applied by
   :meth:`LTXFamily.apply` as generate applies it (packed tokens, the records' RoPE scale, the
   attention mask), timesteps ``1000 s``. The trainer's ``shifted_logit_normal`` sampling is
-  ``sigmoid(N(mu, 1))`` with ``mu`` linear in the token count (:func:`trainer_logit_mean`),
-  which the shared ``timestep_sampling=logit_normal logit_mean=<mu>`` draws;
+  ``sigmoid(N(mu, 1))`` with ``mu`` linear in the token count: the shared
+  ``timestep_sampling=shifted_logit_normal`` (``jaxcore.flow_matching.shifted_logit_mean``);
 - image-to-video (records converted with an ``LTXImageToVideoPipeline``, clips of more than
   one latent frame): each record also holds its clip's first frame encoded as generate encodes
   a conditioning image (``image_latents``); training puts it in place of the first latent frame
@@ -170,8 +170,6 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 128
 # The frame rate whose RoPE scale convert writes into the records (the pipelines' default)
 TRAIN_FRAME_RATE = DEFAULT_FRAME_RATE
 # LTX-Video-Trainer's shifted_logit_normal: mu linear from 0.95 at 1024 tokens to 2.05 at 4096
-TRAINER_SHIFT_TOKENS = (1024, 4096)
-TRAINER_SHIFTS = (0.95, 2.05)
 # diffusers' check_inputs: height and width divisible by 32 whatever the VAE
 PIPELINE_SIZE_MULTIPLE = 32
 # The render settings a prompt gives the size conditioning (with its seed).
@@ -257,17 +255,6 @@ def rope_scale(frame_rate: float, temporal: int, spatial: int) -> np.ndarray:
     return np.asarray(
         ltx_transformer.frame_rate_rope_scale(frame_rate, temporal, spatial), np.float32
     )
-
-
-def trainer_logit_mean(tokens: int) -> float:
-    """The mean of LTX-Video-Trainer's ``shifted_logit_normal`` timestep sampling for a video of
-    ``tokens`` latent tokens (``F' H' W'``): linear through (1024, 0.95) and (4096, 2.05), not
-    clipped, as the trainer's ``_get_shift_for_sequence_length``. Its sigmas are
-    ``sigmoid(N(mu, 1))``: the shared ``timestep_sampling=logit_normal`` with this
-    ``logit_mean``."""
-    (lo, hi), (low, high) = TRAINER_SHIFT_TOKENS, TRAINER_SHIFTS
-    slope = (high - low) / (hi - lo)
-    return float(slope * tokens + low - slope * lo)
 
 
 def seed_words(seed: int) -> tuple[int, int]:

@@ -56,11 +56,14 @@ class ObjectiveSection:
     Flow matching (Wan / Flux / SD3): timestep sampling and optional loss weighting.
     ``timestep_sampling``: "uniform" t~U[0,1); "logit_normal" t=sigmoid(N(logit_mean,
     logit_std)); "shifted" (MaxDiffusion's Wan trainer) t~U then t'=s*t/(1+(s-1)t) with
-    s=``timestep_shift``. ``loss_weighting``: "none" or "gaussian" (a bell around
+    s=``timestep_shift``; "shifted_logit_normal" (LTX-Video-Trainer's) logit_normal with the
+    mean from the latent token count per sample (``flow_matching.shifted_logit_mean``). ``loss_weighting``: "none" or "gaussian" (a bell around
     ``weighting_center`` in timestep units, normalised over the schedule, not the batch).
     """
 
-    timestep_sampling: Literal["uniform", "logit_normal", "shifted"] = "shifted"
+    timestep_sampling: Literal["uniform", "logit_normal", "shifted", "shifted_logit_normal"] = (
+        "shifted"
+    )
     timestep_shift: float = 3.0
     logit_mean: float = 0.0
     logit_std: float = 1.0
@@ -227,14 +230,18 @@ def check_objective(family) -> None:
         )
 
 
-def sample_t(key: jax.Array, batch: int, cfg: ObjectiveSection) -> jax.Array:
-    """Training times t in [0, 1), one per sample, by ``cfg.timestep_sampling``."""
+def sample_t(key: jax.Array, batch: int, cfg: ObjectiveSection, tokens: int = 0) -> jax.Array:
+    """Training times t in [0, 1), one per sample, by ``cfg.timestep_sampling`` (``tokens``:
+    the latent tokens per sample, which ``shifted_logit_normal`` takes its mean from)."""
+    mean = cfg.logit_mean
+    if cfg.timestep_sampling == "shifted_logit_normal":
+        mean = fm.shifted_logit_mean(tokens)
     return fm.sample_timesteps(
         key,
         batch,
         cfg.timestep_sampling,
         shift=cfg.timestep_shift,
-        logit_mean=cfg.logit_mean,
+        logit_mean=mean,
         logit_std=cfg.logit_std,
         t_range=cfg.timestep_range,
     )
@@ -385,7 +392,10 @@ def weighted_losses(
             family, module, params, latents, conditioning, key, cfg, target
         )
     key_t, key_noise = jax.random.split(key)
-    t = sample_t(key_t, latents.shape[0], cfg)
+    tokens = 0
+    if cfg.timestep_sampling == "shifted_logit_normal":
+        tokens = family.tokens_per_example(module.config, latents.shape[1:])
+    t = sample_t(key_t, latents.shape[0], cfg, tokens)
     noise = jax.random.normal(key_noise, latents.shape, jnp.float32)
     per_sample = loss_at(family, module, params, latents, conditioning, t, noise)
     return per_sample * loss_weight(t, cfg)

@@ -239,12 +239,30 @@ def test_ltx_trains_evaluates_and_renders_its_checkpoint(ltx_dir, clip_data, tmp
     assert frames.shape == (FRAMES, SIZE, SIZE, 3) and np.isfinite(frames).all()
 
 
-def test_trainer_logit_mean_is_ltx_trainers_shift():
-    from jaxcore.families import ltx
+def test_shifted_logit_normal_is_ltx_trainers_sampling(ltx_dir):
+    """timestep_sampling=shifted_logit_normal: LTX-Video-Trainer's mean (linear in the token
+    count: 0.95 at 1024, 2.05 at 4096) with the tokens of the batch, the draws exactly
+    sigmoid(N(mean, 1)) of logit_normal at that mean."""
+    import jax
 
-    assert ltx.trainer_logit_mean(1024) == pytest.approx(0.95)
-    assert ltx.trainer_logit_mean(4096) == pytest.approx(2.05)
-    assert ltx.trainer_logit_mean(2560) == pytest.approx(1.5)
+    from jaxcore import flow_matching as fm
+    from jaxcore.families import load_pipeline
+    from stages.common import objective
+
+    assert fm.shifted_logit_mean(1024) == pytest.approx(0.95)
+    assert fm.shifted_logit_mean(4096) == pytest.approx(2.05)
+    assert fm.shifted_logit_mean(2560) == pytest.approx(1.5)
+    pipe = load_pipeline(ltx_dir)
+    tokens = pipe.family.tokens_per_example(pipe.denoiser.config, tuple(LATENTS))
+    assert tokens == 2 * 4 * 4
+    key = jax.random.key(0)
+    shifted = objective.ObjectiveSection(timestep_sampling="shifted_logit_normal")
+    plain = objective.ObjectiveSection(
+        timestep_sampling="logit_normal", logit_mean=fm.shifted_logit_mean(tokens)
+    )
+    np.testing.assert_array_equal(
+        objective.sample_t(key, 64, shifted, tokens), objective.sample_t(key, 64, plain)
+    )
 
 
 def test_encoders_pad_to_their_batch(ltx_dir):
@@ -417,6 +435,7 @@ def test_an_ltx_lora_trains_and_its_export_renders_in_diffusers(
         f"model.pretrained_model_name_or_path={ltx_dir}",
         "lora.rank=4",
         "lora.alpha=8",
+        "timestep_sampling=shifted_logit_normal",  # LTX-Video-Trainer's
         "max_train_steps=20",
         "checkpoint_every=20",
         "learning_rate=1e-2",
