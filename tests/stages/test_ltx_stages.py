@@ -183,6 +183,7 @@ def test_images_convert_as_one_frame_clips_and_bad_sizes_are_named(ltx_dir, tmp_
     assert "num_frames must be 1, 5, 9, ... (4k + 1), got 4" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~20 s; the LoRA test below trains LTX in the default tier
 def test_ltx_trains_evaluates_and_renders_its_checkpoint(ltx_dir, clip_data, tmp_path):
     data_dir = clip_data
     out = tmp_path / "train"
@@ -282,6 +283,7 @@ def i2v_dir(tmp_path_factory) -> Path:
     return build_ltx_pipeline(tmp_path_factory.mktemp("ltx_i2v"), seed=7, image_to_video=True)
 
 
+@pytest.mark.slow  # ~20 s; the LoRA test below trains LTX in the default tier
 def test_i2v_records_train_on_the_frames_after_the_first(i2v_dir, clip_data, tmp_path):
     """An image-to-video pipeline's records hold each clip's first frame encoded as generate
     encodes a conditioning image; training keeps that frame clean (timestep 0) and scores the
