@@ -47,6 +47,7 @@ TEST = [
     "gcp-storage-emulator",
     "ruff==0.17.6",
     "scikit-image",  # SSIM / PSNR oracle for the step-cache quality gate
+    "opencv-python-headless==5.1.0.95",  # cv2.Canny: the oracle for jaxcore/control_preprocess.py
     "torchao==0.18.0",  # bench/quantization.py: diffusers' model quantized as its users do
 ]
 
