@@ -61,7 +61,9 @@ is added per conv channel.
 Not implemented (refused by name in the config): other block types, ``only_cross_attention``,
 dual cross-attention, class / encoder-hidden / image embeddings, ``time_cond_proj_dim``,
 ``resnet_time_scale_shift="scale_shift"``, GLIGEN, ``dropout > 0``; ``cross_attention_dim`` as a
-per-block list. Not in the call: attention masks, ControlNet / T2I-adapter residuals, FreeU.
+per-block list. Not in the call: attention masks, T2I-adapter residuals, FreeU. ControlNet
+residuals (``down_block_additional_residuals``, ``mid_block_additional_residual``, diffusers
+layout) are added as diffusers adds them (:mod:`jaxcore.models.controlnet`).
 
 Parity reached (tests/jaxcore/test_unet_2d_condition.py, fp32 on CPU, every diffusers
 parameter perturbed, ``jax_default_matmul_precision="highest"``, the reference with a correctly
@@ -1118,23 +1120,40 @@ class UNet2DConditionModel(nn.Module):
             x = block(x, level_skips, temb, context, size)
         return x
 
-    @nn.compact
-    def __call__(self, sample, timestep, encoder_hidden_states, text_embeds=None, time_ids=None):
-        cfg = self.config
+    def _prepare(self, sample, timestep, encoder_hidden_states, text_embeds, time_ids):
+        """Checked inputs -> (channel-last sample, time embedding, context)."""
         timestep = jnp.asarray(timestep)
         self._check_inputs(sample, timestep, encoder_hidden_states, text_embeds, time_ids)
         batch = sample.shape[0]
         self._check_mesh(batch)
-
         x = _constrain_image(jnp.transpose(sample, (0, 2, 3, 1)).astype(self.dtype))
-        if cfg.center_input_sample:
+        if self.config.center_input_sample:
             x = 2 * x - 1.0
         t_b = jnp.broadcast_to(timestep.astype(jnp.float32).reshape(-1), (batch,))
         temb = self._embed_time(t_b, text_embeds, time_ids)
-        context = encoder_hidden_states.astype(self.dtype)
+        return x, temb, encoder_hidden_states.astype(self.dtype)
 
+    @nn.compact
+    def __call__(
+        self,
+        sample,
+        timestep,
+        encoder_hidden_states,
+        text_embeds=None,
+        time_ids=None,
+        down_block_additional_residuals=None,
+        mid_block_additional_residual=None,
+    ):
+        cfg = self.config
+        x, temb, context = self._prepare(
+            sample, timestep, encoder_hidden_states, text_embeds, time_ids
+        )
         x = self._same_conv(cfg.block_out_channels[0], cfg.conv_in_kernel, "conv_in")(x)
         x, skips = self._down_path(x, temb, context)
+        if down_block_additional_residuals is not None:
+            x, skips = _with_residuals(
+                x, skips, down_block_additional_residuals, mid_block_additional_residual
+            )
         x = self._up_path(x, skips, temb, context)
 
         norm = GroupNorm(
@@ -1149,6 +1168,23 @@ class UNet2DConditionModel(nn.Module):
         return jnp.transpose(_constrain_image(x), (0, 3, 1, 2))
 
 
+def _with_residuals(x_bhwc, skips, down_residuals, mid_residual):
+    """ControlNet residuals (diffusers' ``down_block_additional_residuals`` /
+    ``mid_block_additional_residual``, ``[B, C, H, W]`` each) added to the skips and to the
+    mid block's output, as diffusers' forward adds them."""
+    if mid_residual is None or len(down_residuals) != len(skips):
+        raise ValueError(
+            f"ControlNet residuals: {len(skips)} down residuals and a mid residual are needed, "
+            f"got {len(down_residuals)} and {'one' if mid_residual is not None else 'none'}"
+        )
+
+    def channel_last(r):
+        return jnp.transpose(r, (0, 2, 3, 1)).astype(x_bhwc.dtype)
+
+    skips = [s + channel_last(r) for s, r in zip(skips, down_residuals, strict=True)]
+    return x_bhwc + channel_last(mid_residual), skips
+
+
 # ----------------------------------------------------------------------------------------------
 # Weights: diffusers checkpoint <-> flax params
 # ----------------------------------------------------------------------------------------------
@@ -1157,7 +1193,7 @@ class UNet2DConditionModel(nn.Module):
 # name (``linear_1``, ``norm1``, ``time_emb_proj``) is an attribute name as it stands.
 _LIST_NAME = re.compile(
     r"^(down_blocks|up_blocks|resnets|attentions|transformer_blocks|downsamplers|upsamplers"
-    r"|to_out|net)_(\d+)$"
+    r"|to_out|net|controlnet_down_blocks|blocks)_(\d+)$"
 )
 
 
