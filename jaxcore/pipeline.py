@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcore import quantization, sampling, schedulers, sharding, step_cache, storage
+from jaxcore import control, quantization, sampling, schedulers, sharding, step_cache, storage
 from jaxcore.family_types import FamilyError, Geometry, Guidance, ImageInputs
 
 # What a Hugging Face snapshot of a pipeline needs (no pickles, no code).
@@ -223,6 +223,8 @@ class Pipeline:
     float_weights: FloatWeights | None = dataclasses.field(default=None, repr=False)
     # recent prompt encodings (encode_prompts, prefetch_prompts)
     encodings: PromptEncodings = dataclasses.field(default_factory=PromptEncodings, repr=False)
+    # ControlNets called before every denoiser call (jaxcore.control); None: none
+    controlnets: control.ControlNets | None = dataclasses.field(default=None, repr=False)
 
     # shapes and defaults ----------------------------------------------------------------------
     @property
@@ -467,6 +469,7 @@ class Pipeline:
         images: Sequence | None = None,
         size: tuple[int, int, int] | None = None,
         micro_conditioning: Sequence[Mapping[str, tuple[int, int]]] | None = None,
+        controls: Sequence[control.ControlInput] | None = None,
     ) -> tuple[dict, dict | None, np.ndarray]:
         """(cond, uncond or None, cfg scales) for one batch of prompts.
 
@@ -480,7 +483,8 @@ class Pipeline:
         joins both too, with ``micro_conditioning`` per prompt (SDXL's ``original_size``,
         ``crops_coords_top_left``, ``target_size`` and their ``negative_*`` twins; None = the
         defaults); the negative branch goes through :meth:`Family.negative_conditioning`
-        (SDXL zeroes empty negative prompts).
+        (SDXL zeroes empty negative prompts). ``controls``: per prompt its
+        :class:`jaxcore.control.ControlInput`, required iff the pipeline has ControlNets.
         """
         prompts = list(prompts)
         if len(guidances) != len(prompts) or len(negative_prompts) != len(prompts):
@@ -510,11 +514,33 @@ class Pipeline:
         cond.update(encoded_images, **sized)
         if uncond is not None:
             uncond.update(encoded_images, **sized_negative)
+        self._control_conditioning(controls, len(prompts), size, cond, uncond)
         scales = np.asarray([g.cfg_scale for g in guidances], np.float32)
         if self.second_expert is not None:
             second = [g.cfg_scale if g.cfg_scale_2 is None else g.cfg_scale_2 for g in guidances]
             scales = np.stack([scales, np.asarray(second, np.float32)], axis=1)
         return cond, uncond, scales
+
+    def _control_conditioning(self, controls, rows: int, size, cond: dict, uncond) -> None:
+        """The ControlNets' inputs join both branches (:func:`jaxcore.control.conditioning`)."""
+        if self.controlnets is None:
+            if controls is not None and any(c is not None for c in controls):
+                raise FamilyError(
+                    f"{self.source or 'this pipeline'} has no ControlNet, but control inputs "
+                    "were given (load one with controlnet=...)"
+                )
+            return
+        if controls is None or len(controls) != rows or any(c is None for c in controls):
+            raise FamilyError(
+                f"{self.source or 'this pipeline'} has {len(self.controlnets)} ControlNet(s): "
+                "every prompt needs its control image(s)"
+            )
+        if size is None:
+            raise ValueError("control images need the render size (size=(height, width, frames))")
+        got, got_negative = control.conditioning(controls, self.controlnets, *size[:2])
+        cond.update(got)
+        if uncond is not None:
+            uncond.update(got_negative)
 
     def sample(
         self,
@@ -593,8 +619,6 @@ class Pipeline:
         use_cfg = bool((scales > 1.0).any())
         if use_cfg and uncond is None:
             raise ValueError("a cfg_scale > 1 needs the negative conditioning (uncond)")
-        cond = {k: self.shard_batch(v) for k, v in cond.items()}
-        uncond = cond if uncond is None else {k: self.shard_batch(v) for k, v in uncond.items()}
         if seeds is not None and len(seeds) != rows:
             raise ValueError(f"{len(seeds)} seeds for a batch of {rows} rows")
         # custom timesteps reach only a family whose make_seeded_schedule takes them (LTX)
@@ -608,6 +632,13 @@ class Pipeline:
             seeds=None if seeds is None else [int(s) for s in seeds],
             **custom,
         )
+        # the ControlNets' guidance window becomes a per-step scale table (jaxcore.control)
+        steps = int(state.timesteps.shape[0])
+        cond = {k: self.shard_batch(v) for k, v in control.per_step(cond, steps).items()}
+        if uncond is None:
+            uncond = cond
+        else:
+            uncond = {k: self.shard_batch(v) for k, v in control.per_step(uncond, steps).items()}
         latents = latents.astype(jnp.float32)
         sigma = schedulers.init_noise_sigma(state)
         if not isinstance(sigma, float) or sigma != 1.0:  # the flow samplers leave it as is
@@ -621,6 +652,8 @@ class Pipeline:
         scales, scales_2 = self.shard_batch(np.array(scales)), self.shard_batch(np.array(scales_2))
         if cache.enabled and self.second_expert is not None:
             raise ValueError("step caching is not supported for two-expert pipelines yet")
+        if cache.enabled and self.controlnets is not None:
+            raise ValueError("step caching is not supported with ControlNets")
         cache_in = _cache_input(cache, cache_schedule, int(state.timesteps.shape[0]))
         loop = _LoopInputs(
             latents=latents,
@@ -648,13 +681,14 @@ class Pipeline:
             return self._sample_swapping(loop), None
         second_module = None if expert is None else expert.denoiser
         quantized = quantization.quantizes_products(self.quantization)
-        fn = loop.program(self.family, self.denoiser, second_module, cache, quantized)
+        module, params = control.controlled(self.denoiser, self.denoiser_params, self.controlnets)
+        fn = loop.program(self.family, module, second_module, cache, quantized)
         second = None
         if expert is not None:
             second = (expert.params, jnp.float32(expert.boundary), loop.scales_2)
         steps = int(loop.state.timesteps.shape[0])
         args = (loop.cond, loop.uncond, loop.cfg_on, loop.scales, loop.state, 0, steps, second)
-        x, _, cache_out = fn(self.denoiser_params, loop.latents, *args, cache_in, loop.rescale)
+        x, _, cache_out = fn(params, loop.latents, *args, cache_in, loop.rescale)
         return x, cache_out
 
     def _sample_swapping(self, loop: _LoopInputs):
@@ -714,10 +748,12 @@ class Pipeline:
         shift: float | None = None,
         scheduler: str | None = None,
         max_sequence_length: int = 512,
+        controls: Sequence[control.ControlInput] | None = None,
     ) -> np.ndarray:
         """Convenience: prompts -> float frames ``[B, F, H, W, 3]`` (batch must fit the mesh).
 
-        ``images``: per prompt ``(image, last_image)`` for image-to-video models."""
+        ``images``: per prompt ``(image, last_image)`` for image-to-video models; ``controls``:
+        per prompt its ControlNet inputs (pipelines with ControlNets)."""
         prompts = list(prompts)
         seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
         self.geometry.check(height, width, num_frames)
@@ -732,6 +768,7 @@ class Pipeline:
             max_sequence_length,
             images=images,
             size=(height, width, num_frames),
+            controls=controls,
         )
         z = self.sample(
             latents,

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcore import quantization, schedulers, step_cache
+from jaxcore import control, quantization, schedulers, step_cache
 
 
 def initial_latents(seed: int, shape: Sequence[int]) -> np.ndarray:
@@ -211,6 +211,7 @@ def loop_step(loop: Loop, params, cond, uncond, guidance, second, schedule, i, c
     """One step: the (guided) prediction at the step's timestep, then the scheduler's update.
     A two-expert loop asks the second expert below ``boundary``."""
     x, st, cs, rs = carry
+    cond, uncond = control.at_step(cond, i), control.at_step(uncond, i)  # ControlNet scales
     batch = x.shape[0]
     t_now = st.timesteps[i].astype(jnp.float32)
     t = jnp.broadcast_to(t_now, (batch,))

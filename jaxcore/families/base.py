@@ -429,10 +429,14 @@ class Family(abc.ABC):
         module, params = denoiser
         configs[self.denoiser_component] = module.config
         self.check_configs(configs, str(directory))
+        controlnet = options.pop("controlnet", None)
         fields = self.load_components(
             directory, configs, load_compute, mesh, rules, denoiser, **options
         )
         params, fields = _quantized(params, fields, compute, keep_float)
+        nets = self.load_controlnets(directory, module.config, compute, mesh, rules, controlnet)
+        if nets is not None:
+            fields["controlnets"] = nets
         return Pipeline(
             family=self,
             denoiser=module,
@@ -443,6 +447,18 @@ class Family(abc.ABC):
             source=str(directory),
             **{"denoiser_params": params, **fields},
         )
+
+    def load_controlnets(self, directory: Path, denoiser_config, compute, mesh, rules, given):
+        """The pipeline's ControlNets (:class:`jaxcore.control.ControlNets`) or None: ``given``
+        (``load_pipeline(..., controlnet=<folder or list of folders>)``) or else the
+        pipeline folder's own ``controlnet`` component. Default: this family takes none."""
+        del denoiser_config, compute, mesh, rules
+        from jaxcore import control
+
+        index = read_model_index(directory) if (directory / "model_index.json").is_file() else {}
+        if given or control.controlnet_folders(directory, index):
+            raise FamilyError(f"the {self.name} family takes no ControlNet ({directory})")
+        return None
 
     @abc.abstractmethod
     def load_components(

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcore import sharding, weights
+from jaxcore import control, sharding, weights
 from jaxcore.compute import ComputeConfig
 from jaxcore.families.base import (
     MICRO_CONDITIONING,
@@ -74,6 +74,10 @@ POOLED = "text_embeds"
 TIME_IDS = "time_ids"
 NUM_TIME_IDS = 6  # original (h, w), crop top-left (y, x), target (h, w)
 SD_PIPELINE, XL_PIPELINE = "StableDiffusionPipeline", "StableDiffusionXLPipeline"
+# the ControlNet pipelines: the same components plus controlnet (jaxcore.control)
+SD_CONTROLNET_PIPELINE = "StableDiffusionControlNetPipeline"
+XL_CONTROLNET_PIPELINE = "StableDiffusionXLControlNetPipeline"
+XL_PIPELINES = (XL_PIPELINE, XL_CONTROLNET_PIPELINE)
 # diffusers' check_inputs: "height and width have to be divisible by 8", whatever the VAE
 DIFFUSERS_SIZE_MULTIPLE = 8
 XL_DEFAULT_SAMPLE_SIZE = 128  # StableDiffusionXLPipeline.default_sample_size without a UNet one
@@ -397,7 +401,7 @@ class SDFamily(Family):
         "Stable Diffusion 1.x / 2.x and SDXL text-to-image "
         "(StableDiffusionPipeline, StableDiffusionXLPipeline; inference)"
     )
-    pipeline_classes = (SD_PIPELINE, XL_PIPELINE)
+    pipeline_classes = (SD_PIPELINE, XL_PIPELINE, SD_CONTROLNET_PIPELINE, XL_CONTROLNET_PIPELINE)
     denoiser_classes = ("UNet2DConditionModel",)
     denoiser_component = "unet"
     # the class-level default; a pipeline's own comes from its scheduler config
@@ -430,7 +434,8 @@ class SDFamily(Family):
         return configs
 
     def check_model_index(self, index, where: str) -> None:
-        if index.get("_class_name") == SD_PIPELINE and index.get("safety_checker", [None])[0]:
+        sd_classes = (SD_PIPELINE, SD_CONTROLNET_PIPELINE)
+        if index.get("_class_name") in sd_classes and index.get("safety_checker", [None])[0]:
             log.warning(
                 "%s: the pipeline ships a safety checker; it is not run here (diffusers blacks "
                 "out the images it flags)",
@@ -491,12 +496,19 @@ class SDFamily(Family):
         added = (None, None)
         if module.config.addition_embed_type == unet.TEXT_TIME:
             added = (conditioning[POOLED], conditioning[TIME_IDS].astype(jnp.float32))
+        residuals = ()
+        if isinstance(module, control.Controlled):  # ControlNets first, their residuals added
+            residuals = control.unet_residuals(
+                module, params, latents, timestep, conditioning[TEXT], added, conditioning
+            )
+            module, params = module.denoiser, params["denoiser"]
         return module.apply(
             {"params": params},
             latents.astype(dtype),
             timestep,
             conditioning[TEXT].astype(dtype),
             *added,
+            *residuals,
         )
 
     def lora_to_diffusers(self, state_dict, denoiser_config, where: str):
@@ -572,7 +584,7 @@ class SDFamily(Family):
     def load_components(self, directory, configs, compute, mesh, rules, denoiser):
         module = denoiser[0]
         index = read_model_index(directory)
-        xl = index.get("_class_name") == XL_PIPELINE
+        xl = index.get("_class_name") in XL_PIPELINES
         if is_xl(configs) != xl:
             raise FamilyError(
                 f"{directory}: a {index.get('_class_name')} needs a UNet with addition_embed_type="
@@ -594,6 +606,19 @@ class SDFamily(Family):
         # text encoders outside the mesh: their params are replicated, nothing is lost
         encoders = _load_text_encoders(directory, compute, xl)
         return {"components": {"vae": vae, "variant": variant, **encoders}}
+
+    def load_controlnets(self, directory, denoiser_config, compute, mesh, rules, given):
+        """ControlNetModel folders (``controlnet=``, else the pipeline's own ``controlnet``,
+        ``controlnet_1``, ...), with the UNet's module keywords; each checked to fit the UNet.
+        They stay in their dtype under ``compute.quantization`` (only the UNet is quantized)."""
+        folders = control.controlnet_folders(directory, read_model_index(directory))
+        if given:
+            folders = [given] if isinstance(given, str | Path) else list(given)
+        if not folders:
+            return None
+        nets = control.load_controlnets(folders, self.denoiser_kwargs(compute), mesh, rules)
+        control.check_against(nets, denoiser_config)
+        return nets
 
     def pipeline_objective(self, pipe) -> str:
         return str(pipe.scheduler_config.get("prediction_type", "epsilon"))

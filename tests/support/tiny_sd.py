@@ -271,3 +271,71 @@ def random_unet_lora(
         out[f"{stem}.lora_down.weight"], out[f"{stem}.lora_up.weight"] = down, up
         out[f"{stem}.alpha"] = np.asarray(rank * alpha_per_rank, np.float32)
     return out
+
+
+def controlnet_config(unet: dict, embedding=(8, 16)) -> dict:
+    """A ControlNetModel config matching a tiny UNet config; ``embedding``: its control-image
+    embedding's channels (one stride-2 conv per step after the first: the tiny VAE's 2x)."""
+    keys = (
+        "block_out_channels",
+        "down_block_types",
+        "layers_per_block",
+        "transformer_layers_per_block",
+        "attention_head_dim",
+        "norm_num_groups",
+        "cross_attention_dim",
+        "use_linear_projection",
+        "addition_embed_type",
+        "addition_time_embed_dim",
+        "projection_class_embeddings_input_dim",
+    )
+    config = {k: unet[k] for k in keys if k in unet}
+    return {**config, "conditioning_embedding_out_channels": tuple(embedding)}
+
+
+def build_controlnet_pipeline(
+    directory: str | Path,
+    *,
+    xl: bool = False,
+    count: int = 1,
+    seed: int = 0,
+    scheduler: str | None = None,
+    schedule: dict | None = None,
+    controlnet: dict | None = None,
+) -> Path:
+    """A tiny ``StableDiffusionControlNetPipeline`` (``xl``: ``StableDiffusionXLControlNet
+    Pipeline``) with ``count`` perturbed ControlNets (several: diffusers' MultiControlNetModel,
+    saved as ``controlnet``, ``controlnet_1``, ...); the base is :func:`build_sd_pipeline` /
+    :func:`build_sdxl_pipeline`'s with the same seed."""
+    import diffusers
+    import torch
+    from diffusers import ControlNetModel
+
+    directory = Path(directory)
+    base = directory / "_base"
+    if xl:
+        build_sdxl_pipeline(base, seed=seed, **_scheduler_kw(scheduler, schedule))
+        cls, unet = diffusers.StableDiffusionXLControlNetPipeline, XL_UNET
+    else:
+        build_sd_pipeline(base, seed=seed, **_scheduler_kw(scheduler, schedule))
+        cls, unet = diffusers.StableDiffusionControlNetPipeline, SD_UNET
+    torch.manual_seed(seed + 10)
+    nets = [
+        _perturbed(ControlNetModel(**{**controlnet_config(unet), **(controlnet or {})}), seed + k)
+        for k in range(count)
+    ]
+    pipe = cls.from_pretrained(
+        base, controlnet=nets[0] if count == 1 else diffusers.MultiControlNetModel(nets)
+    )
+    pipe.save_pretrained(directory)
+    shutil.rmtree(base)
+    return directory
+
+
+def _scheduler_kw(scheduler: str | None, schedule: dict | None) -> dict:
+    kw = {}
+    if scheduler is not None:
+        kw["scheduler"] = scheduler
+    if schedule is not None:
+        kw["schedule"] = schedule
+    return kw

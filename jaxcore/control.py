@@ -1,0 +1,270 @@
+"""ControlNets beside a denoiser: loading, per-prompt inputs, and their residuals in the loop.
+
+diffusers' ControlNet pipelines (``StableDiffusionControlNetPipeline``,
+``StableDiffusionXLControlNetPipeline``, ``StableDiffusionXLControlNetUnionPipeline``,
+``FluxControlNetPipeline``) call one ControlNet (or several, whose residuals add up) before every
+denoiser call and hand its residuals to the denoiser. Here:
+
+- :class:`ControlNets` holds the loaded ControlNets (modules and weights) of a pipeline;
+  :func:`load_controlnets` reads them from diffusers folders.
+- :class:`ControlInput` is one prompt's inputs: a control image per ControlNet, conditioning
+  scales, the guidance window (``control_guidance_start`` / ``end``), guess mode, union modes.
+- :func:`conditioning` turns a batch's inputs into conditioning tensors that join the
+  denoiser's (``control_image [B, K, 3, H, W]`` in [0, 1], per row and ControlNet scales and
+  window, ``control_guess [B]``); the negative branch's scales are 0 in guess mode (diffusers
+  runs the ControlNet on the conditional half only and adds zeros to the other).
+- :func:`per_step` expands the window into a ``[B, steps, K]`` scale table once the step count
+  is known (diffusers' ``controlnet_keep``, computed in float64 as Python computes it), and
+  :func:`at_step` picks step i's column inside the jitted loop.
+- :class:`Controlled` is the denoiser with its ControlNets, as the loop calls it: the family's
+  ``apply`` sees it and adds the residuals (:func:`unet_residuals` for the UNet families).
+
+Per-prompt settings are per row here where diffusers takes one per call: a bulk render batches
+prompts with different scales, windows and guess modes into one program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxcore import weights
+from jaxcore.family_types import FamilyError
+
+CONTROLNET_CLASSES = ("ControlNetModel",)
+# conditioning names (the loop indexes CONTROL_SCALE by step, see at_step)
+CONTROL_IMAGE = "control_image"
+CONTROL_SCALE = "control_scale"
+CONTROL_START = "control_start"
+CONTROL_END = "control_end"
+CONTROL_GUESS = "control_guess"
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlInput:
+    """One prompt's ControlNet inputs, one entry per ControlNet (diffusers' lists)."""
+
+    images: tuple  # PIL images
+    scales: tuple[float, ...]
+    starts: tuple[float, ...]
+    ends: tuple[float, ...]
+    guess_mode: bool = False
+
+
+@dataclasses.dataclass
+class ControlNets:
+    """A pipeline's ControlNets: flax modules, their weights, and where they were read."""
+
+    modules: tuple
+    params: tuple
+    sources: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    @property
+    def global_pool(self) -> bool:
+        """diffusers reads ``global_pool_conditions`` of the first ControlNet only."""
+        return bool(getattr(self.modules[0].config, "global_pool_conditions", False))
+
+
+@dataclasses.dataclass(frozen=True)
+class Controlled:
+    """The denoiser and its ControlNets as one hashable thing the loop compiles; it reads like
+    the denoiser (``config``, ``dtype``, ``param_dtype``). Its weights are
+    ``{"denoiser": ..., "controlnets": (...)}``."""
+
+    denoiser: Any
+    controlnets: tuple
+
+    @property
+    def config(self):
+        return self.denoiser.config
+
+    @property
+    def dtype(self):
+        return self.denoiser.dtype
+
+    @property
+    def param_dtype(self):
+        return self.denoiser.param_dtype
+
+
+def controlled(denoiser, denoiser_params, nets: ControlNets | None):
+    """``(module, params)`` the loop runs: the denoiser alone, or with its ControlNets."""
+    if nets is None:
+        return denoiser, denoiser_params
+    module = Controlled(denoiser, tuple(nets.modules))
+    return module, {"denoiser": denoiser_params, "controlnets": tuple(nets.params)}
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def controlnet_folders(pipeline_dir: Path, index: Mapping) -> list[Path]:
+    """The ControlNet folders a pipeline folder holds: ``controlnet`` (and, for diffusers'
+    ``MultiControlNetModel``, ``controlnet_1``, ``controlnet_2``, ... as it saves them)."""
+    entry = index.get("controlnet")
+    if not entry or entry[0] is None:
+        return []
+    folders = [pipeline_dir / "controlnet"]
+    if entry[1] == "MultiControlNetModel":
+        k = 1
+        while (pipeline_dir / f"controlnet_{k}").is_dir():
+            folders.append(pipeline_dir / f"controlnet_{k}")
+            k += 1
+    return folders
+
+
+def load_controlnets(folders: Sequence, kwargs: Mapping, mesh=None, rules=None) -> ControlNets:
+    """ControlNets from diffusers ``ControlNetModel`` folders, with the denoiser's module
+    keywords (dtype, attention, remat, ...)."""
+    from jaxcore.models import controlnet
+
+    modules, params = [], []
+    for folder in folders:
+        folder = Path(folder)
+        try:
+            config = weights.read_config(folder)
+        except (OSError, ValueError) as err:
+            raise FamilyError(f"controlnet {folder}: no readable config.json ({err})") from None
+        name = config.get("_class_name")
+        if name not in CONTROLNET_CLASSES:
+            raise FamilyError(
+                f"controlnet {folder}: _class_name {name!r} is not one of {CONTROLNET_CLASSES}"
+            )
+        try:
+            module, p = controlnet.load_controlnet(folder, mesh=mesh, rules=rules, **kwargs)
+        except (ValueError, weights.WeightsError) as err:
+            raise FamilyError(f"controlnet {folder}: {err}") from None
+        modules.append(module)
+        params.append(p)
+    return ControlNets(tuple(modules), tuple(params), tuple(str(f) for f in folders))
+
+
+def check_against(nets: ControlNets, denoiser_config) -> None:
+    """Each ControlNet must feed this denoiser: the same latent channels, text width and
+    (SDXL) added embedding, and one residual per skip of the UNet."""
+    for module, source in zip(nets.modules, nets.sources, strict=True):
+        c = module.config
+        for key in ("in_channels", "cross_attention_dim", "addition_embed_type"):
+            if getattr(c, key) != getattr(denoiser_config, key):
+                raise FamilyError(
+                    f"controlnet {source}: {key}={getattr(c, key)!r} but the UNet has "
+                    f"{getattr(denoiser_config, key)!r}"
+                )
+        if tuple(c.block_out_channels) != tuple(denoiser_config.block_out_channels) or tuple(
+            c.resnets_per_level
+        ) != tuple(denoiser_config.resnets_per_level):
+            raise FamilyError(
+                f"controlnet {source}: block_out_channels {list(c.block_out_channels)} / "
+                f"layers_per_block do not match the UNet's "
+                f"{list(denoiser_config.block_out_channels)}: its residuals would not fit"
+            )
+
+
+# --- per-prompt inputs -> conditioning -----------------------------------------------------
+
+
+def prepare_image(image, height: int, width: int) -> np.ndarray:
+    """diffusers' control image processor (``VaeImageProcessor(do_convert_rgb=True,
+    do_normalize=False)``): resized to (height, width) with Lanczos, then RGB, in [0, 1];
+    ``[3, H, W]`` float32."""
+    from PIL import Image
+
+    resized = image.resize((width, height), resample=Image.LANCZOS)
+    if resized.mode != "RGB":
+        resized = resized.convert("RGB")
+    return np.transpose(np.asarray(resized, np.float32) / 255.0, (2, 0, 1))
+
+
+def conditioning(
+    inputs: Sequence[ControlInput], nets: ControlNets, height: int, width: int
+) -> tuple[dict, dict]:
+    """(conditional, negative) control tensors for a batch, one :class:`ControlInput` per row
+    (see the module docstring)."""
+    count = len(nets)
+    for row, given in enumerate(inputs):
+        if len(given.images) != count:
+            raise FamilyError(
+                f"row {row}: {len(given.images)} control image(s) for {count} ControlNet(s)"
+            )
+    images = np.stack(
+        [np.stack([prepare_image(im, height, width) for im in given.images]) for given in inputs]
+    )
+    scales = np.asarray([given.scales for given in inputs], np.float64)
+    guess = np.asarray([given.guess_mode or nets.global_pool for given in inputs])
+    cond = {
+        CONTROL_IMAGE: images,
+        CONTROL_SCALE: scales,
+        CONTROL_START: np.asarray([given.starts for given in inputs], np.float64),
+        CONTROL_END: np.asarray([given.ends for given in inputs], np.float64),
+        CONTROL_GUESS: guess,
+    }
+    uncond = dict(cond)
+    uncond[CONTROL_SCALE] = np.where(guess[:, None], 0.0, scales)
+    return cond, uncond
+
+
+def keep_table(starts: np.ndarray, ends: np.ndarray, steps: int) -> np.ndarray:
+    """diffusers' ``controlnet_keep``: ``1 - (i / steps < start or (i + 1) / steps > end)`` per
+    step, in float64 as Python evaluates it; ``[B, steps, K]``."""
+    i = np.arange(steps, dtype=np.float64)[None, :, None]
+    off = (i / steps < starts[:, None, :]) | ((i + 1) / steps > ends[:, None, :])
+    return 1.0 - off.astype(np.float64)
+
+
+def per_step(conditioning_: Mapping[str, Any], steps: int) -> dict:
+    """The control scale as a per-step table ``[B, steps, K]`` float32 (scale x keep), the
+    window's start and end dropped; anything else as is."""
+    if CONTROL_SCALE not in conditioning_:
+        return dict(conditioning_)
+    out = {k: v for k, v in conditioning_.items() if k not in (CONTROL_START, CONTROL_END)}
+    keep = keep_table(conditioning_[CONTROL_START], conditioning_[CONTROL_END], steps)
+    scales = np.asarray(conditioning_[CONTROL_SCALE], np.float64)[:, None, :]
+    out[CONTROL_SCALE] = (scales * keep).astype(np.float32)
+    return out
+
+
+def at_step(conditioning_: Mapping[str, Any], i) -> Mapping[str, Any]:
+    """The conditioning of step ``i``: the control scale table's column (jittable)."""
+    if CONTROL_SCALE not in conditioning_:
+        return conditioning_
+    out = dict(conditioning_)
+    out[CONTROL_SCALE] = jax.lax.dynamic_index_in_dim(
+        conditioning_[CONTROL_SCALE], i, axis=1, keepdims=False
+    )
+    return out
+
+
+# --- residuals -----------------------------------------------------------------------------
+
+
+def unet_residuals(module: Controlled, params, latents, timestep, context, added, conditioning_):
+    """Every ControlNet's residuals at this step's scales, summed (diffusers'
+    ``MultiControlNetModel``); ``context``: the text states the UNet attends to; ``added``:
+    SDXL's ``(text_embeds, time_ids)`` or Nones."""
+    dtype = module.dtype
+    total_down = total_mid = None
+    for k, (net, p) in enumerate(zip(module.controlnets, params["controlnets"], strict=True)):
+        down, mid = net.apply(
+            {"params": p},
+            latents.astype(dtype),
+            timestep,
+            context.astype(dtype),
+            conditioning_[CONTROL_IMAGE][:, k],
+            conditioning_[CONTROL_SCALE][:, k],
+            *added,
+            conditioning_[CONTROL_GUESS],
+        )
+        if total_mid is None:
+            total_down, total_mid = list(down), mid
+        else:
+            total_down = [a + b for a, b in zip(total_down, down, strict=True)]
+            total_mid = total_mid + mid
+    return total_down, total_mid
