@@ -33,13 +33,15 @@ needs a "packed rowwise" plan for the same reason). :func:`weight_map` reshapes 
 
 Only ``patch_size=1`` is implemented (every released Flux.1 checkpoint): diffusers' module with
 ``patch_size=p>1`` still embeds ``in_channels`` per token but emits ``p*p*out_channels`` with no
-unpatchify, which FluxPipeline cannot use. IP-adapter and ControlNet residual inputs are not
-implemented.
+unpatchify, which FluxPipeline cannot use. IP-adapter inputs are not implemented; ControlNet
+residuals (``controlnet_block_samples`` / ``controlnet_single_block_samples``, from
+:mod:`jaxcore.models.flux_controlnet`) are added after the blocks as diffusers adds them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -600,6 +602,138 @@ class SingleStreamBlock(nn.Module):
         return _gated_residual(x_bnd, out, gate, _IMAGE_EMBED)
 
 
+def check_inputs(
+    cfg: FluxTransformerConfig, hidden, text, pooled, timestep, img_ids, txt_ids, guidance
+):
+    """Shape checks of the transformer inputs (shared with the ControlNet); errors name the
+    argument and the shape it must have."""
+    if hidden.ndim != 3 or hidden.shape[2] != cfg.in_channels:
+        raise ValueError(
+            f"hidden_states must be [B, L_img, in_channels={cfg.in_channels}], got {hidden.shape}"
+        )
+    batch, image_len = hidden.shape[:2]
+    if text.ndim != 3 or (text.shape[0], text.shape[2]) != (batch, cfg.joint_attention_dim):
+        raise ValueError(
+            f"encoder_hidden_states must be [{batch}, L_txt, joint_attention_dim="
+            f"{cfg.joint_attention_dim}], got {text.shape}"
+        )
+    if pooled.shape != (batch, cfg.pooled_projection_dim):
+        raise ValueError(
+            f"pooled_projections must be [{batch}, pooled_projection_dim="
+            f"{cfg.pooled_projection_dim}], got {pooled.shape}"
+        )
+    if timestep.shape != (batch,):
+        raise ValueError(f"timestep must be [B]=[{batch}], got shape {timestep.shape}")
+    n_axes = len(cfg.axes_dims_rope)
+    for name, ids, length in (
+        ("img_ids", img_ids, image_len),
+        ("txt_ids", txt_ids, text.shape[1]),
+    ):
+        if tuple(ids.shape) != (length, n_axes):
+            raise ValueError(
+                f"{name} must be [{length}, {n_axes}] (one id row per token, no batch dim), "
+                f"got shape {tuple(ids.shape)}"
+            )
+    if cfg.guidance_embeds and guidance is None:
+        raise ValueError(
+            "guidance is required: this model has guidance_embeds=True (a guidance-distilled "
+            "FLUX.1-dev-like model); pass the guidance scale per sample, e.g. [3.5] * B"
+        )
+    if not cfg.guidance_embeds and guidance is not None:
+        raise ValueError(
+            "guidance was given but this model has guidance_embeds=False (FLUX.1-schnell-like) "
+            "and has no guidance embedder; pass guidance=None"
+        )
+    if guidance is not None and guidance.shape != (batch,):
+        raise ValueError(f"guidance must be [B]=[{batch}], got shape {guidance.shape}")
+
+
+def joint_rope(txt_ids, img_ids, axes_dims: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+    """RoPE tables for the joint [text; image] sequence; concrete ids stay on the host (exact
+    tables, :func:`rope_cos_sin`)."""
+    concrete = not any(isinstance(i, jax.core.Tracer) for i in (img_ids, txt_ids))
+    cat = np.concatenate if concrete else jnp.concatenate
+    to_array = np.asarray if concrete else jnp.asarray
+    ids = cat([to_array(txt_ids, np.float32), to_array(img_ids, np.float32)], axis=0)
+    return tuple(
+        sharding.constrain(t, ("activation_length", "activation_kv"))
+        for t in rope_cos_sin(ids, axes_dims)
+    )
+
+
+def control_sample_index(num_blocks: int, num_samples: int, repeat: bool = False) -> list[int]:
+    """Which of ``num_samples`` ControlNet residuals each of ``num_blocks`` blocks adds.
+
+    diffusers: block i takes sample ``i // ceil(num_blocks / num_samples)`` (a shallow ControlNet
+    spreads each sample over consecutive blocks), or ``i % num_samples`` with
+    ``controlnet_blocks_repeat`` (XLabs ControlNets cycle theirs)."""
+    if num_samples < 1:
+        raise ValueError("ControlNet residuals must hold at least one sample (or be None)")
+    if repeat:
+        return [i % num_samples for i in range(num_blocks)]
+    interval = math.ceil(num_blocks / num_samples)
+    return [i // interval for i in range(num_blocks)]
+
+
+def _check_control_samples(name: str, samples, shape_bld: tuple[int, ...]) -> tuple:
+    """``samples`` as a tuple, each checked to be shaped like the image stream."""
+    samples = tuple(samples)
+    for i, sample in enumerate(samples):
+        if tuple(sample.shape) != tuple(shape_bld):
+            raise ValueError(
+                f"{name}[{i}] must be [B, L_img, D]={list(shape_bld)} (the image stream), got "
+                f"shape {tuple(sample.shape)}"
+            )
+    return samples
+
+
+def control_residuals(
+    cfg: FluxTransformerConfig, shape_bld, block_samples, single_block_samples, repeat=False
+) -> list | None:
+    """The ControlNet residual added after each block of the stack (double blocks first), None
+    where that block adds none; None when both sample sequences are None. ``repeat`` applies
+    to the double blocks only, as in diffusers."""
+    if block_samples is None and single_block_samples is None:
+        return None
+    per_block: list = [None] * (cfg.num_layers + cfg.num_single_layers)
+    if block_samples is not None:
+        samples = _check_control_samples("controlnet_block_samples", block_samples, shape_bld)
+        for i, k in enumerate(control_sample_index(cfg.num_layers, len(samples), repeat)):
+            per_block[i] = samples[k]
+    if single_block_samples is not None:
+        name = "controlnet_single_block_samples"
+        samples = _check_control_samples(name, single_block_samples, shape_bld)
+        for i, k in enumerate(control_sample_index(cfg.num_single_layers, len(samples))):
+            per_block[cfg.num_layers + i] = samples[k]
+    return per_block
+
+
+def _add_to_image(streams, residual_bld):
+    """(image + residual, text), added in float32 and cast to the image stream's dtype."""
+    img, txt = streams
+    if residual_bld is None:
+        return img, txt
+    out = img.astype(jnp.float32) + residual_bld.astype(jnp.float32)
+    return sharding.constrain(out.astype(img.dtype), _IMAGE_EMBED), txt
+
+
+def with_control_residuals(run_blocks: Callable, residuals: Sequence) -> Callable:
+    """``run_blocks(streams, start, stop)`` that adds ``residuals[i]`` to the image stream after
+    block i: the blocks between two residuals still run as one ``run_blocks`` call (one scan
+    with ``scan_layers``). Single blocks split the joint sequence back into (image, text) after
+    every call, so their residual reaches the image tokens alone, as in diffusers."""
+
+    def run(streams, start, stop):
+        first = start
+        for i in range(start, stop):
+            if residuals[i] is not None or i == stop - 1:
+                streams = _add_to_image(run_blocks(streams, first, i + 1), residuals[i])
+                first = i + 1
+        return streams
+
+    return run
+
+
 class FluxTransformer(nn.Module):
     """Flux.1 transformer (= diffusers FluxTransformer2DModel.forward).
 
@@ -611,6 +745,15 @@ class FluxTransformer(nn.Module):
     scale (e.g. 3.5); both are multiplied by 1000 inside, as diffusers does. ``guidance`` is
     required iff ``config.guidance_embeds``. Ids given as numpy arrays (e.g. from
     :func:`latent_image_ids`) give bit-exact RoPE tables; traced ids work too (:func:`rope_cos_sin`).
+
+    ControlNet: ``controlnet_block_samples`` / ``controlnet_single_block_samples`` are sequences
+    of [B, L_img, D] residuals (:class:`~jaxcore.models.flux_controlnet.FluxControlNetModel`'s
+    outputs) added to the image stream after the double / single blocks, as diffusers adds them
+    (:func:`control_residuals`; ``controlnet_blocks_repeat``: XLabs' cycling). The stack then
+    runs in segments ending at each block that takes a residual (:func:`with_control_residuals`):
+    with ``scan_layers`` every segment is its own scan, so a residual after every block (the
+    usual case) means the layers are in effect unrolled, compiled one scan of length 1 each.
+    ``run_stack`` receives the ``run_blocks`` that adds them. Without residuals nothing changes.
     """
 
     config: FluxTransformerConfig
@@ -624,58 +767,10 @@ class FluxTransformer(nn.Module):
     scanned_blocks: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
 
     def _check_inputs(self, hidden, text, pooled, timestep, img_ids, txt_ids, guidance):
-        cfg = self.config
-        if hidden.ndim != 3 or hidden.shape[2] != cfg.in_channels:
-            raise ValueError(
-                f"hidden_states must be [B, L_img, in_channels={cfg.in_channels}], "
-                f"got {hidden.shape}"
-            )
-        batch, image_len = hidden.shape[:2]
-        if text.ndim != 3 or (text.shape[0], text.shape[2]) != (batch, cfg.joint_attention_dim):
-            raise ValueError(
-                f"encoder_hidden_states must be [{batch}, L_txt, joint_attention_dim="
-                f"{cfg.joint_attention_dim}], got {text.shape}"
-            )
-        if pooled.shape != (batch, cfg.pooled_projection_dim):
-            raise ValueError(
-                f"pooled_projections must be [{batch}, pooled_projection_dim="
-                f"{cfg.pooled_projection_dim}], got {pooled.shape}"
-            )
-        if timestep.shape != (batch,):
-            raise ValueError(f"timestep must be [B]=[{batch}], got shape {timestep.shape}")
-        n_axes = len(cfg.axes_dims_rope)
-        for name, ids, length in (
-            ("img_ids", img_ids, image_len),
-            ("txt_ids", txt_ids, text.shape[1]),
-        ):
-            if tuple(ids.shape) != (length, n_axes):
-                raise ValueError(
-                    f"{name} must be [{length}, {n_axes}] (one id row per token, no batch dim), "
-                    f"got shape {tuple(ids.shape)}"
-                )
-        if cfg.guidance_embeds and guidance is None:
-            raise ValueError(
-                "guidance is required: this model has guidance_embeds=True (a guidance-distilled "
-                "FLUX.1-dev-like model); pass the guidance scale per sample, e.g. [3.5] * B"
-            )
-        if not cfg.guidance_embeds and guidance is not None:
-            raise ValueError(
-                "guidance was given but this model has guidance_embeds=False (FLUX.1-schnell-like) "
-                "and has no guidance embedder; pass guidance=None"
-            )
-        if guidance is not None and guidance.shape != (batch,):
-            raise ValueError(f"guidance must be [B]=[{batch}], got shape {guidance.shape}")
+        check_inputs(self.config, hidden, text, pooled, timestep, img_ids, txt_ids, guidance)
 
     def _rope(self, img_ids, txt_ids):
-        """Tables for the joint [text; image] sequence; concrete ids stay on the host."""
-        concrete = not any(isinstance(i, jax.core.Tracer) for i in (img_ids, txt_ids))
-        cat = np.concatenate if concrete else jnp.concatenate
-        to_array = np.asarray if concrete else jnp.asarray
-        ids = cat([to_array(txt_ids, np.float32), to_array(img_ids, np.float32)], axis=0)
-        return tuple(
-            sharding.constrain(t, ("activation_length", "activation_kv"))
-            for t in rope_cos_sin(ids, self.config.axes_dims_rope)
-        )
+        return joint_rope(txt_ids, img_ids, self.config.axes_dims_rope)
 
     @nn.compact
     def __call__(
@@ -688,11 +783,15 @@ class FluxTransformer(nn.Module):
         txt_ids,
         guidance=None,
         run_stack=None,
+        controlnet_block_samples=None,
+        controlnet_single_block_samples=None,
+        controlnet_blocks_repeat: bool = False,
     ):
         """The prediction; with ``run_stack`` (step caching, :mod:`jaxcore.step_cache`),
         ``(prediction, extra)`` where the stack of double then single blocks ran as
         ``run_stack((image, text), run_blocks, num_blocks) -> ((image, text), extra)``;
-        ``run_blocks(streams, start, stop)`` runs blocks ``start..stop-1`` of that stack."""
+        ``run_blocks(streams, start, stop)`` runs blocks ``start..stop-1`` of that stack (with
+        the ControlNet residuals, if given: see the class docstring)."""
         cfg = self.config
         timestep = jnp.asarray(timestep)
         guidance = None if guidance is None else jnp.asarray(guidance)
@@ -713,6 +812,15 @@ class FluxTransformer(nn.Module):
         )
         rope = self._rope(img_ids, txt_ids)
         run_blocks = self._block_stack(temb, rope, text_len=encoder_hidden_states.shape[1])
+        residuals = control_residuals(
+            cfg,
+            x.shape,
+            controlnet_block_samples,
+            controlnet_single_block_samples,
+            controlnet_blocks_repeat,
+        )
+        if residuals is not None:
+            run_blocks = with_control_residuals(run_blocks, residuals)
         num_blocks = cfg.num_layers + cfg.num_single_layers
         extra = None
         if run_stack is None:
@@ -838,7 +946,8 @@ def _rows_to_chunks(w: np.ndarray) -> np.ndarray:
 _PACKED_OUT_KERNEL = weights.Invertible(_rows_to_chunks, lambda k: k.reshape(-1, k.shape[-1]).T)
 
 
-def _dense_entries(flax_prefix: tuple[str, ...], torch_prefix: str) -> dict:
+def dense_entries(flax_prefix: tuple[str, ...], torch_prefix: str) -> dict:
+    """Weight-map entries of one ``dense`` layer from a torch ``nn.Linear``."""
     return {
         (*flax_prefix, "kernel"): (f"{torch_prefix}.weight", weights.linear),
         (*flax_prefix, "bias"): (f"{torch_prefix}.bias", weights.identity),
@@ -855,23 +964,23 @@ def _double_block_entries(i: int) -> dict:
     flax, torch = (f"transformer_blocks_{i}",), f"transformer_blocks.{i}"
     entries: dict = {}
     for norm in ("norm1", "norm1_context"):
-        entries |= _dense_entries((*flax, norm, "linear"), f"{torch}.{norm}.linear")
+        entries |= dense_entries((*flax, norm, "linear"), f"{torch}.{norm}.linear")
     attn, tattn = (*flax, "attn"), f"{torch}.attn"
     for proj in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"):
-        entries |= _dense_entries((*attn, proj), f"{tattn}.{proj}")
-    entries |= _dense_entries((*attn, "to_out"), f"{tattn}.to_out.0")
+        entries |= dense_entries((*attn, proj), f"{tattn}.{proj}")
+    entries |= dense_entries((*attn, "to_out"), f"{tattn}.to_out.0")
     entries |= _norm_entries(attn, tattn, ("norm_q", "norm_k", "norm_added_q", "norm_added_k"))
     for ff in ("ff", "ff_context"):
-        entries |= _dense_entries((*flax, ff, "proj_in"), f"{torch}.{ff}.net.0.proj")
-        entries |= _dense_entries((*flax, ff, "proj_out"), f"{torch}.{ff}.net.2")
+        entries |= dense_entries((*flax, ff, "proj_in"), f"{torch}.{ff}.net.0.proj")
+        entries |= dense_entries((*flax, ff, "proj_out"), f"{torch}.{ff}.net.2")
     return entries
 
 
 def _single_block_entries(i: int) -> dict:
     flax, torch = (f"single_transformer_blocks_{i}",), f"single_transformer_blocks.{i}"
-    entries = _dense_entries((*flax, "norm", "linear"), f"{torch}.norm.linear")
+    entries = dense_entries((*flax, "norm", "linear"), f"{torch}.norm.linear")
     for proj in ("to_q", "to_k", "to_v"):
-        entries |= _dense_entries((*flax, "attn", proj), f"{torch}.attn.{proj}")
+        entries |= dense_entries((*flax, "attn", proj), f"{torch}.attn.{proj}")
     entries |= _norm_entries((*flax, "attn"), f"{torch}.attn", ("norm_q", "norm_k"))
     entries[(*flax, "proj_mlp", "kernel")] = (f"{torch}.proj_mlp.weight", _MLP_IN_KERNEL)
     entries[(*flax, "proj_mlp", "bias")] = (f"{torch}.proj_mlp.bias", _MLP_IN_BIAS)
@@ -882,20 +991,27 @@ def _single_block_entries(i: int) -> dict:
 
 def weight_map(config: FluxTransformerConfig) -> dict:
     """{flax param path: (diffusers key, transform)} for every parameter of the model."""
-    entries = _dense_entries(("x_embedder",), "x_embedder")
-    entries |= _dense_entries(("context_embedder",), "context_embedder")
+    entries = backbone_weight_entries(config)
+    entries |= dense_entries(("norm_out", "linear"), "norm_out.linear")
+    entries |= dense_entries(("proj_out",), "proj_out")
+    return entries
+
+
+def backbone_weight_entries(config: FluxTransformerConfig) -> dict:
+    """The :func:`weight_map` entries of the embedders and both block stacks: what the Flux
+    ControlNet shares with the transformer, under the same names."""
+    entries = dense_entries(("x_embedder",), "x_embedder")
+    entries |= dense_entries(("context_embedder",), "context_embedder")
     embedders = ["timestep_embedder", "text_embedder"]
     if config.guidance_embeds:
         embedders.append("guidance_embedder")
     for sub in embedders:
         for lin in ("linear_1", "linear_2"):
-            entries |= _dense_entries(("time_text_embed", sub, lin), f"time_text_embed.{sub}.{lin}")
+            entries |= dense_entries(("time_text_embed", sub, lin), f"time_text_embed.{sub}.{lin}")
     for i in range(config.num_layers):
         entries |= _double_block_entries(i)
     for i in range(config.num_single_layers):
         entries |= _single_block_entries(i)
-    entries |= _dense_entries(("norm_out", "linear"), "norm_out.linear")
-    entries |= _dense_entries(("proj_out",), "proj_out")
     return entries
 
 
