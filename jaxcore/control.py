@@ -54,6 +54,8 @@ class ControlInput:
     starts: tuple[float, ...]
     ends: tuple[float, ...]
     guess_mode: bool = False
+    # union ControlNets: the control type of each image (diffusers' control_mode); () = none
+    modes: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass

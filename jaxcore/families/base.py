@@ -460,6 +460,14 @@ class Family(abc.ABC):
             raise FamilyError(f"the {self.name} family takes no ControlNet ({directory})")
         return None
 
+    def control_conditioning(self, pipe, controls, height: int, width: int):
+        """(conditional, negative) ControlNet tensors for a batch, one
+        :class:`jaxcore.control.ControlInput` per row; the default: the UNet ControlNets'
+        (:func:`jaxcore.control.conditioning`, control images in [0, 1] pixels)."""
+        from jaxcore import control
+
+        return control.conditioning(controls, pipe.controlnets, height, width)
+
     @abc.abstractmethod
     def load_components(
         self, directory: Path, configs, compute: ComputeConfig, mesh, rules, denoiser, **options
