@@ -26,6 +26,7 @@ prompts with different scales, windows and guess modes into one program.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,13 +37,19 @@ import numpy as np
 from jaxcore import weights
 from jaxcore.family_types import FamilyError
 
-CONTROLNET_CLASSES = ("ControlNetModel",)
+CONTROLNET, UNION = "ControlNetModel", "ControlNetUnionModel"
+CONTROLNET_CLASSES = (CONTROLNET, UNION)
 # conditioning names (the loop indexes CONTROL_SCALE by step, see at_step)
 CONTROL_IMAGE = "control_image"
 CONTROL_SCALE = "control_scale"
 CONTROL_START = "control_start"
 CONTROL_END = "control_end"
 CONTROL_GUESS = "control_guess"
+# the negative branch of a guess-mode row: no residuals at all (diffusers adds zeros there)
+CONTROL_OFF = "control_off"
+# union ControlNets: the types used ([B, num_control_type] 0/1) and each image's type [B, K]
+CONTROL_TYPE = "control_type"
+CONTROL_MODE = "control_mode"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +75,13 @@ class ControlNets:
 
     def __len__(self) -> int:
         return len(self.modules)
+
+    @property
+    def union(self) -> bool:
+        """One ControlNetUnionModel: its images (one per control mode) vary per prompt."""
+        from jaxcore.models import controlnet_union
+
+        return isinstance(self.modules[0], controlnet_union.ControlNetUnionModel)
 
     @property
     def global_pool(self) -> bool:
@@ -126,8 +140,13 @@ def controlnet_folders(pipeline_dir: Path, index: Mapping) -> list[Path]:
 def load_controlnets(folders: Sequence, kwargs: Mapping, mesh=None, rules=None) -> ControlNets:
     """ControlNets from diffusers ``ControlNetModel`` folders, with the denoiser's module
     keywords (dtype, attention, remat, ...)."""
-    from jaxcore.models import controlnet
+    from jaxcore.models import controlnet, controlnet_union
 
+    loaders = {
+        CONTROLNET: controlnet.load_controlnet,
+        # the fusion per sample: a render must not depend on its batch (controlnet_union)
+        UNION: functools.partial(controlnet_union.load_controlnet_union, attend_across_batch=False),
+    }
     modules, params = [], []
     for folder in folders:
         folder = Path(folder)
@@ -140,8 +159,13 @@ def load_controlnets(folders: Sequence, kwargs: Mapping, mesh=None, rules=None) 
             raise FamilyError(
                 f"controlnet {folder}: _class_name {name!r} is not one of {CONTROLNET_CLASSES}"
             )
+        if name == UNION and len(folders) > 1:
+            raise FamilyError(
+                f"controlnet {folder}: several union ControlNets (MultiControlNetUnionModel) "
+                "are not supported; give one union ControlNet several control images instead"
+            )
         try:
-            module, p = controlnet.load_controlnet(folder, mesh=mesh, rules=rules, **kwargs)
+            module, p = loaders[name](folder, mesh=mesh, rules=rules, **kwargs)
         except (ValueError, weights.WeightsError) as err:
             raise FamilyError(f"controlnet {folder}: {err}") from None
         modules.append(module)
@@ -190,12 +214,7 @@ def conditioning(
 ) -> tuple[dict, dict]:
     """(conditional, negative) control tensors for a batch, one :class:`ControlInput` per row
     (see the module docstring)."""
-    count = len(nets)
-    for row, given in enumerate(inputs):
-        if len(given.images) != count:
-            raise FamilyError(
-                f"row {row}: {len(given.images)} control image(s) for {count} ControlNet(s)"
-            )
+    _check_counts(inputs, nets)
     images = np.stack(
         [np.stack([prepare_image(im, height, width) for im in given.images]) for given in inputs]
     )
@@ -207,10 +226,43 @@ def conditioning(
         CONTROL_START: np.asarray([given.starts for given in inputs], np.float64),
         CONTROL_END: np.asarray([given.ends for given in inputs], np.float64),
         CONTROL_GUESS: guess,
+        CONTROL_OFF: np.zeros_like(guess),
     }
+    if nets.union:
+        cond.update(_union_types(inputs, nets.modules[0].config.num_control_type))
     uncond = dict(cond)
     uncond[CONTROL_SCALE] = np.where(guess[:, None], 0.0, scales)
+    uncond[CONTROL_OFF] = guess
     return cond, uncond
+
+
+def _check_counts(inputs: Sequence[ControlInput], nets: ControlNets) -> None:
+    """One image per ControlNet (a union ControlNet: one per control mode, the same count in
+    a batch), a mode per image exactly for a union ControlNet."""
+    for row, given in enumerate(inputs):
+        if nets.union:
+            if len(given.modes) != len(given.images) or len(given.images) != len(inputs[0].images):
+                raise FamilyError(
+                    f"row {row}: a union ControlNet takes one control_mode per control image "
+                    f"(got {len(given.modes)} modes, {len(given.images)} images; a batch shares "
+                    "the count)"
+                )
+        elif given.modes:
+            raise FamilyError(f"row {row}: control_mode is for union ControlNets only")
+        elif len(given.images) != len(nets):
+            raise FamilyError(
+                f"row {row}: {len(given.images)} control image(s) for {len(nets)} ControlNet(s)"
+            )
+
+
+def _union_types(inputs: Sequence[ControlInput], types: int) -> dict:
+    """A union ControlNet's ``control_type`` (1 at each mode used) and ``control_mode``."""
+    modes = np.asarray([given.modes for given in inputs], np.int32)
+    if modes.min() < 0 or modes.max() >= types:
+        raise FamilyError(f"control_mode must be in [0, {types}), got {sorted(set(modes.flat))}")
+    used = np.zeros((len(inputs), types), np.float32)
+    np.put_along_axis(used, modes, 1.0, axis=1)
+    return {CONTROL_TYPE: used, CONTROL_MODE: modes}
 
 
 def keep_table(starts: np.ndarray, ends: np.ndarray, steps: int) -> np.ndarray:
@@ -252,21 +304,32 @@ def unet_residuals(module: Controlled, params, latents, timestep, context, added
     ``MultiControlNetModel``); ``context``: the text states the UNet attends to; ``added``:
     SDXL's ``(text_embeds, time_ids)`` or Nones."""
     dtype = module.dtype
+    x, context = latents.astype(dtype), context.astype(dtype)
+    c = conditioning_
+    if CONTROL_MODE in c:  # one union ControlNet, all images at once
+        (net,), (p,) = module.controlnets, params["controlnets"]
+        down, mid = net.apply(
+            {"params": p},
+            *(x, timestep, context, c[CONTROL_IMAGE], c[CONTROL_TYPE], c[CONTROL_MODE]),
+            *(c[CONTROL_SCALE], *added, c[CONTROL_GUESS]),
+        )
+        return _switched_off(list(down), mid, c[CONTROL_OFF])
     total_down = total_mid = None
     for k, (net, p) in enumerate(zip(module.controlnets, params["controlnets"], strict=True)):
         down, mid = net.apply(
             {"params": p},
-            latents.astype(dtype),
-            timestep,
-            context.astype(dtype),
-            conditioning_[CONTROL_IMAGE][:, k],
-            conditioning_[CONTROL_SCALE][:, k],
-            *added,
-            conditioning_[CONTROL_GUESS],
+            *(x, timestep, context, c[CONTROL_IMAGE][:, k], c[CONTROL_SCALE][:, k]),
+            *(*added, c[CONTROL_GUESS]),
         )
         if total_mid is None:
             total_down, total_mid = list(down), mid
         else:
             total_down = [a + b for a, b in zip(total_down, down, strict=True)]
             total_mid = total_mid + mid
-    return total_down, total_mid
+    return _switched_off(total_down, total_mid, c[CONTROL_OFF])
+
+
+def _switched_off(down, mid, off_b):
+    """Zero residuals on the rows ``off_b`` marks (the negative branch of guess mode)."""
+    keep = (~off_b).astype(mid.dtype).reshape(-1, 1, 1, 1)
+    return [d * keep for d in down], mid * keep

@@ -77,7 +77,8 @@ SD_PIPELINE, XL_PIPELINE = "StableDiffusionPipeline", "StableDiffusionXLPipeline
 # the ControlNet pipelines: the same components plus controlnet (jaxcore.control)
 SD_CONTROLNET_PIPELINE = "StableDiffusionControlNetPipeline"
 XL_CONTROLNET_PIPELINE = "StableDiffusionXLControlNetPipeline"
-XL_PIPELINES = (XL_PIPELINE, XL_CONTROLNET_PIPELINE)
+XL_UNION_PIPELINE = "StableDiffusionXLControlNetUnionPipeline"
+XL_PIPELINES = (XL_PIPELINE, XL_CONTROLNET_PIPELINE, XL_UNION_PIPELINE)
 # diffusers' check_inputs: "height and width have to be divisible by 8", whatever the VAE
 DIFFUSERS_SIZE_MULTIPLE = 8
 XL_DEFAULT_SAMPLE_SIZE = 128  # StableDiffusionXLPipeline.default_sample_size without a UNet one
@@ -401,7 +402,7 @@ class SDFamily(Family):
         "Stable Diffusion 1.x / 2.x and SDXL text-to-image "
         "(StableDiffusionPipeline, StableDiffusionXLPipeline; inference)"
     )
-    pipeline_classes = (SD_PIPELINE, XL_PIPELINE, SD_CONTROLNET_PIPELINE, XL_CONTROLNET_PIPELINE)
+    pipeline_classes = (SD_PIPELINE, SD_CONTROLNET_PIPELINE, *XL_PIPELINES)
     denoiser_classes = ("UNet2DConditionModel",)
     denoiser_component = "unet"
     # the class-level default; a pipeline's own comes from its scheduler config

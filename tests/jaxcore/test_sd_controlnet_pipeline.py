@@ -88,6 +88,14 @@ def xl(tmp_path_factory):
     return _pipes(directory, "StableDiffusionXLControlNetPipeline")
 
 
+@pytest.fixture(scope="module")
+def xl_union(tmp_path_factory):
+    directory = build_controlnet_pipeline(
+        tmp_path_factory.mktemp("xl_union"), xl=True, seed=5, union=True
+    )
+    return _pipes(directory, "StableDiffusionXLControlNetUnionPipeline")
+
+
 def _control_image(seed: int, size=(20, 12), mode="RGB") -> Image.Image:
     """A random control image of another size than the render's (both resize it)."""
     rng = np.random.default_rng(seed)
@@ -111,6 +119,7 @@ def _render(pipes, rows, *, height=16, width=24, steps=4, guidance=6.0):
             tuple(r["starts"]),
             tuple(r["ends"]),
             r.get("guess", False),
+            tuple(r.get("modes", ())),
         )
         for r in rows
     ]
@@ -127,13 +136,16 @@ def _render(pipes, rows, *, height=16, width=24, steps=4, guidance=6.0):
     ours = np.asarray(ours_pipe.decode(z))[:, 0]
     references = []
     for row, r in enumerate(rows):
-        single = len(r["images"]) == 1
+        single = len(r["images"]) == 1 and "modes" not in r
         unwrap = (lambda v: v[0]) if single else list  # noqa: E731
+        images = {"image": unwrap(r["images"])}
+        if "modes" in r:  # the union pipeline's names
+            images = {"control_image": list(r["images"]), "control_mode": list(r["modes"])}
         references.append(
             torch_pipe(
                 prompt=PROMPTS[row],
                 negative_prompt=NEGATIVE[row] or None,  # "" is no negative: SDXL zeros
-                image=unwrap(r["images"]),
+                **images,
                 controlnet_conditioning_scale=unwrap(r["scales"]),
                 control_guidance_start=unwrap(r["starts"]),
                 control_guidance_end=unwrap(r["ends"]),
@@ -199,6 +211,35 @@ def test_sdxl_euler_trailing_matches_diffusers(xl):
         dict(images=[_control_image(6, mode="L")], scales=[1.0], starts=[0.25], ends=[1.0]),
     ]
     ours, reference = _render(xl, rows, height=24, width=16)
+    _close(ours, reference)
+
+
+def test_sdxl_union_matches_diffusers(xl_union):
+    """One union ControlNet: two rows with one image each (modes 2 and 0); then two images of
+    two modes with their own scales and windows. (diffusers' union pipeline fails in guess
+    mode with CFG: it repeats control_type for both CFG halves but runs the ControlNet on one.)"""
+    one = [
+        dict(images=[_control_image(9)], scales=[0.9], starts=[0.0], ends=[0.75], modes=[2]),
+        dict(
+            images=[_control_image(10, mode="L")],
+            scales=[1.2],
+            starts=[0.25],
+            ends=[1.0],
+            modes=[0],
+        ),
+    ]
+    ours, reference = _render(xl_union, one, height=24, width=16)
+    _close(ours, reference)
+    two = [
+        dict(
+            images=[_control_image(11), _control_image(12)],
+            scales=[0.6, 1.3],
+            starts=[0.0, 0.5],
+            ends=[0.5, 1.0],
+            modes=[1, 3],
+        )
+    ]
+    ours, reference = _render(xl_union, two, height=24, width=16)
     _close(ours, reference)
 
 

@@ -302,14 +302,19 @@ def build_controlnet_pipeline(
     scheduler: str | None = None,
     schedule: dict | None = None,
     controlnet: dict | None = None,
+    union: bool = False,
 ) -> Path:
     """A tiny ``StableDiffusionControlNetPipeline`` (``xl``: ``StableDiffusionXLControlNet
     Pipeline``) with ``count`` perturbed ControlNets (several: diffusers' MultiControlNetModel,
     saved as ``controlnet``, ``controlnet_1``, ...); the base is :func:`build_sd_pipeline` /
-    :func:`build_sdxl_pipeline`'s with the same seed."""
+    :func:`build_sdxl_pipeline`'s with the same seed. ``union``: one SDXL
+    ``ControlNetUnionModel`` (``StableDiffusionXLControlNetUnionPipeline``)."""
     import diffusers
     import torch
     from diffusers import ControlNetModel
+
+    if union:
+        return _build_union_pipeline(Path(directory), seed, scheduler, schedule)
 
     directory = Path(directory)
     base = directory / "_base"
@@ -339,3 +344,30 @@ def _scheduler_kw(scheduler: str | None, schedule: dict | None) -> dict:
     if schedule is not None:
         kw["schedule"] = schedule
     return kw
+
+
+UNION_TYPES = 4
+
+
+def _build_union_pipeline(directory: Path, seed, scheduler, schedule) -> Path:
+    import diffusers
+    import torch
+
+    base = directory / "_base"
+    build_sdxl_pipeline(base, seed=seed, **_scheduler_kw(scheduler, schedule))
+    torch.manual_seed(seed + 10)
+    config = controlnet_config(XL_UNET)
+    union = diffusers.ControlNetUnionModel(
+        **config,
+        num_control_type=UNION_TYPES,
+        num_trans_channel=32,
+        num_trans_head=2,
+        num_trans_layer=1,
+        num_proj_channel=32,
+    )
+    pipe = diffusers.StableDiffusionXLControlNetUnionPipeline.from_pretrained(
+        base, controlnet=_perturbed(union, seed + 20)
+    )
+    pipe.save_pretrained(directory)
+    shutil.rmtree(base)
+    return directory
