@@ -148,6 +148,9 @@ class Family(abc.ABC):
     objective: str = "flow_matching"
     # PEFT-style target_modules a LoRA trains when the config names none
     lora_default_targets: tuple[str, ...] = ()
+    # the ControlNet pipelines take the render size from the first control image when none
+    # is given (StableDiffusion(XL)ControlNetPipeline; Flux's use its default size)
+    size_from_control_image: bool = False
     # the denoiser's model functions (every family sets its own)
     denoiser_model: DenoiserModel
 

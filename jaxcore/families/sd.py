@@ -405,6 +405,7 @@ class SDFamily(Family):
     pipeline_classes = (SD_PIPELINE, SD_CONTROLNET_PIPELINE, *XL_PIPELINES)
     denoiser_classes = ("UNet2DConditionModel",)
     denoiser_component = "unet"
+    size_from_control_image = True
     # the class-level default; a pipeline's own comes from its scheduler config
     # (pipeline_objective: SD 2.1 768 and other v-models are "v_prediction")
     objective = "epsilon"

@@ -94,6 +94,31 @@ class SamplingSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class ControlSection:
+    """Defaults of every prompt line's ControlNet fields (a line's own value wins; unset:
+    diffusers' defaults 1, 0, 1, false, no preprocessing). See
+    :mod:`stages.generate.control_inputs` for the fields."""
+
+    controlnet_conditioning_scale: float | tuple[float, ...] | None = None
+    control_guidance_start: float | tuple[float, ...] | None = None
+    control_guidance_end: float | tuple[float, ...] | None = None
+    guess_mode: bool | None = None
+    # {"kind": "canny", "low": ..., "high": ...} for every control image (jaxcore.control_preprocess)
+    control_preprocess: dict[str, Any] | None = None
+
+    def __post_init__(self):
+        self.preprocess_spec  # noqa: B018 - validated now, not at the first line
+
+    @property
+    def preprocess_spec(self):
+        from jaxcore.control_preprocess import ControlPreprocess
+
+        if self.control_preprocess is None:
+            return None
+        return ControlPreprocess.from_dict(self.control_preprocess, "control.control_preprocess")
+
+
+@dataclasses.dataclass(frozen=True)
 class LoraSpec:
     """One LoRA: a ``.safetensors`` file, a folder holding one, ``gs://`` or a hub id; and the
     multiplier of its delta (on top of the file's own alpha / rank)."""
@@ -128,6 +153,10 @@ class ModelSection:
     # weights are kept as an artifact per model and mode, written by the first run that
     # lacks them and loaded by every later one (stages.generate.quantized_cache)
     quantized_cache: str | None = None
+    # ControlNets beside the denoiser: diffusers ControlNetModel / ControlNetUnionModel /
+    # FluxControlNetModel folders (local or gs://), one or a list; unset: the pipeline's own
+    # controlnet component, if it has one
+    controlnet: str | tuple[str, ...] | None = None
 
     def __post_init__(self):
         ck = self.checkpoint
@@ -187,6 +216,8 @@ class GenerateConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     # step caching (First-Block-Cache, MagCache, calibration) and its quality gate
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    # defaults of the prompt lines' ControlNet fields
+    control: ControlSection = dataclasses.field(default_factory=ControlSection)
 
     def __post_init__(self):
         for key in ("pretrained_model_name_or_path", "prompt_file", "output_dir"):

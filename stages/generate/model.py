@@ -40,6 +40,20 @@ class ModelSource:
     scheduler_config: dict
     checkpoint: checkpoints.CheckpointSource | None
     provenance: dict
+    # model.controlnet resolved to local folders (() = the pipeline's own, if any)
+    controlnet: tuple[str, ...] = ()
+
+    @property
+    def has_controlnet(self) -> bool:
+        """ControlNets given, or a pipeline folder with its own."""
+        from jaxcore import control
+
+        if self.controlnet:
+            return True
+        if not (self.pipeline_dir / "model_index.json").is_file():
+            return False
+        index = families.read_model_index(self.pipeline_dir)
+        return bool(control.controlnet_folders(self.pipeline_dir, index))
 
     @property
     def geometry(self) -> families.Geometry:
@@ -130,7 +144,28 @@ def _scheduler_config(config: GenerateConfig, directory: Path) -> dict:
 
 
 def describe(config: GenerateConfig) -> ModelSource:
-    """Family, configs and provenance of the configured model (no weights read)."""
+    """Family, configs and provenance of the configured model (no weights read); with
+    ``model.controlnet``, its folders (gs:// copied locally)."""
+    source = _describe(config)
+    given = config.model.controlnet
+    if not given:
+        return source
+    uris = (given,) if isinstance(given, str) else tuple(given)
+    folders = tuple(str(_controlnet_dir(uri)) for uri in uris)
+    provenance = {**source.provenance, "controlnet": list(uris)}
+    return dataclasses.replace(source, controlnet=folders, provenance=provenance)
+
+
+def _controlnet_dir(uri: str) -> Path:
+    from jaxcore.pipeline import resolve_pipeline_dir
+
+    try:
+        return resolve_pipeline_dir(uri)
+    except families.FamilyError as err:
+        raise StageInputError(f"model.controlnet: {err}") from None
+
+
+def _describe(config: GenerateConfig) -> ModelSource:
     source = config.pretrained_model_name_or_path
     if checkpoint_artifact(source) is None:
         family, directory = _pipeline(source)
@@ -196,7 +231,9 @@ def load(
         uri, made_of = cached
         given = quantized_cache.load(uri, source, compute, mesh)
         if given is not None:
-            pipe = source.family.load_pipeline(source.pipeline_dir, compute, mesh, **given)
+            pipe = source.family.load_pipeline(
+                source.pipeline_dir, compute, mesh, controlnet=source.controlnet, **given
+            )
         else:
             pipe = _load(source, compute, mesh, keep_float)
             quantized_cache.store(uri, made_of, pipe)
@@ -226,7 +263,12 @@ def _load(source: ModelSource, compute: ComputeConfig, mesh, keep_float) -> Pipe
         denoiser = (module, params)
         if trained_expert(source.checkpoint.train) == "low":  # the second expert's slot
             return source.family.load_pipeline(
-                source.pipeline_dir, compute, mesh, second_denoiser=denoiser, keep_float=keep_float
+                source.pipeline_dir,
+                compute,
+                mesh,
+                second_denoiser=denoiser,
+                keep_float=keep_float,
+                controlnet=source.controlnet,
             )
         log.info(
             "generate: denoiser from %s step %d, the rest from %s",
@@ -235,5 +277,10 @@ def _load(source: ModelSource, compute: ComputeConfig, mesh, keep_float) -> Pipe
             source.pipeline_dir,
         )
     return source.family.load_pipeline(
-        source.pipeline_dir, compute, mesh, denoiser=denoiser, keep_float=keep_float
+        source.pipeline_dir,
+        compute,
+        mesh,
+        denoiser=denoiser,
+        keep_float=keep_float,
+        controlnet=source.controlnet,
     )

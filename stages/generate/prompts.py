@@ -43,7 +43,8 @@ from collections.abc import Iterable
 from jaxcore import storage
 from jaxcore.families import MICRO_CONDITIONING, Geometry, ImageInputs
 from stages.common.errors import StageInputError
-from stages.generate.config import SamplingSection
+from stages.generate import control_inputs
+from stages.generate.config import ControlSection, SamplingSection
 
 FIELDS_INT = ("seed", "height", "width", "num_frames", "num_inference_steps")
 # Render settings only some families take (LTX-Video's RoPE frame rate and decode noise): a
@@ -69,7 +70,15 @@ TIMESTEPS = "timesteps"
 MAX_TIMESTEP = 1000  # the flow-match schedulers' num_train_timesteps (the family re-checks)
 FIELDS_PAIR = MICRO_CONDITIONING  # SDXL's size / crop conditioning: [a, b] integer pairs
 KNOWN_FIELDS = frozenset(
-    (*FIELDS_INT, *FIELDS_FLOAT, *FIELDS_STR, *FIELDS_LIST, *FIELDS_PAIR, TIMESTEPS)
+    (
+        *FIELDS_INT,
+        *FIELDS_FLOAT,
+        *FIELDS_STR,
+        *FIELDS_LIST,
+        *FIELDS_PAIR,
+        TIMESTEPS,
+        *control_inputs.FIELDS,
+    )
 )
 
 # Per-prompt values that fall back to the config's sampling section (then the model's).
@@ -125,6 +134,8 @@ class PromptSpec:
     conditions: tuple[tuple[str, str, int, float], ...] = ()
     # a custom timestep list (num_inference_steps is its length), None: the pipeline's schedule
     timesteps: tuple[float, ...] | None = None
+    # ControlNet inputs (control images, scales, window, ...), None: none
+    control: control_inputs.ControlSpec | None = None
 
     @property
     def group_key(self) -> tuple:
@@ -142,6 +153,8 @@ class PromptSpec:
             self.last_image is not None,
             self.conditions,  # a batch shares its conditions' token layout
             self.timesteps,
+            # a batch shares whether it is controlled, and how many control images it has
+            None if self.control is None else len(self.control.images),
         )
 
     def params(self) -> dict:
@@ -171,6 +184,8 @@ class PromptSpec:
             out["conditions"] = [condition_entry(*c) for c in self.conditions]
         if self.timesteps is not None:
             out[TIMESTEPS] = list(self.timesteps)
+        if self.control is not None:
+            out.update(self.control.entry())
         for name, value in self.micro_conditioning:
             out[name] = list(value) if isinstance(value, tuple) else value
         return out
@@ -328,6 +343,8 @@ def _check_type(value, field: str, where: str):
     """Validate one field's JSON type; ints are accepted for float fields."""
     if field == TIMESTEPS:
         return _check_timesteps(value, where)
+    if field in control_inputs.FIELDS:
+        return control_inputs.check_field(field, value, where)
     if field == "conditions":
         return _check_conditions(value, where)
     if field in FIELDS_LIST:
@@ -499,14 +516,17 @@ def resolve_prompts(
     geometry: Geometry | None = None,
     loras: tuple[tuple[str, float, str], ...] = (),
     image_inputs: ImageInputs | None = None,
+    control: ControlSection | None = None,
 ) -> list[PromptSpec]:
     """Prompt entries -> PromptSpecs; raises StageInputError naming the line.
 
     ``model_defaults`` fill the config's ``None`` values (the pipeline's own defaults);
     ``geometry`` checks each prompt's size against the model; ``loras`` are the (path, scale,
     expert) uses of every prompt without its own ``loras`` list; ``image_inputs`` checks each line's
-    ``image`` / ``last_image`` against what the model takes.
+    ``image`` / ``last_image`` against what the model takes; ``control``: the config's defaults
+    of the ControlNet fields (:mod:`stages.generate.control_inputs`).
     """
+    control = control or ControlSection()
     base = resolved_defaults(defaults, model_defaults)
     specs: list[PromptSpec] = []
     seen_ids: dict[str, int] = {}
@@ -551,6 +571,10 @@ def resolve_prompts(
         conditions = ()
         if "conditions" in given:
             conditions = _resolve_conditions(given["conditions"], uri, where, model_defaults)
+        sized = "height" in given or "width" in given or defaults.height or defaults.width
+        controlled = control_inputs.resolve(
+            given, control, lambda path: _resolve_path(path, uri), where, bool(sized)
+        )
         specs.append(
             PromptSpec(
                 index=index,
@@ -562,6 +586,7 @@ def resolve_prompts(
                 micro_conditioning=tuple(sorted(micro)),
                 conditions=conditions,
                 timesteps=timesteps,
+                control=controlled,
                 **fields,
             )
         )

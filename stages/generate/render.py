@@ -260,6 +260,15 @@ def _images(spec: PromptSpec) -> tuple:
     )
 
 
+def _controls(rows: Sequence[PromptSpec]) -> list | None:
+    """Each row's ControlNet inputs (a batch is controlled or not as a whole)."""
+    if rows[0].control is None:
+        return None
+    from stages.generate import control_inputs
+
+    return [control_inputs.to_input(s) for s in rows]
+
+
 def initial_noise(spec: PromptSpec, shape: Sequence[int]) -> np.ndarray:
     """The prompt's own initial latents: its .npy, or noise from its seed alone."""
     if spec.latents is not None:
@@ -372,6 +381,7 @@ def _dispatch(
         images=[_images(s) for s in rows],
         size=(first.height, first.width, first.num_frames),
         micro_conditioning=[dict(s.micro_conditioning) for s in rows],
+        controls=_controls(rows),
     )
     if first.conditions:  # frame conditions (LTXConditionPipeline): a batch shares them
         size = (first.height, first.width, first.num_frames)

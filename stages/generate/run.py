@@ -14,7 +14,7 @@ from jaxcore.artifacts import ArtifactError, ArtifactWriter, Manifest
 from jaxcore.config import to_dict
 from stages.common.errors import StageInputError
 from stages.common.preemption import Preempted, Preemption
-from stages.generate import caching, outputs
+from stages.generate import caching, control_inputs, outputs
 from stages.generate.config import DEFAULT_MAX_SEQUENCE_LENGTH, GenerateConfig
 from stages.generate.prompts import (
     PromptSpec,
@@ -63,6 +63,8 @@ def _fingerprint(
     }
     if spec.conditions:  # frame conditions' files (absent otherwise: earlier runs match)
         payload["condition_sha256"] = [image_checksums.get(c[1]) for c in spec.conditions]
+    if spec.control is not None:  # the control images' files
+        payload["control_sha256"] = [image_checksums.get(u) for u in spec.control.images]
     if cache_fingerprint:
         payload["cache"] = cache_fingerprint
     blob = json.dumps(payload, sort_keys=True)
@@ -102,6 +104,7 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     render.check_latent_files(specs, source.latent_shape)  # also before any rendering
     render.check_memory(specs, source.latent_shape, config.prompt_file)
     image_sha = render.check_image_files(specs)
+    control_inputs.check_files(specs, image_sha)
     keep_float = _keep_float(config, specs)
     cached = model.cached_weights(source, config.compute, config.model.quantized_cache, keep_float)
     pipe = model.load(source, config.compute, make_mesh(config.mesh), keep_float, cached)
@@ -170,9 +173,38 @@ def _checked_prompts(config: GenerateConfig, entries, source):
         source.geometry,
         default_loras,
         source.image_inputs,
+        config.control,
     )
+    specs = _checked_control(specs, source)
     source.check_guidance(specs)
     return specs, config.sampling.scheduler or defaults["scheduler"]
+
+
+def _checked_control(specs, source) -> list:
+    """Control fields only for a model with ControlNets, and then on every line; sizes from
+    the control images where the family's pipelines take them so (read now: a missing image
+    fails before anything loads)."""
+    controlled = source.has_controlnet
+    for spec in specs:
+        if (spec.control is not None) != controlled:
+            where = f"{spec.id!r} (line {spec.line})"
+            raise StageInputError(
+                f"prompt {where}: "
+                + (
+                    "control_image given, but the model has no ControlNet (set model.controlnet)"
+                    if not controlled
+                    else "the model has ControlNets: every line needs a control_image"
+                )
+            )
+    if not controlled or not source.family.size_from_control_image:
+        return specs
+    sized = control_inputs.sized_from_images(specs, source.geometry)
+    for spec in sized:
+        try:
+            source.geometry.check(spec.height, spec.width, spec.num_frames)
+        except ValueError as err:
+            raise StageInputError(f"line {spec.line} (id {spec.id!r}): {err}") from None
+    return sized
 
 
 def _spec_fingerprint(
@@ -220,6 +252,9 @@ def _write_prompt(
         record["cache"] = {"kind": config.cache.kind, **extra["cache"]}
     if "dense" in extra:
         record["cache"].update(outputs.write_dense(uri, spec.name, video, extra["dense"]))
+    edge_maps = control_inputs.write_edge_maps(uri, spec)
+    if edge_maps:  # the preprocessed control images the ControlNets saw
+        record["control_outputs"] = edge_maps
     return outputs.write_prompt_outputs(
         uri,
         record,
