@@ -537,7 +537,7 @@ class Pipeline:
             )
         if size is None:
             raise ValueError("control images need the render size (size=(height, width, frames))")
-        got, got_negative = self.family.control_conditioning(self, controls, *size[:2])
+        got, got_negative = self.family.control_conditioning(self, controls, *size[:2], cond)
         cond.update(got)
         if uncond is not None:
             uncond.update(got_negative)

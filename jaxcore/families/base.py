@@ -463,10 +463,12 @@ class Family(abc.ABC):
             raise FamilyError(f"the {self.name} family takes no ControlNet ({directory})")
         return None
 
-    def control_conditioning(self, pipe, controls, height: int, width: int):
+    def control_conditioning(self, pipe, controls, height: int, width: int, positive):
         """(conditional, negative) ControlNet tensors for a batch, one
-        :class:`jaxcore.control.ControlInput` per row; the default: the UNet ControlNets'
+        :class:`jaxcore.control.ControlInput` per row; ``positive``: the batch's conditional
+        conditioning so far (its text). The default: the UNet ControlNets'
         (:func:`jaxcore.control.conditioning`, control images in [0, 1] pixels)."""
+        del positive
         from jaxcore import control
 
         return control.conditioning(controls, pipe.controlnets, height, width)

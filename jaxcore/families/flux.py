@@ -15,6 +15,9 @@ Reference: ``diffusers/pipelines/flux/pipeline_flux.py`` (``FluxPipeline.__call_
 - the flow-match Euler scheduler with FluxPipeline's sigmas ``linspace(1, 1/N, N)`` and, under
   dynamic shifting (dev), ``mu`` linear in the image sequence length;
 - decode: ``z / scaling_factor + shift_factor`` -> VAE -> ``image / 2 + 0.5`` in [0, 1].
+
+``FluxControlNetPipeline`` folders load as this family too, their ControlNets beside the
+transformer (:mod:`jaxcore.families.flux_control`).
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcore import sharding
+from jaxcore import control, sharding
 from jaxcore.compute import ComputeConfig
+from jaxcore.families import flux_control
 from jaxcore.families.base import (
     DenoiserModel,
     Encoders,
@@ -38,6 +42,7 @@ from jaxcore.families.base import (
     Guidance,
     TensorSpec,
     decoded_frames,
+    read_model_index,
 )
 from jaxcore.models import autoencoder_kl, clip_text, flux_transformer, t5
 from jaxcore.text import load_tokenizer
@@ -165,7 +170,8 @@ class FluxEncoders(Encoders):
 class FluxFamily(Family):
     name = "flux"
     description = "Flux.1 dev / schnell text-to-image (FluxPipeline)"
-    pipeline_classes = ("FluxPipeline",)
+    # FluxControlNetPipeline: the same components plus controlnet (flux_control)
+    pipeline_classes = ("FluxPipeline", "FluxControlNetPipeline")
     denoiser_classes = ("FluxTransformer2DModel",)
     denoiser_component = "transformer"
     objective = "flow_matching"
@@ -201,28 +207,44 @@ class FluxFamily(Family):
 
     # --- the denoiser -----------------------------------------------------------------------
     def apply(self, module, params, latents, timestep, conditioning, run_stack=None):
-        """Pack ``latents [B, C, h, w]``, run the transformer at ``timestep / 1000``, unpack."""
+        """Pack ``latents [B, C, h, w]``, run the transformer at ``timestep / 1000``, unpack;
+        with ControlNets (:class:`jaxcore.control.Controlled`) their residuals first."""
         _, _, h, w = latents.shape
-        dtype = module.dtype
-        text = conditioning[TEXT].astype(dtype)
+        text = conditioning[TEXT]
+        tokens = flux_transformer.pack_latents(latents.astype(module.dtype))
+        t = timestep.astype(jnp.float32) / 1000.0
+        image_ids = flux_transformer.latent_image_ids(h, w)
+        text_ids = np.zeros((text.shape[1], 3), np.float32)
+        control_kwargs = {}
+        if isinstance(module, control.Controlled):
+            samples = flux_control.residuals(
+                module, params, tokens, t, text_ids, image_ids, conditioning
+            )
+            control_kwargs = {
+                "controlnet_block_samples": samples[0],
+                "controlnet_single_block_samples": samples[1],
+                "controlnet_blocks_repeat": flux_control.blocks_repeat(module),
+            }
+            module, params = module.denoiser, params["denoiser"]
         guidance = conditioning.get(GUIDANCE)
         if module.config.guidance_embeds and guidance is None:
             raise FamilyError("this Flux model embeds guidance: the conditioning needs 'guidance'")
-        tokens = module.apply(
+        out = module.apply(
             {"params": params},
-            flux_transformer.pack_latents(latents.astype(dtype)),
-            text,
-            conditioning[POOLED].astype(dtype),
-            timestep.astype(jnp.float32) / 1000.0,
-            flux_transformer.latent_image_ids(h, w),
-            np.zeros((text.shape[1], 3), np.float32),
+            tokens,
+            text.astype(module.dtype),
+            conditioning[POOLED].astype(module.dtype),
+            t,
+            image_ids,
+            text_ids,
             guidance if module.config.guidance_embeds else None,
             run_stack=run_stack,
+            **control_kwargs,
         )
         if run_stack is None:
-            return flux_transformer.unpack_latents(tokens, h, w)
-        tokens, extra = tokens
-        return flux_transformer.unpack_latents(tokens, h, w), extra
+            return flux_transformer.unpack_latents(out, h, w)
+        out, extra = out
+        return flux_transformer.unpack_latents(out, h, w), extra
 
     def flops_per_forward(self, config, batch, latent_shape, conditioning_shapes):
         text_tokens = conditioning_shapes[TEXT][0]
@@ -294,6 +316,27 @@ class FluxFamily(Family):
             )
         # Text encoders outside the mesh: their params are replicated, nothing is lost.
         return {"components": {"vae": vae, **_load_text_encoders(directory, compute)}}
+
+    def load_controlnets(self, directory, denoiser_config, compute, mesh, rules, given):
+        """FluxControlNetModel folders (``controlnet=``, else the pipeline's own ``controlnet``,
+        ``controlnet_1``, ...), with the transformer's module keywords; each checked to fit it.
+        They stay in their dtype under ``compute.quantization`` (only the transformer is)."""
+        directory = Path(directory)
+        index = read_model_index(directory) if (directory / "model_index.json").is_file() else {}
+        folders = flux_control.controlnet_folders(directory, index)
+        if given:
+            folders = [given] if isinstance(given, str | Path) else list(given)
+        if not folders:
+            return None
+        kwargs = dict(compute.denoiser_kwargs)
+        nets = flux_control.load_controlnets(folders, kwargs, mesh, rules)
+        flux_control.check_against(nets, denoiser_config)
+        return nets
+
+    def control_conditioning(self, pipe, controls, height: int, width: int, positive):
+        """The Flux ControlNets' tensors (:func:`flux_control.conditioning`): VAE-encoded
+        packed control images, union modes, scales, windows and the positive prompt's text."""
+        return flux_control.conditioning(pipe, controls, height, width, positive)
 
     def encode_prompts(self, pipe, prompts, max_sequence_length):
         if max_sequence_length > 512:

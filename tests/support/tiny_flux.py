@@ -91,8 +91,10 @@ def build_flux_pipeline(
     guidance_embeds: bool = True,
     scheduler: dict | None = None,
     transformer: dict | None = None,
+    vae: dict | None = None,
 ) -> Path:
-    """Write a tiny ``FluxPipeline`` (dev-like by default) into ``directory``; returns it."""
+    """Write a tiny ``FluxPipeline`` (dev-like by default) into ``directory``; returns it.
+    ``transformer`` / ``vae``: config entries replacing :data:`TRANSFORMER`'s / :data:`VAE`'s."""
     import torch
     import transformers
     from diffusers import (
@@ -120,7 +122,7 @@ def build_flux_pipeline(
     )
     pipe = FluxPipeline(
         transformer=_perturbed(FluxTransformer2DModel(**config), seed),
-        vae=_perturbed(AutoencoderKL(**VAE), seed + 1),
+        vae=_perturbed(AutoencoderKL(**{**VAE, **(vae or {})}), seed + 1),
         text_encoder=_perturbed(transformers.CLIPTextModel(clip_config), seed + 2),
         text_encoder_2=_perturbed(
             transformers.T5EncoderModel(transformers.T5Config(**T5)), seed + 3
@@ -135,3 +137,90 @@ def build_flux_pipeline(
     shutil.rmtree(directory / "_tokenizer")
     shutil.rmtree(directory / "_tokenizer_2")
     return directory
+
+
+# Tiny FluxControlNetModels fitting TRANSFORMER (a union one adds num_mode).
+CONTROLNET = dict(
+    patch_size=1,
+    in_channels=16,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=24,
+    guidance_embeds=True,
+    axes_dims_rope=(4, 6, 6),
+)
+UNION_MODES = 3
+
+
+def _tight_posterior(vae) -> None:
+    """The VAE encoder's log-variance half of ``conv_out``'s bias at -60: diffusers clamps it
+    to -30, so its posterior *sample* (the Flux ControlNet pipeline's ``retrieve_latents``) is
+    the mean within std ~3e-7, and the mean (what difforge encodes) can match it."""
+    import torch
+
+    channels = vae.config.latent_channels
+    with torch.no_grad():
+        vae.encoder.conv_out.bias[channels:] = -60.0
+
+
+def build_flux_controlnet_pipeline(
+    directory: str | Path,
+    *,
+    count: int = 1,
+    union: bool = False,
+    seed: int = 0,
+    controlnet: dict | None = None,
+    vae: dict | None = None,
+    transformer: dict | None = None,
+) -> Path:
+    """Write a tiny ``FluxControlNetPipeline`` into ``directory``; returns it.
+
+    ``count`` ControlNets (``union``: with ``UNION_MODES`` control modes): the first saved as
+    ``controlnet``, the others as ``controlnet_1``, ... with ``FluxMultiControlNetModel`` in
+    model_index.json (diffusers cannot save that class itself: it has no config). The VAE's
+    posterior is made tight (:func:`_tight_posterior`). ``controlnet`` / ``vae`` /
+    ``transformer``: config entries replacing :data:`CONTROLNET`'s / :data:`VAE`'s /
+    :data:`TRANSFORMER`'s."""
+    import json
+
+    import torch
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline, FluxPipeline
+
+    directory = Path(directory)
+    build_flux_pipeline(directory, seed=seed, vae=vae, transformer=transformer)
+    base = FluxPipeline.from_pretrained(directory)
+    _tight_posterior(base.vae)
+    config = {**CONTROLNET, **({"num_mode": UNION_MODES} if union else {}), **(controlnet or {})}
+    nets = []
+    for k in range(count):
+        torch.manual_seed(seed + 10 + k)
+        nets.append(_perturbed(FluxControlNetModel(**config), seed + 10 + k))
+    FluxControlNetPipeline(**base.components, controlnet=nets[0]).save_pretrained(directory)
+    for k, net in enumerate(nets[1:], start=1):
+        net.save_pretrained(directory / f"controlnet_{k}")
+    if count > 1:
+        index_path = directory / "model_index.json"
+        index = json.loads(index_path.read_text())
+        index["controlnet"] = ["diffusers", "FluxMultiControlNetModel"]
+        index_path.write_text(json.dumps(index, indent=2))
+    return directory
+
+
+def load_diffusers_controlnet_pipeline(directory: str | Path, *, multi: bool = False):
+    """diffusers' ``FluxControlNetPipeline`` of a :func:`build_flux_controlnet_pipeline`
+    folder; ``multi``: its ControlNets as a ``FluxMultiControlNetModel`` (as the several
+    ControlNets of a folder must be, and one union ControlNet with several conditions)."""
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline, FluxMultiControlNetModel
+
+    directory = Path(directory)
+    folders = [directory / "controlnet"]
+    k = 1
+    while (directory / f"controlnet_{k}").is_dir():
+        folders.append(directory / f"controlnet_{k}")
+        k += 1
+    nets = [FluxControlNetModel.from_pretrained(folder) for folder in folders]
+    controlnet = FluxMultiControlNetModel(nets) if multi or len(nets) > 1 else nets[0]
+    return FluxControlNetPipeline.from_pretrained(directory, controlnet=controlnet)
