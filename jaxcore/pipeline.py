@@ -522,7 +522,7 @@ class Pipeline:
         return cond, uncond, scales
 
     def _control_conditioning(self, controls, rows: int, size, cond: dict, uncond) -> None:
-        """The ControlNets' inputs join both branches (:func:`jaxcore.control.conditioning`)."""
+        """The ControlNets' inputs join both branches (the family's ``control_conditioning``)."""
         if self.controlnets is None:
             if controls is not None and any(c is not None for c in controls):
                 raise FamilyError(

@@ -466,12 +466,21 @@ class Family(abc.ABC):
     def control_conditioning(self, pipe, controls, height: int, width: int, positive):
         """(conditional, negative) ControlNet tensors for a batch, one
         :class:`jaxcore.control.ControlInput` per row; ``positive``: the batch's conditional
-        conditioning so far (its text). The default: the UNet ControlNets'
-        (:func:`jaxcore.control.conditioning`, control images in [0, 1] pixels)."""
-        del positive
-        from jaxcore import control
+        conditioning so far (its text). Default: this family takes no ControlNet."""
+        del pipe, controls, height, width, positive
+        raise FamilyError(f"the {self.name} family takes no ControlNet")
 
-        return control.conditioning(controls, pipe.controlnets, height, width)
+    def controlnet_for_training(self, denoiser, denoiser_params, rng, init, options, **control):
+        """``(module, params, boxed abstract params, provenance)`` of a ControlNet to train
+        beside the frozen denoiser (``init``: ``"denoiser"`` = made from it, or a folder).
+        Default: this family trains no ControlNet."""
+        del denoiser, denoiser_params, rng, init, options, control
+        raise FamilyError(f"the {self.name} family has no ControlNet training")
+
+    def controlnet_export(self, module, params) -> tuple[dict, dict]:
+        """(diffusers state dict, config.json) of a trained ControlNet."""
+        del module, params
+        raise FamilyError(f"the {self.name} family has no ControlNet training")
 
     @abc.abstractmethod
     def load_components(

@@ -218,7 +218,14 @@ class FluxFamily(Family):
         control_kwargs = {}
         if isinstance(module, control.Controlled):
             samples = flux_control.residuals(
-                module, params, tokens, t, text_ids, image_ids, conditioning
+                module,
+                params,
+                tokens,
+                t,
+                text_ids,
+                image_ids,
+                conditioning,
+                conditioning.get(GUIDANCE),
             )
             control_kwargs = {
                 "controlnet_block_samples": samples[0],
@@ -336,7 +343,8 @@ class FluxFamily(Family):
     def control_conditioning(self, pipe, controls, height: int, width: int, positive):
         """The Flux ControlNets' tensors (:func:`flux_control.conditioning`): VAE-encoded
         packed control images, union modes, scales, windows and the positive prompt's text."""
-        return flux_control.conditioning(pipe, controls, height, width, positive)
+        text = (positive[TEXT], positive[POOLED])
+        return flux_control.conditioning(pipe, controls, height, width, text)
 
     def encode_prompts(self, pipe, prompts, max_sequence_length):
         if max_sequence_length > 512:

@@ -163,15 +163,17 @@ def _encode(pipe, pixels: np.ndarray) -> np.ndarray:
 
 
 def conditioning(
-    pipe, controls: Sequence[control.ControlInput], height: int, width: int, positive: Mapping
+    pipe,
+    controls: Sequence[control.ControlInput],
+    height: int,
+    width: int,
+    positive_text: tuple,
 ):
     """(conditional, negative) control tensors for a batch, one ControlInput per row: the
     control images (packed latents ``[B, K, L, C]``, or pixels ``[B, K, 3, H, W]`` for
-    ControlNets with an ``input_hint_block``), modes, scales, windows and the ``positive``
-    conditioning's text; both branches alike (diffusers' negative call takes the positive
+    ControlNets with an ``input_hint_block``), modes, scales, windows and the positive prompt's
+    ``(text states, pooled)``; both branches alike (diffusers' negative call takes the positive
     residuals)."""
-    from jaxcore.families.flux import POOLED, TEXT
-
     nets = pipe.controlnets
     count = _check_inputs(controls, nets)
     pixels = np.stack(
@@ -187,8 +189,8 @@ def conditioning(
         control.CONTROL_START: np.asarray([given.starts for given in controls], np.float64),
         control.CONTROL_END: np.asarray([given.ends for given in controls], np.float64),
         CONTROL_MODE: np.asarray(modes, np.int32),
-        CONTROL_TEXT: positive[TEXT],
-        CONTROL_POOLED: positive[POOLED],
+        CONTROL_TEXT: positive_text[0],
+        CONTROL_POOLED: positive_text[1],
     }
     return cond, dict(cond)
 
@@ -196,15 +198,15 @@ def conditioning(
 # --- residuals -----------------------------------------------------------------------------
 
 
-def residuals(module: control.Controlled, params, tokens, timestep, text_ids, image_ids, cond):
+def residuals(
+    module: control.Controlled, params, tokens, timestep, text_ids, image_ids, cond, guidance
+):
     """The ControlNets' summed ``(block samples, single block samples)`` at this step's scales
     (diffusers' ``FluxMultiControlNetModel``: one union net runs once per condition)."""
-    from jaxcore.families.flux import GUIDANCE
-
     dtype = module.dtype
     text, pooled = cond[CONTROL_TEXT].astype(dtype), cond[CONTROL_POOLED].astype(dtype)
     first = module.controlnets[0].config
-    guidance = cond[GUIDANCE] if first.guidance_embeds else None
+    guidance = guidance if first.guidance_embeds else None
     images = cond[control.CONTROL_IMAGE]
     count = images.shape[1]
     scales = cond[control.CONTROL_SCALE]

@@ -49,6 +49,7 @@ import numpy as np
 
 from jaxcore import control, sharding, weights
 from jaxcore.compute import ComputeConfig
+from jaxcore.families import sd_control
 from jaxcore.families.base import (
     MICRO_CONDITIONING,
     DenoiserModel,
@@ -500,7 +501,7 @@ class SDFamily(Family):
             added = (conditioning[POOLED], conditioning[TIME_IDS].astype(jnp.float32))
         residuals = ()
         if isinstance(module, control.Controlled):  # ControlNets first, their residuals added
-            residuals = control.unet_residuals(
+            residuals = sd_control.residuals(
                 module, params, latents, timestep, conditioning[TEXT], added, conditioning
             )
             module, params = module.denoiser, params["denoiser"]
@@ -618,9 +619,21 @@ class SDFamily(Family):
             folders = [given] if isinstance(given, str | Path) else list(given)
         if not folders:
             return None
-        nets = control.load_controlnets(folders, self.denoiser_kwargs(compute), mesh, rules)
-        control.check_against(nets, denoiser_config)
+        nets = sd_control.load_controlnets(folders, self.denoiser_kwargs(compute), mesh, rules)
+        sd_control.check_against(nets, denoiser_config)
         return nets
+
+    def control_conditioning(self, pipe, controls, height: int, width: int, positive):
+        """Control images in [0, 1] pixels, scales, windows, guess mode, union modes
+        (:func:`sd_control.conditioning`)."""
+        del positive  # the UNet ControlNets read each branch's own text, as diffusers' do
+        return sd_control.conditioning(controls, pipe.controlnets, height, width)
+
+    def controlnet_for_training(self, denoiser, denoiser_params, rng, init, options, **control):
+        return sd_control.for_training(denoiser, denoiser_params, rng, init, options, **control)
+
+    def controlnet_export(self, module, params) -> tuple[dict, dict]:
+        return sd_control.exported(module, params)
 
     def pipeline_objective(self, pipe) -> str:
         return str(pipe.scheduler_config.get("prediction_type", "epsilon"))

@@ -31,6 +31,7 @@ from typing import Any
 
 from jaxcore.control_preprocess import ControlPreprocess
 from stages.common.errors import StageInputError
+from stages.generate.images import read_image
 
 IMAGE = "control_image"
 SCALE = "controlnet_conditioning_scale"
@@ -170,8 +171,6 @@ def _window(start, end, count: int, where: str) -> tuple[tuple, tuple]:
 def control_image(uri: str, preprocess: ControlPreprocess | None, where: str):
     """(the control image as the ControlNet takes it: preprocessed when asked; its file's
     bytes). Cached: the render and the writer of a prompt both read it."""
-    from stages.generate.render import read_image
-
     image, data = read_image(uri, where)
     if preprocess is not None:
         image = preprocess.apply(image)

@@ -36,6 +36,7 @@ import numpy as np
 from jaxcore import storage
 from jaxcore.sampling import initial_latents
 from stages.common.errors import StageInputError
+from stages.generate.images import read_image
 from stages.generate.prompts import PromptSpec
 
 log = logging.getLogger(__name__)
@@ -177,22 +178,6 @@ def check_memory(
                 f"memory (its decoded frames alone), and {host_bytes / gib:,.1f} GiB is "
                 "available; lower height, width or num_frames"
             )
-
-
-def read_image(uri: str, where: str):
-    """A conditioning image file (local or gs://) as (PIL image, fully decoded; its bytes)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        data = storage.read_bytes(uri)
-    except storage.StorageError:
-        raise StageInputError(f"{where}: image {uri} does not exist") from None
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except (UnidentifiedImageError, OSError) as err:
-        raise StageInputError(f"{where}: {uri} is not a readable image: {err}") from None
-    return image, data
 
 
 def check_image_files(specs: Sequence[PromptSpec]) -> dict[str, str]:
