@@ -285,3 +285,52 @@ count_params = KIND.count_params
 def weight_map(config: ControlNetConfig) -> dict:
     """{flax param path: (diffusers ControlNetModel key, transform)} for every parameter."""
     return KIND.weight_map(config, abstract_params(ControlNetModel(config)))
+
+
+# subtrees diffusers' ``ControlNetModel.from_unet`` copies from the UNet (``add_embedding``:
+# SDXL's text_time); the rest of a ControlNet is fresh
+FROM_UNET_COPIED = ("conv_in", "time_embedding", "add_embedding", "mid_block")
+
+
+def config_from_unet(unet_config: unet.UNet2DConditionConfig, **control) -> ControlNetConfig:
+    """The ControlNetConfig ``from_unet`` builds: the UNet's encoder-half keys plus the
+    control-image keys in ``control`` (``conditioning_channels``,
+    ``conditioning_embedding_out_channels``, ...; diffusers' defaults where not given)."""
+    keys = {k: v for k, v in unet_config.to_dict().items() if k in CONTROLNET_KEYS}
+    return ControlNetConfig.from_dict({**keys, **control})
+
+
+def _zero_control_outputs(params: dict) -> dict:
+    """diffusers' ``zero_module`` on every residual conv and on the control embedding's
+    ``conv_out``: a fresh ControlNet adds exactly nothing to the UNet until trained."""
+    out = dict(params)
+    for name in params:
+        if name.startswith("controlnet_down_blocks_") or name == "controlnet_mid_block":
+            out[name] = jax.tree.map(jnp.zeros_like, params[name])
+    embedding = dict(params["controlnet_cond_embedding"])
+    embedding["conv_out"] = jax.tree.map(jnp.zeros_like, embedding["conv_out"])
+    out["controlnet_cond_embedding"] = embedding
+    return out
+
+
+def from_unet(
+    unet_config, unet_params, rng, *, options=None, **control
+) -> tuple[ControlNetModel, dict]:
+    """``(module, params)`` of diffusers' ``ControlNetModel.from_unet(unet)``: conv_in, the
+    time (and SDXL added) embedding, the down blocks and the mid block copied from the UNet;
+    the control embedding freshly initialised (our initialisers, not torch's) with a zero
+    ``conv_out``; the residual convs zero. ``control``: the ControlNet's own config keys;
+    ``options``: the module's keywords (dtype, attention, ...)."""
+    config = config_from_unet(unet_config, **control)
+    module, fresh = init_controlnet(config, rng, **(options or {}))
+    params = dict(fresh)
+    for name in unet_params:
+        if name in FROM_UNET_COPIED or name.startswith("down_blocks_"):
+            if name not in params:  # a UNet part a ControlNet has no place for
+                raise ControlNetConfigError(f"from_unet: the ControlNet has no {name!r}")
+            # copies: a training step donates the ControlNet's buffers, not the UNet's
+            params[name] = jax.tree.map(jnp.array, unet_params[name])
+    missing = sorted(n for n in params if n not in unet_params and not n.startswith("controlnet_"))
+    if missing:
+        raise ControlNetConfigError(f"from_unet: the UNet has no {missing} to copy")
+    return module, _zero_control_outputs(params)

@@ -45,6 +45,10 @@ EMPTY_PROMPT_FILE = "empty_prompt.safetensors"
 # the source id of the one extra item a convert job encodes for the empty caption
 EMPTY_PROMPT_ID = "__difforge_empty_prompt__"
 DEFAULT_TIMESTEPS_LIST = (125, 250, 375, 500, 625, 750, 875)
+# a ControlNet's conditioning image, [H, W, 3] pixel values 0..255 (whole numbers, held as the
+# record's float32 like every tensor), resized / cropped as the row's image; see
+# stages.convert DatasetConfig.conditioning_image_column
+CONDITIONING_PIXELS = "conditioning_pixels"
 
 
 def shape_key(name: str) -> str:

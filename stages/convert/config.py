@@ -56,6 +56,10 @@ class DatasetConfig:
     # which changes when rows are added); a column name; or None: the row index.
     id_column: str | None = "auto"
     max_items: int | None = None
+    # a column of ControlNet conditioning images (diffusers' --conditioning_image_column):
+    # each row's is resized / centre-cropped as its image is and stored as pixels
+    # (records.CONDITIONING_PIXELS); None: none
+    conditioning_image_column: str | None = None
 
     def __post_init__(self):
         if not self.source:
@@ -63,6 +67,8 @@ class DatasetConfig:
         for key in ("media_column", "caption_column"):
             if not getattr(self, key):
                 raise ValueError(f"{key} must be a column name")
+        if self.conditioning_image_column is not None and not self.conditioning_image_column:
+            raise ValueError("conditioning_image_column must be a column name or null")
         if self.max_items is not None and self.max_items < 1:
             raise ValueError(f"max_items must be >= 1, got {self.max_items}")
 

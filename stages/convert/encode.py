@@ -127,17 +127,18 @@ class EncoderHandler:
         tensors.update(text)
         if self._plan is not None:
             for name, shape in self._plan.shapes.items():
+                if name == records.CONDITIONING_PIXELS:  # the item's own, not encoded
+                    continue
                 if name not in tensors:
                     raise ValueError(f"the encoders produced no {name!r}")
                 _check_shape(name, tensors[name].shape[1:], shape)
         for i, item in enumerate(batch):
             # the empty-prompt item (see records.EMPTY_PROMPT_FILE) keeps its text tensors only
             names = text if item["source_id"] == records.EMPTY_PROMPT_ID else tensors
-            yield {
-                "source_id": item["source_id"],
-                "caption": item["caption"],
-                "tensors": {name: tensors[name][i] for name in names},
-            }
+            out = {name: tensors[name][i] for name in names}
+            if "control" in item:  # the ControlNet's pixels, stored as they are (no encoder)
+                out[records.CONDITIONING_PIXELS] = item["control"].astype(np.float32)
+            yield {"source_id": item["source_id"], "caption": item["caption"], "tensors": out}
 
     def encode_empty_prompt(self, model: Encoders) -> dict:
         """The empty caption's text tensors (see records.EMPTY_PROMPT_FILE), as the element

@@ -143,11 +143,16 @@ class ReadRows(beam.DoFn):
             row = {name: values[offset] for name, values in chunk.items()}
             sid = row_id(self._id_kind, index, row, cfg, self._root)
             self._rows_read.inc()
-            yield sid, chunk[cfg.media_column][offset], chunk[cfg.caption_column][offset]
+            media_cell, caption = chunk[cfg.media_column][offset], chunk[cfg.caption_column][offset]
+            if cfg.conditioning_image_column:  # a ControlNet data set: its image goes along
+                yield sid, media_cell, caption, chunk[cfg.conditioning_image_column][offset]
+            else:
+                yield sid, media_cell, caption
 
 
 class PrepareItem(beam.DoFn):
-    """A row -> ``{"source_id", "caption", "video"}``, or a ``dropped`` side output + counter."""
+    """A row -> ``{"source_id", "caption", "video"}`` (and ``"control"``, uint8 [H, W, 3],
+    for a row with a conditioning image), or a ``dropped`` side output + counter."""
 
     def __init__(self, media_config: MediaConfig):
         self._media = media_config
@@ -155,21 +160,26 @@ class PrepareItem(beam.DoFn):
             r: Metrics.counter(NAMESPACE, dropped_counter(r)) for r in media.DROP_REASONS
         }
 
-    def process(self, row: tuple[str, object, object]):
-        source_id, cell, caption_cell = row
+    def process(self, row: tuple):
+        source_id, cell, caption_cell = row[:3]
         cfg = self._media
+        item = {"source_id": source_id}
         try:
-            caption = media.clean_caption(caption_cell)
-            video = media.prepare_video(
+            item["caption"] = media.clean_caption(caption_cell)
+            item["video"] = media.prepare_video(
                 cell, height=cfg.height, width=cfg.width, num_frames=cfg.num_frames, fps=cfg.fps
             )
+            if len(row) > 3:  # a bad conditioning image drops the row as a bad image does
+                item["control"] = media.prepare_conditioning_image(
+                    row[3], height=cfg.height, width=cfg.width
+                )
         except media.DropItem as drop:
             self._counters[drop.reason].inc()
             yield beam.pvalue.TaggedOutput(
                 DROPPED_TAG, {"source_id": source_id, "reason": drop.reason, "detail": drop.detail}
             )
             return
-        yield {"source_id": source_id, "caption": caption, "video": video}
+        yield item
 
 
 class SplitRecords(beam.DoFn):

@@ -8,11 +8,13 @@ midway leaves no manifest; the rerun clears the half-written shard folders and r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 
 from jaxcore import storage
 from jaxcore.artifacts import ArtifactWriter, Manifest, write_pointer
+from jaxcore.family_types import TensorSpec
 from stages.common import records
 from stages.common.errors import StageInputError
 from stages.common.preemption import Preempted, Preemption
@@ -129,11 +131,16 @@ def _encoder_plan(config: ConvertConfig):
     """The encoders' plan for the configured media size; a model that cannot be loaded is
     the run's input error."""
     try:
-        return plan_encoders(
+        plan = plan_encoders(
             config.encoder, config.media.height, config.media.width, config.media.num_frames
         )
     except EncoderLoadError as err:
         raise StageInputError(str(err)) from None
+    if not config.dataset.conditioning_image_column:
+        return plan
+    # the conditioning images' pixels join the encoders' tensors in every record
+    pixels = TensorSpec(records.CONDITIONING_PIXELS, (config.media.height, config.media.width, 3))
+    return dataclasses.replace(plan, features=(*plan.features, pixels))
 
 
 def _split_ids(config: ConvertConfig, new_ids) -> dict[str, list]:

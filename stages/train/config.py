@@ -170,6 +170,38 @@ class LoraSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class ControlNetSection:
+    """ControlNet training (diffusers' examples/controlnet/train_controlnet*.py): with
+    ``enabled``, a ControlNet is trained beside the frozen denoiser (SD / SDXL) on the
+    records' conditioning images (convert's ``dataset.conditioning_image_column``), and the
+    train artifact holds it as ``controlnet/`` in diffusers' format.
+
+    ``init``: ``"denoiser"`` (diffusers' ``ControlNetModel.from_unet``: the denoiser's encoder
+    half copied, the residual convs zero) or a diffusers ControlNet folder to go on from.
+    ``conditioning_embedding_out_channels``: the control-image embedding's widths of a
+    ControlNet made from the UNet (one stride-2 step per entry after the first, so
+    ``2 ** (len - 1)`` must be the VAE's downscale: 4 entries for SD's 8x).
+    """
+
+    enabled: bool = False
+    init: str = "denoiser"
+    conditioning_embedding_out_channels: tuple[int, ...] = (16, 32, 96, 256)
+
+    def __post_init__(self):
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"controlnet.enabled must be true or false, got {self.enabled!r}")
+        if not self.init:
+            raise ValueError('controlnet.init must be "denoiser" or a ControlNet folder')
+        channels = self.conditioning_embedding_out_channels
+        if not channels or any(not isinstance(c, int) or c < 1 for c in channels):
+            raise ValueError(
+                "controlnet.conditioning_embedding_out_channels must be positive ints, got "
+                f"{channels!r}"
+            )
+        object.__setattr__(self, "conditioning_embedding_out_channels", tuple(channels))
+
+
+@dataclasses.dataclass(frozen=True)
 class PriorPreservationSection:
     """DreamBooth's prior preservation (diffusers' ``--with_prior_preservation``): ``data``, a
     convert artifact of class images captioned with the class prompt (e.g. converted from a
@@ -250,6 +282,7 @@ class TrainConfig:
     jax_cache_dir: str | None = None
     compute: ComputeConfig = dataclasses.field(default_factory=ComputeConfig)
     lora: LoraSection = dataclasses.field(default_factory=LoraSection)
+    controlnet: ControlNetSection = dataclasses.field(default_factory=ControlNetSection)
     input: DataSection = dataclasses.field(default_factory=DataSection)
     prior_preservation: PriorPreservationSection = dataclasses.field(
         default_factory=PriorPreservationSection
@@ -290,10 +323,30 @@ class TrainConfig:
             raise ValueError("data (a convert artifact) is required unless dataset_type=synthetic")
         if self.evaluation.eval_every and not self.data:
             raise ValueError("eval_every needs data (a convert artifact with an eval split)")
+        if self.controlnet.enabled:
+            self._check_controlnet()
         if self.prior_preservation.enabled and self.input.dataset_type != "tfrecord":
             raise ValueError(
                 "prior_preservation.data needs instance records too: set data= (dataset_type "
                 "tfrecord)"
+            )
+
+    def _check_controlnet(self) -> None:
+        """What a ControlNet run cannot be combined with, by name."""
+        if self.lora.enabled:
+            raise ValueError(
+                "controlnet.enabled with lora.rank > 0: ControlNet training trains the whole "
+                "ControlNet (the denoiser frozen); LoRA on a ControlNet is not supported"
+            )
+        if self.export_diffusers:
+            raise ValueError(
+                "controlnet.enabled with export_diffusers: the denoiser is frozen in a "
+                "ControlNet run; the ControlNet is exported as controlnet/ anyway"
+            )
+        if self.input.dataset_type != "tfrecord":
+            raise ValueError(
+                "controlnet.enabled needs records with conditioning images (dataset_type "
+                "tfrecord, converted with dataset.conditioning_image_column)"
             )
 
 

@@ -30,7 +30,7 @@ from jaxcore.families import TensorSpec
 from stages.common import checkpoints, data, objective, records, scoring
 from stages.common.errors import StageInputError
 from stages.common.preemption import Preemption
-from stages.train import metrics, model, trainer
+from stages.train import controlnet, metrics, model, trainer
 from stages.train.config import TrainConfig, batch_mesh, global_batch_size
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class TrainResult:
     objective: dict  # the training target and its noise schedule (TrainingTarget.to_dict)
     exported_denoiser: str | None = None  # folder of the diffusers export, if any
     lora: dict | None = None  # rank, alpha, targets and the exported file of a LoRA run
+    controlnet: dict | None = None  # a ControlNet run: its init, config and exported folder
 
 
 @dataclasses.dataclass
@@ -95,7 +96,10 @@ class Run:
         return self.trainable.params
 
     def denoiser_params(self):
-        """The denoiser's parameters now (with a LoRA: the base plus the adapters)."""
+        """The denoiser's parameters now (with a LoRA: the base plus the adapters; a
+        ControlNet run: the UNet's and the ControlNet's, as :meth:`step_model` takes them)."""
+        if self.trainable.controlnet is not None:
+            return self.trainable.effective(self.trainable.params, self.trainable.frozen)
         if not self.trainable.is_lora:
             return self.trainable.denoiser_params(self.trainable.params)
         merge = jax.jit(self.trainable.effective, out_shardings=self.param_shardings)
@@ -114,6 +118,19 @@ class Run:
             "scale": lora.scale,
             "targets": sorted(self.trainable.targets),
         }
+
+    @property
+    def controlnet_info(self) -> dict | None:
+        """What the artifact records of a ControlNet run (None otherwise)."""
+        if self.trainable.controlnet is None:
+            return None
+        config = self.trainable.controlnet.config.to_dict()
+        return {"init": self.config.controlnet.init, "config": config}
+
+    def step_model(self):
+        """(family, module, parameter shardings) the loss and the eval score run: the UNet
+        alone, or in a ControlNet run the UNet with the ControlNet (:func:`step_model`)."""
+        return step_model(self.model, self.trainable, self.param_shardings)
 
     @property
     def embedded_inputs(self) -> dict[str, float]:
@@ -284,6 +301,8 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest, prior_manifest=
     target = training_target(config, built)
     built.family.check_heads(built.module.config, mesh)
     features = batch_features(config, built, train_spec)
+    if config.controlnet.enabled:
+        controlnet.check_features(features, train_spec.artifact_uri)
 
     empty = _empty_prompt(config, data_manifest, features)
     param_sh = checkpoints.param_shardings(built.family, built.module, mesh)
@@ -325,6 +344,27 @@ def prepare(config: TrainConfig, output_dir: str, data_manifest, prior_manifest=
     return run
 
 
+def step_model(built: model.Model, trainable: model.Trainable, param_shardings):
+    """(family, module, parameter shardings) of the loss: the denoiser's, or a ControlNet
+    run's :class:`jaxcore.control.Controlled` UNet + ControlNet, whose family turns the
+    records' conditioning pixels into control inputs."""
+    if trainable.controlnet is None:
+        return built.family, built.module, param_shardings
+    from jaxcore import control
+
+    module = control.Controlled(built.module, (trainable.controlnet,))
+    shardings = {"denoiser": param_shardings, "controlnets": (trainable.shardings,)}
+    return controlnet.ControlledFamily(built.family), module, shardings
+
+
+def _make_trainable(config: TrainConfig, built: model.Model, mesh) -> model.Trainable:
+    """Full fine-tuning, LoRA adapters, or a ControlNet beside the frozen UNet."""
+    rng = jax.random.key(config.seed + 1)
+    if config.controlnet.enabled:
+        return model.make_controlnet_trainable(built, config.controlnet, config.compute, mesh, rng)
+    return model.make_trainable(built, config.lora, mesh, rng)
+
+
 def _trainable_and_step(
     config: TrainConfig,
     built: model.Model,
@@ -337,12 +377,13 @@ def _trainable_and_step(
     """(what the optimiser updates: the denoiser's params or LoRA adapters; their AdamW state,
     placed on the mesh; the jitted train step) of one run."""
     tx, schedule = trainer.make_optimizer(config.optimizer, config.max_train_steps)
-    trainable = model.make_trainable(built, config.lora, mesh, jax.random.key(config.seed + 1))
+    trainable = _make_trainable(config, built, mesh)
+    family, module, _ = step_model(built, trainable, None)
     opt_sh = trainer.opt_state_shardings(tx, trainable.params, trainable.shardings, mesh)
     opt_state = jax.jit(tx.init, out_shardings=opt_sh)(trainable.params)
     step_fn = trainer.make_train_step(
-        built.family,
-        built.module,
+        family,
+        module,
         tx,
         schedule,
         config.objective,
@@ -369,11 +410,14 @@ def _make_eval_fn(run: Run):
     once the eval split's records are checked to hold the model's tensors."""
     built, spec = run.model, run.eval_spec
     built.family.check_features(built.module.config, spec.by_name, spec.artifact_uri)
+    family, module, shardings = run.step_model()
+    if run.trainable.controlnet is not None:
+        controlnet.check_features(spec.features, spec.artifact_uri)
     return scoring.make_eval_fn(
-        built.family,
-        built.module,
+        family,
+        module,
         run.mesh,
-        run.param_shardings,
+        shardings,
         spec,
         run.config.evaluation.eval_seed,
         run.embedded_inputs,
@@ -463,6 +507,7 @@ def save(run: Run, step: int, force: bool = False) -> None:
         "family": run.model.family.name,
         "model_config": run.model.module.config.to_dict(),
         "lora": run.lora_info,
+        "controlnet": run.controlnet_info,
         "seed": run.config.seed,
         "step": step,
         "eval_history": run.eval_history,
@@ -641,6 +686,11 @@ def finish(run: Run, preempted: bool, final_loss: float | None) -> TrainResult:
             if is_writer():  # the adapters are replicated: process 0 has them whole
                 uri = storage.join(run.output_dir, LORA_DIR)
                 model.export_lora(run.trainable, run.params, run.model.family, uri)
+        if run.trainable.controlnet is not None:
+            net_params = _host_copy(run.params)  # every process takes part
+            if is_writer():
+                uri = storage.join(run.output_dir, controlnet.CONTROLNET_DIR)
+                controlnet.export(run.model.family, run.trainable.controlnet, net_params, uri)
         if run.config.export_diffusers:
             exported = run.model.family.denoiser_component
             params = _host_copy(run.denoiser_params())  # every process takes part
@@ -661,7 +711,16 @@ def finish(run: Run, preempted: bool, final_loss: float | None) -> TrainResult:
         objective=run.target.to_dict(),
         exported_denoiser=exported,
         lora=None if run.lora_info is None else {**run.lora_info, "file": exported_lora},
+        controlnet=_controlnet_summary(run, preempted),
     )
+
+
+def _controlnet_summary(run: Run, preempted: bool) -> dict | None:
+    """A ControlNet run's manifest entry: its init, config and the exported folder."""
+    info = run.controlnet_info
+    if info is None:
+        return None
+    return {**info, "folder": None if preempted else controlnet.CONTROLNET_DIR}
 
 
 def train(

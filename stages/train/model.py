@@ -134,6 +134,8 @@ class Trainable:
     depth, and :meth:`checkpoint_state` / :meth:`from_checkpoint` convert at the run's edges.
     LoRA: ``params`` are the adapters (:mod:`jaxcore.lora.training`), ``frozen`` the base
     denoiser, and the parameters the loss sees are ``base + scale * up @ down`` at every target.
+    ControlNet: ``params`` are the ControlNet's, ``frozen`` the UNet, ``controlnet`` its module;
+    the loss sees :class:`jaxcore.control.Controlled`'s ``{"denoiser", "controlnets"}``.
     """
 
     params: object
@@ -143,6 +145,7 @@ class Trainable:
     targets: dict | None = None
     scale: float = 1.0
     layers: LayerStack | None = None  # the stacked block groups of a scanned full fine-tune
+    controlnet: object = None  # the ControlNet module of a ControlNet run
 
     @property
     def is_lora(self) -> bool:
@@ -202,12 +205,29 @@ class Trainable:
         return jax.jit(self.layers.unstack, out_shardings=self.checkpoint_shardings)
 
     def effective(self, params, frozen):
-        """The denoiser parameters for ``params`` (traceable)."""
+        """The denoiser parameters for ``params`` (traceable); a ControlNet run: the UNet's
+        and the ControlNet's, as :class:`jaxcore.control.Controlled` takes them."""
+        if self.controlnet is not None:
+            return {"denoiser": frozen, "controlnets": (params,)}
         if self.targets is None:
             return params
         from jaxcore.lora.training import merge_traced
 
         return merge_traced(frozen, params, self.targets, self.scale)
+
+
+def make_controlnet_trainable(built: Model, section, compute, mesh, rng) -> Trainable:
+    """A ControlNet (:mod:`stages.train.controlnet`) trained beside the frozen UNet."""
+    from stages.train import controlnet
+
+    net = controlnet.build_controlnet(built, section, compute, mesh, rng)
+    return Trainable(
+        params=net.params,
+        shardings=net.shardings,
+        frozen=built.params,
+        frozen_shardings=checkpoints.param_shardings(built.family, built.module, mesh),
+        controlnet=net.module,
+    )
 
 
 def make_trainable(built: Model, lora, mesh, rng) -> Trainable:

@@ -63,6 +63,7 @@ def run(config: TrainConfig, *, force: bool = False) -> Manifest | None:
             "best_checkpoint_step": result.best_checkpoint_step,
             "exported_denoiser": result.exported_denoiser,
             "lora": result.lora,
+            "controlnet": result.controlnet,
             "process_count": jax.process_count(),
         }
     )
