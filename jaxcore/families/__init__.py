@@ -28,12 +28,14 @@ from jaxcore.families.base import (
     read_model_index,
 )
 from jaxcore.families.flux import FluxFamily
+from jaxcore.families.flux2 import Flux2Family
 from jaxcore.families.ltx import LTXFamily
 from jaxcore.families.sd import SDFamily
 from jaxcore.families.wan import WanFamily
 
 FAMILIES: dict[str, Family] = {
-    family.name: family for family in (WanFamily(), FluxFamily(), SDFamily(), LTXFamily())
+    family.name: family
+    for family in (WanFamily(), FluxFamily(), SDFamily(), LTXFamily(), Flux2Family())
 }
 
 
