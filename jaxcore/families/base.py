@@ -482,6 +482,13 @@ class Family(abc.ABC):
         del module, params
         raise FamilyError(f"the {self.name} family has no ControlNet training")
 
+    def controlnet_template(self, denoiser, config: Mapping, options: Mapping):
+        """``(module, abstract params, boxed abstract params)`` of a trained ControlNet whose
+        config (its ``config.to_dict()``, as a train manifest records it) is ``config``: what
+        its checkpoints restore onto, no weights made. Default: no ControlNet training."""
+        del denoiser, config, options
+        raise FamilyError(f"the {self.name} family has no ControlNet training")
+
     @abc.abstractmethod
     def load_components(
         self, directory: Path, configs, compute: ComputeConfig, mesh, rules, denoiser, **options

@@ -635,6 +635,10 @@ class SDFamily(Family):
     def controlnet_export(self, module, params) -> tuple[dict, dict]:
         return sd_control.exported(module, params)
 
+    def controlnet_template(self, denoiser, config, options):
+        del denoiser  # the recorded config says it all
+        return sd_control.template(config, options)
+
     def pipeline_objective(self, pipe) -> str:
         return str(pipe.scheduler_config.get("prediction_type", "epsilon"))
 

@@ -222,3 +222,21 @@ def exported(module, params) -> tuple[dict, dict]:
 
     state = weights.export_state_dict(params, controlnet.weight_map(module.config))
     return state, {"_class_name": CONTROLNET, **module.config.to_dict()}
+
+
+def template(config: Mapping, options: Mapping):
+    """``(module, abstract params, boxed abstract params)`` of a ControlNetModel with
+    ``config`` (its ``config.to_dict()``, as a train manifest records it), no weights made:
+    what a trained ControlNet's checkpoints restore onto (``Family.controlnet_template``)."""
+    from flax import linen as nn
+
+    from jaxcore.models import controlnet
+
+    try:
+        module = controlnet.ControlNetModel(
+            controlnet.ControlNetConfig.from_dict(config), **options
+        )
+    except ValueError as err:
+        raise FamilyError(f"controlnet config: {err}") from None
+    boxed = controlnet.abstract_params(module)
+    return module, nn.meta.unbox(boxed), boxed

@@ -31,6 +31,7 @@ from jaxcore.artifacts import (
     relocate,
 )
 from jaxcore.compute import ComputeConfig
+from stages.common import records
 from stages.common.errors import StageInputError
 
 log = logging.getLogger(__name__)
@@ -222,25 +223,128 @@ class DenoiserRestorer:
 
     A LoRA run's checkpoints hold only its adapters: the base it trained on is rebuilt once
     from the train artifact's ``model_source`` and each checkpoint's adapters are merged into
-    it (the same numbers the run trained against).
+    it (the same numbers the run trained against). A ControlNet run's checkpoints hold only
+    the ControlNet: its denoiser is the frozen base, rebuilt the same way, and
+    :meth:`scoring_model` / :meth:`scored_params` give the denoiser with the checkpoint's
+    ControlNet, as the run's loss saw them.
     """
 
     def __init__(self, train: Manifest, compute: ComputeConfig, mesh):
         self.train, self.compute, self.mesh = train, compute, mesh
         self.family, self.module = denoiser_of(train, compute, mesh)
         self.lora = train.summary.get("lora")
+        self.controlnet = train.summary.get("controlnet")
         self._base = None
+        self._net = None
 
     def params(self, step: int):
-        """The denoiser parameters of checkpoint ``step``, placed on the mesh."""
+        """The denoiser parameters of checkpoint ``step``, placed on the mesh (a ControlNet
+        run: the frozen denoiser, the same at every step)."""
         source = CheckpointSource(self.train, step, {})
-        if self.lora is None:
+        if self.lora is None and self.controlnet is None:
             return restore_params(source.directory, step, self.family, self.module, self.mesh)
         if self._base is None:
             self._base = _restore_base(
                 self.train, self.family, self.module, self.compute, self.mesh
             )
+        if self.controlnet is not None:
+            return self._base
         return _merge_adapters(source, self.lora, self.family, self.module, self._base, self.mesh)
+
+    def scoring_model(self, param_shardings):
+        """(family, module, parameter shardings) the loss runs: the denoiser's, or with a
+        ControlNet run's ControlNet (:class:`ControlledFamily`, :class:`jaxcore.control.
+        Controlled`), as the run's loss ran them."""
+        if self.controlnet is None:
+            return self.family, self.module, param_shardings
+        from jaxcore import control
+
+        module, _, shardings = self._controlnet()
+        controlled = control.Controlled(self.module, (module,))
+        both = {"denoiser": param_shardings, "controlnets": (shardings,)}
+        return ControlledFamily(self.family), controlled, both
+
+    def scored_params(self, step: int):
+        """The parameters :meth:`scoring_model`'s module takes at checkpoint ``step``."""
+        denoiser = self.params(step)
+        if self.controlnet is None:
+            return denoiser
+        _, target, _ = self._controlnet()
+        net = restore_tree(checkpoint_dir(self.train), step, target)
+        return {"denoiser": denoiser, "controlnets": (net,)}
+
+    def _controlnet(self):
+        """(module, restore target, shardings) of the run's ControlNet, rebuilt from the
+        train manifest's ``controlnet.config`` by the family."""
+        if self._net is None:
+            self._net = controlnet_template(
+                self.train, self.family, self.module, self.compute, self.mesh
+            )
+        return self._net
+
+
+def controlnet_template(train: Manifest, family, denoiser, compute: ComputeConfig, mesh):
+    """(module, ShapeDtypeStructs placed by the logical axis rules, their shardings) of the
+    ControlNet a ControlNet run trained, as recorded in its manifest."""
+    config = (train.summary.get("controlnet") or {}).get("config")
+    if not isinstance(config, dict):
+        raise StageInputError(f"{train.uri}: the train manifest's controlnet has no 'config'")
+    try:
+        module, shapes, boxed = family.controlnet_template(
+            denoiser, config, family.denoiser_kwargs(compute)
+        )
+    except families.FamilyError as err:
+        raise StageInputError(f"{train.uri} controlnet: {err}") from None
+    shardings = nn.meta.unbox(sharding.param_shardings(mesh, boxed))
+    target = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+    )
+    return module, target, shardings
+
+
+def check_control_features(features, where: str) -> None:
+    """A ControlNet run scores records holding the conditioning images' pixels."""
+    if records.CONDITIONING_PIXELS not in features:
+        raise StageInputError(
+            f"{where}: the records hold no {records.CONDITIONING_PIXELS!r}, which a ControlNet "
+            "run's checkpoints are scored on: convert the data with "
+            "dataset.conditioning_image_column set"
+        )
+
+
+def control_conditioning(conditioning: dict) -> dict:
+    """The records' conditioning with the control keys (:mod:`jaxcore.control`) made from
+    ``conditioning_pixels [B, H, W, 3]`` (0..255): one ControlNet, its image in [0, 1] as
+    ``[B, 1, 3, H, W]``, scale 1, guess mode and switch-off false (ControlNet training's
+    settings; train's loss uses it too)."""
+    import jax.numpy as jnp
+
+    from jaxcore import control
+
+    pixels = conditioning[records.CONDITIONING_PIXELS].astype(jnp.float32)
+    rows = pixels.shape[0]
+    out = {k: v for k, v in conditioning.items() if k != records.CONDITIONING_PIXELS}
+    out[control.CONTROL_IMAGE] = jnp.transpose(pixels / 255.0, (0, 3, 1, 2))[:, None]
+    out[control.CONTROL_SCALE] = jnp.ones((rows, 1), jnp.float32)
+    out[control.CONTROL_GUESS] = jnp.zeros((rows,), bool)
+    out[control.CONTROL_OFF] = jnp.zeros((rows,), bool)
+    return out
+
+
+class ControlledFamily:
+    """The model family as the objective sees it for a ControlNet run's checkpoints: the
+    family's, but ``apply`` turns the records' conditioning pixels into control inputs first
+    (the module is a :class:`jaxcore.control.Controlled`); as training's loss does."""
+
+    def __init__(self, family):
+        self._family = family
+
+    def __getattr__(self, name):
+        return getattr(self._family, name)
+
+    def apply(self, module, params, latents, timestep, conditioning, run_stack=None):
+        conditioning = control_conditioning(dict(conditioning))
+        return self._family.apply(module, params, latents, timestep, conditioning, run_stack)
 
 
 def restore_denoiser(source: CheckpointSource, compute: ComputeConfig, mesh):
@@ -251,7 +355,7 @@ def restore_denoiser(source: CheckpointSource, compute: ComputeConfig, mesh):
 
 
 def _restore_base(train: Manifest, family, module, compute: ComputeConfig, mesh):
-    """The denoiser a LoRA run trained on, rebuilt as the run built it."""
+    """The denoiser a LoRA or ControlNet run trained on, rebuilt as the run built it."""
     import jax
 
     origin = train.summary.get("model_source") or {}
@@ -268,7 +372,7 @@ def _restore_base(train: Manifest, family, module, compute: ComputeConfig, mesh)
         parent_uri = relocate(train, origin["path"])
         parent = CheckpointSource(open_artifact(parent_uri, "train"), int(origin["step"]), {})
         return restore_denoiser(parent, compute, mesh)[2]
-    raise StageInputError(f"{train.uri}: cannot rebuild the LoRA's base model from {origin}")
+    raise StageInputError(f"{train.uri}: cannot rebuild the run's base model from {origin}")
 
 
 def _merge_adapters(source: CheckpointSource, lora: dict, family, module, base, mesh):

@@ -27,7 +27,12 @@ def evaluate_checkpoints(
             f"trained a {family.name!r} model"
         )
     family.check_features(module.config, spec.by_name, data_manifest.uri)
-    param_sh = checkpoints.param_shardings(family, module, mesh)
+    if restorer.controlnet is not None:
+        checkpoints.check_control_features(spec.by_name, data_manifest.uri)
+    # the loss's model: the denoiser, or a ControlNet run's denoiser + ControlNet
+    family, module, param_sh = restorer.scoring_model(
+        checkpoints.param_shardings(family, module, mesh)
+    )
     # the denoiser's scalar inputs (Flux dev: guidance) as training used them
     embedded = train_manifest.summary.get("embedded_inputs") or {}
     # the training target and noise schedule (manifests from before it: flow matching)
@@ -41,12 +46,21 @@ def evaluate_checkpoints(
     batch = -(-config.eval_batch_size // ways) * ways
     results = {}
     for step in steps:
-        params = restorer.params(step)
-        if mode != "none":  # scored as generate renders with compute.quantization
-            params = quantization.quantizer(mode)(params)
+        params = _quantized(restorer.scored_params(step), mode)
         result = scoring.score(
             eval_fn, params, spec, batch_size=batch, max_records=config.max_eval_records
         )
         log.info("checkpoint %d: eval loss %.6f", step, result.eval_loss)
         results[step] = result.to_dict()
     return results
+
+
+def _quantized(params, mode: str):
+    """``params`` scored as generate renders with ``compute.quantization``: the denoiser
+    quantized, a ControlNet (``{"denoiser", "controlnets"}``) kept in its dtype."""
+    if mode == "none":
+        return params
+    quantize = quantization.quantizer(mode)
+    if isinstance(params, dict) and set(params) == {"denoiser", "controlnets"}:
+        return {**params, "denoiser": quantize(params["denoiser"])}
+    return quantize(params)

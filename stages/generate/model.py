@@ -157,12 +157,41 @@ def describe(config: GenerateConfig) -> ModelSource:
 
 
 def _controlnet_dir(uri: str) -> Path:
-    from jaxcore.pipeline import resolve_pipeline_dir
-
+    """The local folder of ``model.controlnet``: a diffusers ControlNet folder (local, gs://
+    copied locally, or a Hub repo id), or a ControlNet run's finished train artifact: its
+    exported ControlNet (the manifest's ``controlnet.folder`` under the artifact)."""
+    manifest = None
+    if storage.is_gcs(uri) or Path(uri).is_dir():
+        manifest = artifacts.read_manifest(uri)
+    if manifest is not None:
+        uri = _exported_controlnet(uri, manifest)
     try:
         return resolve_pipeline_dir(uri)
     except families.FamilyError as err:
         raise StageInputError(f"model.controlnet: {err}") from None
+
+
+def _exported_controlnet(uri: str, manifest: Manifest) -> str:
+    """Where a finished train artifact keeps the ControlNet its run trained; any other
+    artifact, or a train artifact without one, is refused by name."""
+    artifacts.check_files(manifest)
+    if manifest.stage != "train":
+        raise StageInputError(
+            f"model.controlnet {uri} is a {manifest.stage!r} artifact; expected a ControlNet "
+            "folder or the train artifact of a ControlNet run"
+        )
+    folder = (manifest.summary.get("controlnet") or {}).get("folder")
+    if manifest.summary.get("controlnet") is None:
+        raise StageInputError(
+            f"model.controlnet {uri}: the train artifact trained no ControlNet (its manifest "
+            "has no controlnet entry)"
+        )
+    if not folder:
+        raise StageInputError(
+            f"model.controlnet {uri}: the ControlNet run exported no ControlNet (its manifest's "
+            "controlnet.folder is empty: the run stopped before finishing)"
+        )
+    return storage.join(uri, folder)
 
 
 def _describe(config: GenerateConfig) -> ModelSource:

@@ -21,46 +21,18 @@ import tempfile
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
-from jaxcore import control, sharding, storage, weights
+from jaxcore import sharding, storage, weights
 from jaxcore.family_types import FamilyError
 from stages.common import records
+
+# the loss's family view of a ControlNet run, shared with evaluate's scoring
+from stages.common.checkpoints import ControlledFamily, control_conditioning  # noqa: F401
 from stages.common.errors import StageInputError
 
 CONTROLNET_DIR = "controlnet"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
-
-
-def control_conditioning(conditioning: dict) -> dict:
-    """The records' conditioning with the loop's control keys (:mod:`jaxcore.control`) made
-    from ``conditioning_pixels [B, H, W, 3]`` (0..255): one ControlNet, its image in [0, 1] as
-    ``[B, 1, 3, H, W]``, scale 1, guess mode and switch-off false (training's settings)."""
-    pixels = conditioning[records.CONDITIONING_PIXELS].astype(jnp.float32)
-    rows = pixels.shape[0]
-    out = {k: v for k, v in conditioning.items() if k != records.CONDITIONING_PIXELS}
-    out[control.CONTROL_IMAGE] = jnp.transpose(pixels / 255.0, (0, 3, 1, 2))[:, None]
-    out[control.CONTROL_SCALE] = jnp.ones((rows, 1), jnp.float32)
-    out[control.CONTROL_GUESS] = jnp.zeros((rows,), bool)
-    out[control.CONTROL_OFF] = jnp.zeros((rows,), bool)
-    return out
-
-
-class ControlledFamily:
-    """The model family as the objective sees it in a ControlNet run: everything is the
-    family's, but ``apply`` turns the records' conditioning pixels into control inputs first
-    (the module is a :class:`jaxcore.control.Controlled`, the params its dict)."""
-
-    def __init__(self, family):
-        self._family = family
-
-    def __getattr__(self, name):
-        return getattr(self._family, name)
-
-    def apply(self, module, params, latents, timestep, conditioning, run_stack=None):
-        conditioning = control_conditioning(dict(conditioning))
-        return self._family.apply(module, params, latents, timestep, conditioning, run_stack)
 
 
 @dataclasses.dataclass

@@ -278,3 +278,131 @@ def test_controlnet_config_errors_name_the_key(tmp_path):
     ):
         with pytest.raises((ConfigError, ValueError), match=key):
             load_config(TrainConfig, TRAIN_YML, base + extra)
+
+
+@pytest.fixture(scope="module")
+def committed(trained, converted):
+    """The straight run as a finished train artifact (its manifest committed as the train
+    stage commits it; the fixture ran the loop directly)."""
+    from jaxcore.artifacts import ArtifactWriter
+    from stages.train import loop
+
+    pipeline, straight, _, result, _ = trained
+    _, uri, _ = converted
+    config = _config(pipeline, uri, straight, STEPS)
+    writer = ArtifactWriter(str(straight), "train", config, {"data": open_artifact(uri, "convert")})
+    fields = ("final_step", "checkpoints", "family", "model_config", "embedded_inputs")
+    fields += ("objective", "model_source", "lora", "controlnet")
+    summary = {name: getattr(result, name) for name in fields}
+    writer.commit({**summary, "checkpoint_dir": loop.CHECKPOINT_DIR})
+    return pipeline, straight
+
+
+def _direct_eval_loss(pipeline, run_dir: Path, data_uri: str, with_controlnet: bool) -> float:
+    """The eval loss computed with the library alone: the pipeline's UNet (+ the exported
+    ControlNet, its control inputs made here from the records' pixels) at each eval record's
+    timestep and noise, the mean of the timestep buckets' means."""
+    from jaxcore import control, families
+    from jaxcore.models import controlnet, unet_2d_condition
+    from stages.common import data, objective, scoring
+
+    train = open_artifact(str(run_dir), "train")
+    spec = data.split_spec(open_artifact(data_uri, "convert"), "eval")
+    target = objective.TrainingTarget.from_dict(train.summary["objective"], "objective")
+    embedded = train.summary.get("embedded_inputs") or {}
+    module, params = unet_2d_condition.KIND.load(Path(pipeline) / "unet")
+    if with_controlnet:
+        net, net_params = controlnet.load_controlnet(run_dir / "controlnet")
+        module = control.Controlled(module, (net,))
+        params = {"denoiser": params, "controlnets": (net_params,)}
+    losses: dict[int, list[float]] = {}
+    for batch in scoring.eval_batches(spec, 8, None):
+        tensors = {n: batch[n] for n in spec.tensor_names if n != records.CONDITIONING_PIXELS}
+        rows = len(batch[scoring.TIMESTEPS])
+        pixels = batch[records.CONDITIONING_PIXELS].astype(np.float32) / 255.0
+        tensors[control.CONTROL_IMAGE] = np.transpose(pixels, (0, 3, 1, 2))[:, None]
+        tensors[control.CONTROL_SCALE] = np.ones((rows, 1), np.float32)
+        tensors[control.CONTROL_GUESS] = np.zeros((rows,), bool)
+        tensors[control.CONTROL_OFF] = np.zeros((rows,), bool)
+        ts, ids = batch[scoring.TIMESTEPS], batch[scoring.IDS]
+        family = families.get(train.summary["family"])
+        out = scoring.per_record_loss(family, module, params, tensors, ts, ids, 0, embedded, target)
+        for loss, t, ok in zip(np.asarray(out), ts, batch["valid"], strict=True):
+            if ok:
+                losses.setdefault(int(t), []).append(float(loss))
+    return float(np.mean([np.mean(v) for v in losses.values()]))
+
+
+@pytest.mark.slow  # the module's tiny train runs (~110 s on 2 cores) and one eval compile
+def test_evaluate_scores_the_controlnet_checkpoints(committed, converted, tmp_path):
+    """evaluate restores the ControlNet of each checkpoint beside the rebuilt UNet: its eval
+    loss is the library's with the exported (final) ControlNet, not the UNet's alone."""
+    pipeline, run = committed
+    _, data_uri, _ = converted
+    out = tmp_path / "eval"
+    args = [
+        "evaluate",
+        str(REPO / "configs/stages/evaluate.yml"),
+        f"checkpoints={run}",
+        f"data={data_uri}",
+        f"output_dir={out}",
+        "-q",
+    ]
+    assert cli.main(args) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    first = min(metrics, key=int)
+    assert str(STEPS) in metrics and int(first) < STEPS
+    assert (out / "eval_loss.csv").is_file() and (out / "eval_loss_vs_step.png").is_file()
+    ours = metrics[str(STEPS)]["eval_loss"]
+    direct = _direct_eval_loss(pipeline, run, data_uri, with_controlnet=True)
+    alone = _direct_eval_loss(pipeline, run, data_uri, with_controlnet=False)
+    print("eval loss", ours, "direct", direct, "UNet alone", alone, first, metrics[first])
+    assert ours == pytest.approx(direct, rel=1e-5, abs=1e-7)
+    assert abs(ours - alone) > 1e-3 * alone  # the trained ControlNet's residuals count
+    assert metrics[first]["eval_loss"] != ours
+
+
+@pytest.mark.slow  # the module's tiny train runs (~110 s on 2 cores) and two tiny renders
+def test_generate_takes_the_train_artifact_as_its_controlnet(committed, tmp_path):
+    """model.controlnet=<train artifact> renders as model.controlnet=<artifact>/controlnet."""
+    pipeline, run = committed
+    _pattern(1, SIZE).save(tmp_path / "cond.png")
+    line = {"id": "a", "prompt": "caption 1", "seed": 3, "control_image": "cond.png"}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({**line, "height": SIZE, "width": SIZE}) + "\n")
+    renders = []
+    for name, given in (("artifact", run), ("folder", run / "controlnet")):
+        out = tmp_path / name
+        args = [
+            "generate",
+            str(REPO / "configs/stages/generate.yml"),
+            f"pretrained_model_name_or_path={pipeline}",
+            f"prompt_file={prompts}",
+            f"output_dir={out}",
+            f"model.controlnet={given}",
+            "num_inference_steps=3",
+            "save_arrays=true",
+            "-q",
+        ]
+        assert cli.main(args) == 0
+        renders.append(np.load(out / "outputs" / "a.npy"))
+    np.testing.assert_array_equal(renders[0], renders[1])
+
+
+def test_model_controlnet_refuses_a_train_artifact_without_one(tmp_path):
+    from jaxcore.artifacts import ArtifactWriter
+    from stages.common.errors import StageInputError
+    from stages.generate import model
+
+    uri = str(tmp_path / "train")
+    ArtifactWriter(uri, "train", {"x": 1}, {}).commit({"controlnet": None})
+    with pytest.raises(StageInputError, match="trained no ControlNet"):
+        model._controlnet_dir(uri)
+
+
+def test_evaluate_refuses_records_without_conditioning_pixels():
+    from stages.common import checkpoints
+    from stages.common.errors import StageInputError
+
+    with pytest.raises(StageInputError, match=records.CONDITIONING_PIXELS):
+        checkpoints.check_control_features({"latents": None}, "gs://b/converted")
