@@ -102,10 +102,24 @@ class Guidance:
 class ImageInputs:
     """Which conditioning images a pipeline takes: ``"none"``, ``"optional"`` (a text-and-image
     model such as Wan 2.2 TI2V) or ``"required"`` (an image-to-video model); and whether it also
-    takes a ``last_image`` (first-last-frame to video)."""
+    takes a ``last_image`` (first-last-frame to video); ``max_images``: how many images the
+    ``image`` slot takes (above 1: a list of reference images, e.g. Flux.2 [klein]'s 1-4, whose
+    sizes a batch must share)."""
 
     image: str = "none"
     last_image: bool = False
+    max_images: int = 1
+
+    def check_count(self, count: int, where: str) -> None:
+        """Raise ValueError naming ``where`` when a list of ``count`` images does not fit."""
+        if self.max_images < 2:
+            raise ValueError(
+                f"{where}: this model takes one 'image' (a path), not a list of {count}"
+            )
+        if not 1 <= count <= self.max_images:
+            raise ValueError(
+                f"{where}: 'image' lists {count} images; this model takes 1 to {self.max_images}"
+            )
 
     def check(self, has_image: bool, has_last_image: bool, where: str) -> None:
         """Raise ValueError naming ``where`` when a prompt's images do not fit the model."""

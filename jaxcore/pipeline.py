@@ -632,13 +632,7 @@ class Pipeline:
             seeds=None if seeds is None else [int(s) for s in seeds],
             **custom,
         )
-        # the ControlNets' guidance window becomes a per-step scale table (jaxcore.control)
-        steps = int(state.timesteps.shape[0])
-        cond = {k: self.shard_batch(v) for k, v in control.per_step(cond, steps).items()}
-        if uncond is None:
-            uncond = cond
-        else:
-            uncond = {k: self.shard_batch(v) for k, v in control.per_step(uncond, steps).items()}
+        cond, uncond = self._placed_conditioning(cond, uncond, int(state.timesteps.shape[0]))
         latents = latents.astype(jnp.float32)
         sigma = schedulers.init_noise_sigma(state)
         if not isinstance(sigma, float) or sigma != 1.0:  # the flow samplers leave it as is
@@ -650,10 +644,7 @@ class Pipeline:
         # do_classifier_free_guidance reads guidance_scale only)
         cfg_on = self.shard_batch(np.asarray(scales > 1.0))
         scales, scales_2 = self.shard_batch(np.array(scales)), self.shard_batch(np.array(scales_2))
-        if cache.enabled and self.second_expert is not None:
-            raise ValueError("step caching is not supported for two-expert pipelines yet")
-        if cache.enabled and self.controlnets is not None:
-            raise ValueError("step caching is not supported with ControlNets")
+        self._check_cache(cache)
         cache_in = _cache_input(cache, cache_schedule, int(state.timesteps.shape[0]))
         loop = _LoopInputs(
             latents=latents,
@@ -672,6 +663,22 @@ class Pipeline:
             x, cache_out = self._denoise(loop, cache, cache_in)
             x = self.family.finish_latents(x, cond)
         return x, _cache_stats(cache_out, use_cfg, batched_cfg)
+
+    def _placed_conditioning(self, cond, uncond, steps: int) -> tuple[dict, dict]:
+        """Both branches placed like the batch (``uncond``: ``cond`` itself when None), the
+        ControlNets' guidance window turned into a per-step scale table
+        (:func:`jaxcore.control.per_step`)."""
+        placed = {k: self.shard_batch(v) for k, v in control.per_step(cond, steps).items()}
+        if uncond is None:
+            return placed, placed
+        negative = {k: self.shard_batch(v) for k, v in control.per_step(uncond, steps).items()}
+        return placed, negative
+
+    def _check_cache(self, cache: step_cache.CachePlan) -> None:
+        if cache.enabled and self.second_expert is not None:
+            raise ValueError("step caching is not supported for two-expert pipelines yet")
+        if cache.enabled and self.controlnets is not None:
+            raise ValueError("step caching is not supported with ControlNets")
 
     def _denoise(self, loop: _LoopInputs, cache: step_cache.CachePlan, cache_in: dict | None):
         """The whole loop on one denoiser, on both experts in one program, or (experts that

@@ -260,6 +260,8 @@ class Flux2Family(Family):
     denoiser_classes = ("Flux2Transformer2DModel",)
     denoiser_component = "transformer"
     objective = "flow_matching"
+    # the options load_pipeline takes beside the common ones (stages refuse others by name)
+    load_options = ("text_encoder_out_layers",)
 
     denoiser_model = DenoiserModel(
         kind=flux2_transformer.KIND,
@@ -436,7 +438,7 @@ class Flux2Family(Family):
         return {TEXT: embeds}
 
     def image_inputs(self, configs) -> ImageInputs:
-        return ImageInputs(image="optional")
+        return ImageInputs(image="optional", max_images=MAX_REFERENCES)
 
     def encode_images(self, pipe, images, height, width, num_frames):
         """Per row ``(references, None)``, references one PIL image or a list of 1-4 ->

@@ -157,11 +157,21 @@ class ModelSection:
     # FluxControlNetModel folders (local or gs://), one or a list; unset: the pipeline's own
     # controlnet component, if it has one
     controlnet: str | tuple[str, ...] | None = None
+    # The text encoder's hidden states the prompt embedding stacks, for a family whose
+    # pipelines take them (Flux.2 [klein]'s text_encoder_out_layers); unset: the pipeline's own
+    text_encoder_out_layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
         ck = self.checkpoint
         if ck not in ("best", "final") and not ck.isdigit():
             raise ValueError(f"checkpoint must be 'best', 'final' or a step, got {ck!r}")
+        layers = self.text_encoder_out_layers
+        if layers is not None and (
+            not layers or any(isinstance(v, bool) or not isinstance(v, int) for v in layers)
+        ):
+            raise ValueError(
+                f"text_encoder_out_layers must be a non-empty list of ints, got {layers!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,8 @@ class ModelSource:
     provenance: dict
     # model.controlnet resolved to local folders (() = the pipeline's own, if any)
     controlnet: tuple[str, ...] = ()
+    # options of the family's load_pipeline the config sets (model.text_encoder_out_layers)
+    load_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def has_controlnet(self) -> bool:
@@ -146,7 +148,7 @@ def _scheduler_config(config: GenerateConfig, directory: Path) -> dict:
 def describe(config: GenerateConfig) -> ModelSource:
     """Family, configs and provenance of the configured model (no weights read); with
     ``model.controlnet``, its folders (gs:// copied locally)."""
-    source = _describe(config)
+    source = _with_load_options(_describe(config), config)
     given = config.model.controlnet
     if not given:
         return source
@@ -154,6 +156,23 @@ def describe(config: GenerateConfig) -> ModelSource:
     folders = tuple(str(_controlnet_dir(uri)) for uri in uris)
     provenance = {**source.provenance, "controlnet": list(uris)}
     return dataclasses.replace(source, controlnet=folders, provenance=provenance)
+
+
+def _with_load_options(source: ModelSource, config: GenerateConfig) -> ModelSource:
+    """``source`` with the load options the config sets; one the model's family does not take
+    (its ``load_options``) is refused by name before anything loads."""
+    options = {}
+    layers = config.model.text_encoder_out_layers
+    if layers is not None:
+        options["text_encoder_out_layers"] = tuple(layers)
+    takes = getattr(source.family, "load_options", ())
+    for key in options:
+        if key not in takes:
+            raise StageInputError(
+                f"model.{key}: the {source.family.name} family's pipelines take no {key}; "
+                "leave it unset"
+            )
+    return dataclasses.replace(source, load_options=options)
 
 
 def _controlnet_dir(uri: str) -> Path:
@@ -254,18 +273,29 @@ def load(
     the source's scheduler config (``sampling.scheduler_config`` applied). ``keep_float``:
     see :meth:`jaxcore.families.base.Family.load_pipeline`; ``cached``: the quantized
     denoisers' artifact (:func:`cached_weights`), read when finished, else written."""
-    if cached is None:
-        pipe = _load(source, compute, mesh, keep_float)
-    else:
-        uri, made_of = cached
-        given = quantized_cache.load(uri, source, compute, mesh)
-        if given is not None:
-            pipe = source.family.load_pipeline(
-                source.pipeline_dir, compute, mesh, controlnet=source.controlnet, **given
-            )
-        else:
+    try:
+        if cached is None:
             pipe = _load(source, compute, mesh, keep_float)
-            quantized_cache.store(uri, made_of, pipe)
+        else:
+            uri, made_of = cached
+            given = quantized_cache.load(uri, source, compute, mesh)
+            if given is not None:
+                pipe = source.family.load_pipeline(
+                    source.pipeline_dir,
+                    compute,
+                    mesh,
+                    controlnet=source.controlnet,
+                    **source.load_options,
+                    **given,
+                )
+            else:
+                pipe = _load(source, compute, mesh, keep_float)
+                quantized_cache.store(uri, made_of, pipe)
+    except families.FamilyError as err:
+        if not source.load_options:
+            raise
+        keys = ", ".join(f"model.{key}" for key in source.load_options)
+        raise StageInputError(f"{keys}: {err}") from None
     pipe.scheduler_config = dict(source.scheduler_config)
     return pipe
 
@@ -298,6 +328,7 @@ def _load(source: ModelSource, compute: ComputeConfig, mesh, keep_float) -> Pipe
                 second_denoiser=denoiser,
                 keep_float=keep_float,
                 controlnet=source.controlnet,
+                **source.load_options,
             )
         log.info(
             "generate: denoiser from %s step %d, the rest from %s",
@@ -312,4 +343,5 @@ def _load(source: ModelSource, compute: ComputeConfig, mesh, keep_float) -> Pipe
         denoiser=denoiser,
         keep_float=keep_float,
         controlnet=source.controlnet,
+        **source.load_options,
     )

@@ -8,7 +8,9 @@ Formats (local path or ``gs://``):
   scale of two-expert Wan 2.2 models; default ``guidance_scale``), ``true_cfg_scale``,
   ``flow_shift`` and ``latents`` (a ``.npy`` of the initial noise, relative to the prompt file
   or absolute/gs://), ``image`` and ``last_image`` (conditioning images of image-to-video
-  models, PNG/JPEG/..., paths as for ``latents``) and ``loras`` (a list of ``{"path", "scale", "expert"}``,
+  models, PNG/JPEG/..., paths as for ``latents``; ``image`` may be a list of 1-N paths, the
+  reference images of a model whose family takes several, e.g. Flux.2 [klein]'s 1-4; a batch
+  shares their number and sizes) and ``loras`` (a list of ``{"path", "scale", "expert"}``,
   ``expert`` ``low`` for a two-expert model's ``transformer_2``: the LoRAs of this prompt
   instead of the config's ``model.loras``; prompts are grouped by LoRA set), and the render
   settings only some families take (:data:`FAMILY_SETTINGS`: LTX-Video's ``frame_rate``,
@@ -123,7 +125,9 @@ class PromptSpec:
     loras: tuple[tuple[str, float, str], ...] = ()
     guidance_scale_2: float | None = None  # the second expert's scale (two-expert models)
     guidance_rescale: float = 0.0  # SD / SDXL's rescale of the CFG result (0 = off)
-    image: str | None = None  # URI of the conditioning image (image-to-video)
+    # URI of the conditioning image (image-to-video), or the URIs of a line's list of
+    # reference images (a model that takes several)
+    image: str | tuple[str, ...] | None = None
     last_image: str | None = None  # URI of the last frame's image (first-last-frame models)
     # what the family's size conditioning reads, (name, value) sorted by name: SDXL's
     # micro-conditioning the line sets ((a, b) pairs; unset = defaults) and the family render
@@ -136,6 +140,16 @@ class PromptSpec:
     timesteps: tuple[float, ...] | None = None
     # ControlNet inputs (control images, scales, window, ...), None: none
     control: control_inputs.ControlSpec | None = None
+    # (width, height) of each reference image, set (after the files are read) only for a model
+    # that takes several: a batch shares its references' token layout; None: not grouped by it
+    image_sizes: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def image_uris(self) -> tuple[str, ...]:
+        """The ``image`` slot's URIs (none, one, or a line's list)."""
+        if self.image is None:
+            return ()
+        return self.image if isinstance(self.image, tuple) else (self.image,)
 
     @property
     def group_key(self) -> tuple:
@@ -155,6 +169,7 @@ class PromptSpec:
             self.timesteps,
             # a batch shares whether it is controlled, and how many control images it has
             None if self.control is None else len(self.control.images),
+            self.image_sizes,  # None unless the model takes several reference images
         )
 
     def params(self) -> dict:
@@ -175,7 +190,7 @@ class PromptSpec:
             "flow_shift": self.flow_shift,
             "latents": self.latents,
             "loras": [lora_entry(*use) for use in self.loras],
-            "image": self.image,
+            "image": list(self.image) if isinstance(self.image, tuple) else self.image,
             "last_image": self.last_image,
         }
         if self.guidance_rescale:
@@ -339,8 +354,23 @@ def _resolve_timesteps(given: dict, fields: dict, where: str, model_defaults) ->
     return timesteps
 
 
+def _check_image(value, where: str):
+    """A line's ``image``: a path, or a non-empty list of paths (the model checks the count)."""
+    if isinstance(value, list):
+        if not value or not all(isinstance(v, str) and v for v in value):
+            raise StageInputError(
+                f"{where}: image must be a path or a non-empty list of paths, got {value!r}"
+            )
+        return value
+    if not isinstance(value, str):
+        raise StageInputError(f"{where}: image must be a string or a list, got {value!r}")
+    return value
+
+
 def _check_type(value, field: str, where: str):
     """Validate one field's JSON type; ints are accepted for float fields."""
+    if field == "image":
+        return _check_image(value, where)
     if field == TIMESTEPS:
         return _check_timesteps(value, where)
     if field in control_inputs.FIELDS:
@@ -398,6 +428,15 @@ def _resolve_path(path: str, prompt_file: str) -> str:
     return storage.join(folder, path)
 
 
+def _resolve_image(given: str | list | None, prompt_file: str) -> str | tuple | None:
+    """A line's ``image`` / ``last_image``: its path resolved, or a list's paths (a tuple)."""
+    if given is None:
+        return None
+    if isinstance(given, list):
+        return tuple(_resolve_path(path, prompt_file) for path in given)
+    return _resolve_path(given, prompt_file)
+
+
 def _resolve_loras(given: list[dict], prompt_file: str) -> tuple[tuple[str, float, str], ...]:
     """(path, scale, expert); a relative path that exists beside the prompt file is taken
     there."""
@@ -439,6 +478,8 @@ def _check_values(
     if image_inputs is not None:
         has_image, has_last = fields["image"] is not None, fields["last_image"] is not None
         try:
+            if isinstance(fields["image"], tuple):
+                image_inputs.check_count(len(fields["image"]), where)
             image_inputs.check(has_image, has_last, where)
         except ValueError as err:
             raise StageInputError(str(err)) from None
@@ -508,6 +549,26 @@ def parse_prompts(
     return resolve_prompts(uri, parse_entries(uri, lines), defaults, model_defaults, geometry)
 
 
+def _unique_id(given: dict, index: int, number: int, where: str, seen_ids, seen_names):
+    """(the line's id, its output name), both unused so far (recorded in ``seen_*``)."""
+    prompt_id = given.get("id", f"{index:05d}")
+    if not prompt_id.strip():
+        raise StageInputError(f"{where}: empty id")
+    if prompt_id in seen_ids:
+        raise StageInputError(
+            f"{where}: duplicate id {prompt_id!r} (first used on line {seen_ids[prompt_id]})"
+        )
+    seen_ids[prompt_id] = number
+    name = safe_name(prompt_id)
+    if name in seen_names:  # only possible when a raw id equals another's sanitised name
+        raise StageInputError(
+            f"{where}: id {prompt_id!r} gives the output name {name!r} already used on "
+            f"line {seen_names[name]}; choose another id"
+        )
+    seen_names[name] = number
+    return prompt_id, name
+
+
 def resolve_prompts(
     uri: str,
     entries: list[tuple[int, dict]],
@@ -534,21 +595,7 @@ def resolve_prompts(
     for number, given in entries:
         where = _where(uri, number)
         index = len(specs)
-        prompt_id = given.get("id", f"{index:05d}")
-        if not prompt_id.strip():
-            raise StageInputError(f"{where}: empty id")
-        if prompt_id in seen_ids:
-            raise StageInputError(
-                f"{where}: duplicate id {prompt_id!r} (first used on line {seen_ids[prompt_id]})"
-            )
-        seen_ids[prompt_id] = number
-        name = safe_name(prompt_id)
-        if name in seen_names:  # only possible when a raw id equals another's sanitised name
-            raise StageInputError(
-                f"{where}: id {prompt_id!r} gives the output name {name!r} already used on "
-                f"line {seen_names[name]}; choose another id"
-            )
-        seen_names[name] = number
+        prompt_id, name = _unique_id(given, index, number, where, seen_ids, seen_names)
         fields = {
             "prompt": given["prompt"],
             "negative_prompt": given.get("negative_prompt", base["negative_prompt"]),
@@ -558,7 +605,7 @@ def resolve_prompts(
             fields[key] = given.get(key, base[key])
         timesteps = _resolve_timesteps(given, fields, where, model_defaults)
         for key in ("image", "last_image"):
-            fields[key] = _resolve_path(given[key], uri) if key in given else None
+            fields[key] = _resolve_image(given.get(key), uri)
         _check_values(fields, where, geometry, image_inputs)
         latents = given.get("latents")
         if latents is not None:

@@ -181,13 +181,13 @@ def check_memory(
 
 
 def check_image_files(specs: Sequence[PromptSpec]) -> dict[str, str]:
-    """Before rendering: every ``image`` / ``last_image`` reads as an image, every frame
-    condition's image or video as one. Returns ``{uri: sha256}`` (a changed file re-renders
+    """Before rendering: every ``image`` (each of a line's list) / ``last_image`` reads as an
+    image, every frame condition's image or video as one. Returns ``{uri: sha256}`` (a changed file re-renders
     its prompts on resume)."""
     checksums = {}
     for spec in specs:
         where = f"line {spec.line} (id {spec.id!r})"
-        for uri in (spec.image, spec.last_image):
+        for uri in (*spec.image_uris, spec.last_image):
             if uri is not None and uri not in checksums:
                 _, data = read_image(uri, where)
                 checksums[uri] = hashlib.sha256(data).hexdigest()
@@ -238,11 +238,33 @@ def _conditions(spec: PromptSpec) -> list[dict]:
     return out
 
 
+def with_image_sizes(specs: Sequence[PromptSpec], max_images: int) -> list[PromptSpec]:
+    """For a model that takes several reference images (``max_images`` > 1): each prompt with
+    its references' (width, height), so a batch shares their token layout
+    (:attr:`PromptSpec.group_key`); otherwise the prompts as they are."""
+    if max_images < 2:
+        return list(specs)
+    out = []
+    for spec in specs:
+        if spec.image is not None:
+            where = f"line {spec.line} (id {spec.id!r})"
+            sizes = tuple(tuple(read_image(u, where)[0].size) for u in spec.image_uris)
+            spec = dataclasses.replace(spec, image_sizes=sizes)
+        out.append(spec)
+    return out
+
+
 def _images(spec: PromptSpec) -> tuple:
+    """The prompt's ``(image, last_image)`` as the family takes them: PIL images (a list of
+    them for a line's list of references) or None."""
     where = f"line {spec.line} (id {spec.id!r})"
-    return tuple(
-        None if uri is None else read_image(uri, where)[0] for uri in (spec.image, spec.last_image)
-    )
+    image = None
+    if isinstance(spec.image, tuple):
+        image = [read_image(uri, where)[0] for uri in spec.image]
+    elif spec.image is not None:
+        image = read_image(spec.image, where)[0]
+    last = None if spec.last_image is None else read_image(spec.last_image, where)[0]
+    return image, last
 
 
 def _controls(rows: Sequence[PromptSpec]) -> list | None:

@@ -43,6 +43,8 @@ def _run_fingerprint(config: GenerateConfig, scheduler: str) -> str:
     }
     if config.sampling.scheduler_config:  # only when set: earlier runs' fingerprints hold
         payload["scheduler_config"] = config.sampling.scheduler_config
+    if config.model.text_encoder_out_layers is not None:  # likewise
+        payload["text_encoder_out_layers"] = list(config.model.text_encoder_out_layers)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -59,7 +61,7 @@ def _fingerprint(
         "run": run_fingerprint,
         "params": spec.params(),
         "lora_sha256": [lora_checksums[use[0]] for use in spec.loras],
-        "image_sha256": [image_checksums.get(u) for u in (spec.image, spec.last_image) if u],
+        "image_sha256": [image_checksums.get(u) for u in (*spec.image_uris, spec.last_image) if u],
     }
     if spec.conditions:  # frame conditions' files (absent otherwise: earlier runs match)
         payload["condition_sha256"] = [image_checksums.get(c[1]) for c in spec.conditions]
@@ -278,6 +280,8 @@ def _render(config, pipe, specs, todo, finished, write_outputs, scheduler, cache
     # renders each prompt in the same batch as an uninterrupted one (the same bytes), and
     # writes only the unfinished ones
     pending = {s.name for s in todo}
+    # a model that takes several reference images batches prompts whose references share sizes
+    specs = render.with_image_sizes(specs, pipe.image_inputs.max_images)
     batches = render.plan_batches(
         specs, batch_size, pipe.batch_ways, jax.process_index(), jax.process_count()
     )
