@@ -49,6 +49,16 @@ REPO = Path(__file__).resolve().parent.parent
 GCS_BUCKET = "difforge-test"
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
+def pytest_collection_modifyitems(config, items):
+    """The slow tier's listed tests (tests/slow_tier.py) get the ``slow`` marker."""
+    from tests.slow_tier import SLOW_NODE_IDS
+
+    for item in items:
+        if item.nodeid in SLOW_NODE_IDS:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_sessionstart(session):
     """The native CPU kernels built first, as ``difforge prepare`` builds them (``make test`` and
     a bare ``pytest`` alike): a run never compiles them while it traces."""

@@ -1,0 +1,97 @@
+"""Tests moved to the slow tier (``make test-slow``) to keep the default suite near its
+20-minute budget on the 2-core CI machine; each group says what stays in the default tier.
+
+Marked here rather than at each test because most are single parameters of parametrized tests;
+``tests/conftest.py`` adds the ``slow`` marker to every node id listed.
+"""
+
+SLOW_TIER: dict[str, tuple[str, ...]] = {
+    # ControlNets: the residual parity of every layout stays; the UNet's residual addition is
+    # proven end to end by the pipeline renders
+    "ControlNet variants (pipeline renders and the main residual tests stay)": (
+        "tests/jaxcore/test_controlnet.py::test_unet_with_residuals_matches_diffusers",
+        "tests/jaxcore/test_controlnet.py::test_parameter_count_matches_diffusers[sdxl_canny]",
+        "tests/jaxcore/test_controlnet.py::test_global_pool_conditions",
+        "tests/jaxcore/test_controlnet_union.py::test_multi_controlnet_union_matches_diffusers",
+        "tests/jaxcore/test_controlnet_union.py::test_list_inputs_and_per_sample_type_indices",
+        "tests/jaxcore/test_controlnet_union.py::test_parameter_count_matches_diffusers[8]",
+        "tests/jaxcore/test_controlnet_union.py::test_two_controls_match_diffusers[False]",
+        "tests/jaxcore/test_sd_controlnet_pipeline.py::test_sharded_controlnet_render_equals_one_device",
+        "tests/jaxcore/test_flux_controlnet.py::test_residuals_under_scan_and_run_stack",
+        "tests/jaxcore/test_flux_controlnet.py::test_transformer_residuals_match_diffusers[single_only]",
+        "tests/jaxcore/test_flux_controlnet.py::test_transformer_residuals_match_diffusers[double_only_many]",
+        "tests/jaxcore/test_flux_controlnet_pipeline.py::test_union_controlnet_with_several_conditions_matches_diffusers",
+        "tests/jaxcore/test_flux_controlnet_pipeline.py::test_two_controlnets_match_diffusers",
+        "tests/jaxcore/test_flux_controlnet_pipeline.py::test_controlnet_with_input_hint_block_matches_diffusers",
+    ),
+    "Flux.2 variants (Klein parity, the KV cache and editing with two references stay)": (
+        "tests/jaxcore/test_flux2_transformer.py::test_scan_and_remat_equal_the_plain_loop",
+        "tests/jaxcore/test_flux2_transformer.py::test_matches_diffusers[dev]",
+        "tests/jaxcore/test_flux2_pipeline.py::test_editing_with_reference_images_matches_diffusers[one-reference]",
+        "tests/jaxcore/test_flux2_pipeline.py::test_other_text_encoder_out_layers_match_diffusers",
+        "tests/jaxcore/test_qwen3.py::test_prompt_embeds_match_the_pipeline[left]",
+    ),
+    # training: the end-to-end train + evaluate run, LoRA (SD, LTX), DreamBooth and the
+    # preemption / GCS checkpoint tests stay
+    "training variants": (
+        "tests/stages/test_train_in_memory.py::test_train_holds_a_small_split_in_memory_and_resumes_exactly",
+        "tests/stages/test_train.py::test_fp8_training_follows_the_float_loss",
+        "tests/stages/test_lora_train.py::test_lora_trains_evaluates_and_loads_in_diffusers[wan]",
+        "tests/stages/test_caption_dropout.py::test_a_step_with_every_caption_dropped_is_a_step_on_empty_captions",
+        "tests/stages/test_mixed_precision.py::test_mixed_precision_gradient_tracks_float32[sd]",
+        "tests/stages/test_wan22_stages.py::test_one_expert_trains_and_loads_back_into_its_slot[low]",
+    ),
+    # convert: the pipeline, incremental and element tests stay
+    "convert variants": (
+        "tests/stages/test_convert_pipeline.py::test_two_runs_write_byte_identical_shards",
+        "tests/stages/test_wan22_stages.py::test_i2v_records_equal_generates_conditioning[wan21_i2v]",
+    ),
+    # quantization: every mode stays on at least one family (int8_weights on Wan, int8 on SD,
+    # int8_weights on Flux and LTX); the products' own tests cover fp8 on every seam
+    "quantization renders per family and mode": (
+        "tests/jaxcore/test_quantization.py::test_a_quantized_render_is_close_to_the_float_one[sd-fp8]",
+        "tests/jaxcore/test_quantization.py::test_a_quantized_render_is_close_to_the_float_one[sd-int8_weights]",
+        "tests/jaxcore/test_quantization.py::test_a_quantized_render_is_close_to_the_float_one[flux-fp8]",
+        "tests/jaxcore/test_quantization.py::test_a_quantized_render_is_close_to_the_float_one[sd-fp8_weights]",
+        "tests/jaxcore/test_quantization.py::test_a_quantized_render_is_close_to_the_float_one[wan-fp8]",
+        "tests/jaxcore/test_quantization.py::test_a_quantized_render_is_close_to_the_float_one[flux-int8]",
+        "tests/jaxcore/test_quantization.py::test_a_quantized_render_is_close_to_the_float_one[flux-fp8_weights]",
+        "tests/stages/test_generate_quantized_cache.py::test_the_first_run_writes_the_cache_and_later_runs_load_it[fp8_weights]",
+        "tests/stages/test_generate_quantized_cache.py::test_a_two_expert_model_caches_both_experts",
+    ),
+    # Wan 2.x: T2V, I2V and the two-expert parity stay
+    "Wan 2.2 pipeline variants": (
+        "tests/jaxcore/test_wan22_pipeline.py::test_ti2v_text_to_video_matches_diffusers[4.0]",
+        "tests/jaxcore/test_wan22_pipeline.py::test_wan21_flf2v_matches_diffusers",
+        "tests/jaxcore/test_wan22_pipeline.py::test_wan22_i2v_two_experts_match_diffusers[True]",
+        "tests/jaxcore/test_wan_transformer.py::test_scan_layers_equals_the_unrolled_blocks[full]",
+        "tests/jaxcore/test_step_cache.py::test_wan_caches_match_diffusers_hooks[first_block_mixed]",
+        "tests/stages/test_lora_render.py::test_wan_two_loras_match_diffusers",
+    ),
+    # SD / LTX: the scheduler and LoRA format parities each keep their other cases
+    "SD and LTX variants": (
+        "tests/stages/test_sd_generate.py::test_few_step_distillation_lora_renders_as_diffusers[hyper-sd-like]",
+        "tests/jaxcore/test_lora_sd.py::test_unet_loras_match_diffusers[True-kohya_sgm]",
+        "tests/jaxcore/test_lora_sd.py::test_unet_loras_match_diffusers[False-kohya]",
+        "tests/jaxcore/test_ltx_pipeline.py::test_injected_decoder_noise_is_each_prompts_own",
+        "tests/bench/test_bench_smoke.py::test_benchmark_smoke[unet]",
+        "tests/bench/test_bench_smoke.py::test_benchmark_smoke[quantization]",
+    ),
+    # the plain and scanned parities of each transformer stay; these are their remat / size
+    # variants and second released configs
+    "model variants": (
+        "tests/jaxcore/test_flux_transformer.py::test_remat_same_output_and_gradients[offload_block_inputs]",
+        "tests/jaxcore/test_flux_transformer.py::test_remat_same_output_and_gradients[full]",
+        "tests/jaxcore/test_flux_transformer.py::test_released_param_counts[schnell-11891178560]",
+        "tests/jaxcore/test_wan_transformer.py::test_remat_same_output_and_gradients[full]",
+        "tests/jaxcore/test_wan_transformer.py::test_offload_policy_moves_each_block_input_to_the_host",
+        "tests/jaxcore/test_ltx_transformer.py::test_rope_tables_real_widths_close_to_diffusers",
+        "tests/jaxcore/test_ltx_pipeline.py::test_real_configs_count_like_diffusers[ltx_video_2b_0.9.1-1923385472-934976434]",
+        "tests/jaxcore/test_ltx_pipeline.py::test_real_configs_count_like_diffusers[ltx_video_2b_0.9.5-1923385472-1246913522]",
+        "tests/jaxcore/test_attention.py::test_flash_matches_dot_product[29-13-False-blocks1]",
+        "tests/jaxcore/test_attention.py::test_bf16_pair_loop_backward_matches_float32_autodiff[32-12-True-blocks1]",
+        "tests/stages/test_evaluate.py::test_quantized_checkpoints_score_near_the_float_ones[int8_weights-0.01]",
+    ),
+}
+
+SLOW_NODE_IDS = frozenset(node for group in SLOW_TIER.values() for node in group)
