@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxcore import control, sharding
 from jaxcore.compute import ComputeConfig
-from jaxcore.families import flux_control
+from jaxcore.families import flow_match, flux_control
 from jaxcore.families.base import (
     DenoiserModel,
     Encoders,
@@ -371,52 +371,12 @@ class FluxFamily(Family):
         }
 
     def default_scheduler(self, scheduler_config) -> str:
-        name = scheduler_config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
-        if name != "FlowMatchEulerDiscreteScheduler":
-            raise FamilyError(
-                f"scheduler {name!r} is not supported for Flux (FlowMatchEulerDiscreteScheduler)"
-            )
-        return "flow_euler"
+        return flow_match.scheduler_name(scheduler_config, "Flux")
 
     def make_schedule(self, pipe, scheduler, num_inference_steps, shift, latent_shape):
-        from jaxcore.schedulers import make_scheduler
-        from jaxcore.schedulers.flow_euler import (
-            FlowEulerConfigError,
-            calculate_shift,
-            flow_euler_options,
-            pipeline_sigmas,
-        )
-
-        if scheduler != "flow_euler":
-            raise FamilyError(f"scheduler={scheduler!r}: Flux samples with flow_euler only")
-        config = pipe.scheduler_config
-        try:
-            options = flow_euler_options(config, f"{pipe.source}/scheduler/scheduler_config.json")
-        except FlowEulerConfigError as err:
-            raise FamilyError(str(err)) from None
-        if options.use_dynamic_shifting and float(shift) != float(options.shift):
-            raise FamilyError(
-                f"flow_shift={shift}: this scheduler shifts by image size "
-                "(use_dynamic_shifting), so a flow_shift has no effect; leave it unset"
-            )
         _, _, h, w = latent_shape
-        image_seq_len = (h // PACK) * (w // PACK)
-        mu = calculate_shift(
-            image_seq_len,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        sigmas = None if config.get("use_flow_sigmas") else pipeline_sigmas(num_inference_steps)
-        return make_scheduler(
-            "flow_euler",
-            num_inference_steps,
-            shift,
-            euler_options=options,
-            sigmas=sigmas,
-            mu=mu,
-        )
+        mu = flow_match.config_mu(pipe.scheduler_config, (h // PACK) * (w // PACK))
+        return flow_match.image_schedule(pipe, scheduler, num_inference_steps, shift, mu, "Flux")
 
     def guidance(
         self,

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcore import sharding, weights
+from jaxcore.families import flow_match
 from jaxcore.families.base import (
     DenoiserModel,
     Family,
@@ -486,41 +487,14 @@ class Flux2Family(Family):
         }
 
     def default_scheduler(self, scheduler_config) -> str:
-        name = scheduler_config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
-        if name != "FlowMatchEulerDiscreteScheduler":
-            raise FamilyError(
-                f"scheduler {name!r} is not supported for Flux.2 (FlowMatchEulerDiscreteScheduler)"
-            )
-        return "flow_euler"
+        return flow_match.scheduler_name(scheduler_config, "Flux.2")
 
     def make_schedule(self, pipe, scheduler, num_inference_steps, shift, latent_shape):
         """Flow-match Euler with the pipeline's sigmas and its empirical ``mu``."""
-        from jaxcore.schedulers import make_scheduler
-        from jaxcore.schedulers.flow_euler import (
-            FlowEulerConfigError,
-            flow_euler_options,
-            pipeline_sigmas,
-        )
-
-        if scheduler != "flow_euler":
-            raise FamilyError(f"scheduler={scheduler!r}: Flux.2 samples with flow_euler only")
-        config = pipe.scheduler_config
-        try:
-            options = flow_euler_options(config, f"{pipe.source}/scheduler/scheduler_config.json")
-        except FlowEulerConfigError as err:
-            raise FamilyError(str(err)) from None
-        if options.use_dynamic_shifting and float(shift) != float(options.shift):
-            raise FamilyError(
-                f"flow_shift={shift}: this scheduler shifts by image size "
-                "(use_dynamic_shifting), so a flow_shift has no effect; leave it unset"
-            )
         _, _, h, w = latent_shape
         # the noise tokens only: references do not count (the pipeline's latents.shape[1])
         mu = compute_empirical_mu(h * w, num_inference_steps)
-        sigmas = None if config.get("use_flow_sigmas") else pipeline_sigmas(num_inference_steps)
-        return make_scheduler(
-            "flow_euler", num_inference_steps, shift, euler_options=options, sigmas=sigmas, mu=mu
-        )
+        return flow_match.image_schedule(pipe, scheduler, num_inference_steps, shift, mu, "Flux.2")
 
     def guidance(
         self,

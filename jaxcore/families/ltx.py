@@ -128,6 +128,7 @@ import numpy as np
 
 from jaxcore import sharding
 from jaxcore.compute import ComputeConfig
+from jaxcore.families import flow_match
 from jaxcore.families.base import (
     TEXT_FEATURE,
     DenoiserModel,
@@ -1093,13 +1094,7 @@ class LTXFamily(Family):
         }
 
     def default_scheduler(self, scheduler_config) -> str:
-        name = scheduler_config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
-        if name != "FlowMatchEulerDiscreteScheduler":
-            raise FamilyError(
-                f"scheduler {name!r} is not supported for LTX-Video "
-                "(FlowMatchEulerDiscreteScheduler)"
-            )
-        return "flow_euler"
+        return flow_match.scheduler_name(scheduler_config, "LTX-Video")
 
     def make_seeded_schedule(
         self, pipe, scheduler, num_inference_steps, shift, latent_shape, seeds=None, timesteps=None
@@ -1122,26 +1117,10 @@ class LTXFamily(Family):
         fail with one: they pass their own ``sigmas`` too), as its unshifted scheduler takes
         them (:func:`custom_schedule`); ``num_inference_steps`` must be their count."""
         from jaxcore.schedulers import make_scheduler
-        from jaxcore.schedulers.flow_euler import (
-            FlowEulerConfigError,
-            calculate_shift,
-            flow_euler_options,
-            pipeline_sigmas,
-        )
+        from jaxcore.schedulers.flow_euler import pipeline_sigmas
 
-        if scheduler != "flow_euler":
-            raise FamilyError(f"scheduler={scheduler!r}: LTX-Video samples with flow_euler only")
-        config = pipe.scheduler_config
+        options = flow_match.euler_options(pipe, scheduler, shift, "LTX-Video", "the video's size")
         where = f"{pipe.source}/scheduler/scheduler_config.json"
-        try:
-            options = flow_euler_options(config, where)
-        except FlowEulerConfigError as err:
-            raise FamilyError(str(err)) from None
-        if options.use_dynamic_shifting and float(shift) != float(options.shift):
-            raise FamilyError(
-                f"flow_shift={shift}: this scheduler shifts by the video's size "
-                "(use_dynamic_shifting), so a flow_shift has no effect; leave it unset"
-            )
         frame_conditions = _options(getattr(pipe, "configs", {})).frame_conditions
         if timesteps is not None and not frame_conditions:
             raise FamilyError(
@@ -1152,13 +1131,7 @@ class LTXFamily(Family):
         if frame_conditions:
             return _condition_schedule(options, num_inference_steps, shift, where, timesteps)
         _, _, f, h, w = latent_shape
-        mu = calculate_shift(
-            f * h * w,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        mu = flow_match.config_mu(pipe.scheduler_config, f * h * w)
         try:
             return make_scheduler(
                 "flow_euler",
