@@ -26,6 +26,7 @@ prompts with different scales, windows and guess modes into one program.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -110,19 +111,37 @@ def controlled(denoiser, denoiser_params, nets: ControlNets | None):
 # --- loading -------------------------------------------------------------------------------
 
 
+# model_index.json's class of several ControlNets (diffusers' MultiControlNetModel and its
+# families' twins), saved as controlnet, controlnet_1, ... (a family's multi class that
+# diffusers cannot save itself, having no config, takes the same layout)
+MULTI_SUFFIX = "MultiControlNetModel"
+
+
 def controlnet_folders(pipeline_dir: Path, index: Mapping) -> list[Path]:
-    """The ControlNet folders a pipeline folder holds: ``controlnet`` (and, for diffusers'
-    ``MultiControlNetModel``, ``controlnet_1``, ``controlnet_2``, ... as it saves them)."""
+    """The ControlNet folders a pipeline folder holds: ``controlnet`` (and, for several
+    ControlNets, ``controlnet_1``, ``controlnet_2``, ... as diffusers saves them)."""
     entry = index.get("controlnet")
     if not entry or entry[0] is None:
         return []
     folders = [pipeline_dir / "controlnet"]
-    if entry[1] == "MultiControlNetModel":
+    if str(entry[1]).endswith(MULTI_SUFFIX):
         k = 1
         while (pipeline_dir / f"controlnet_{k}").is_dir():
             folders.append(pipeline_dir / f"controlnet_{k}")
             k += 1
     return folders
+
+
+def chosen_folders(pipeline_dir, given) -> list[Path]:
+    """The ControlNet folders a pipeline loads: ``given`` (``controlnet=<folder or list>``),
+    else the pipeline folder's own (none without a model_index.json)."""
+    if given:
+        return [Path(given)] if isinstance(given, str | Path) else [Path(g) for g in given]
+    pipeline_dir = Path(pipeline_dir)
+    index_file = pipeline_dir / "model_index.json"
+    if not index_file.is_file():
+        return []
+    return controlnet_folders(pipeline_dir, json.loads(index_file.read_text()))
 
 
 def prepare_image(image, height: int, width: int) -> np.ndarray:

@@ -458,8 +458,7 @@ class Family(abc.ABC):
         del denoiser_config, compute, mesh, rules
         from jaxcore import control
 
-        index = read_model_index(directory) if (directory / "model_index.json").is_file() else {}
-        if given or control.controlnet_folders(directory, index):
+        if control.chosen_folders(directory, given):
             raise FamilyError(f"the {self.name} family takes no ControlNet ({directory})")
         return None
 

@@ -42,7 +42,6 @@ from jaxcore.families.base import (
     Guidance,
     TensorSpec,
     decoded_frames,
-    read_model_index,
 )
 from jaxcore.models import autoencoder_kl, clip_text, flux_transformer, t5
 from jaxcore.text import load_tokenizer
@@ -328,11 +327,7 @@ class FluxFamily(Family):
         """FluxControlNetModel folders (``controlnet=``, else the pipeline's own ``controlnet``,
         ``controlnet_1``, ...), with the transformer's module keywords; each checked to fit it.
         They stay in their dtype under ``compute.quantization`` (only the transformer is)."""
-        directory = Path(directory)
-        index = read_model_index(directory) if (directory / "model_index.json").is_file() else {}
-        folders = flux_control.controlnet_folders(directory, index)
-        if given:
-            folders = [given] if isinstance(given, str | Path) else list(given)
+        folders = control.chosen_folders(directory, given)
         if not folders:
             return None
         kwargs = dict(compute.denoiser_kwargs)

@@ -39,7 +39,6 @@ from jaxcore.family_types import FamilyError
 from jaxcore.models import autoencoder_kl, flux_controlnet, flux_transformer
 
 CONTROLNET_CLASSES = ("FluxControlNetModel",)
-MULTI_CLASSES = ("FluxMultiControlNetModel",)
 # conditioning names beside jaxcore.control's (image, scale, window)
 CONTROL_MODE = "control_mode"  # [B, K] int32: each condition's union mode (-1: none)
 # the positive prompt's text, in both branches: what the ControlNet reads (see the docstring)
@@ -47,23 +46,6 @@ CONTROL_TEXT, CONTROL_POOLED = "control_text", "control_pooled"
 
 
 # --- loading -------------------------------------------------------------------------------
-
-
-def controlnet_folders(pipeline_dir: Path, index: Mapping) -> list[Path]:
-    """The pipeline's ControlNet folders: ``controlnet``, and for several ControlNets
-    (``FluxMultiControlNetModel`` in model_index.json) ``controlnet_1``, ``controlnet_2``, ...:
-    diffusers cannot save a ``FluxMultiControlNetModel`` itself (it has no config), so this
-    takes the layout of its ``MultiControlNetModel``."""
-    entry = index.get("controlnet")
-    if not entry or entry[0] is None:
-        return []
-    folders = [pipeline_dir / "controlnet"]
-    if entry[1] in MULTI_CLASSES:
-        k = 1
-        while (pipeline_dir / f"controlnet_{k}").is_dir():
-            folders.append(pipeline_dir / f"controlnet_{k}")
-            k += 1
-    return folders
 
 
 def load_controlnets(folders: Sequence, kwargs: Mapping, mesh=None, rules=None):

@@ -614,9 +614,7 @@ class SDFamily(Family):
         """ControlNetModel folders (``controlnet=``, else the pipeline's own ``controlnet``,
         ``controlnet_1``, ...), with the UNet's module keywords; each checked to fit the UNet.
         They stay in their dtype under ``compute.quantization`` (only the UNet is quantized)."""
-        folders = control.controlnet_folders(directory, read_model_index(directory))
-        if given:
-            folders = [given] if isinstance(given, str | Path) else list(given)
+        folders = control.chosen_folders(directory, given)
         if not folders:
             return None
         nets = sd_control.load_controlnets(folders, self.denoiser_kwargs(compute), mesh, rules)

@@ -256,10 +256,6 @@ class ControlNetModel(unet.UNet2DConditionModel):
         return tuple(to_nchw(r) for r in down), to_nchw(mid)
 
 
-def _source_entry(path: tuple[str, ...], ndim: int) -> tuple[str, weights.Transform]:
-    return unet._source_entry(path, ndim)
-
-
 def _dummy_inputs(config: ControlNetConfig, batch: int = 1) -> tuple:
     """The UNet's smallest inputs plus a control image of 8x the latent size."""
     sample, timestep, context, text_embeds, time_ids = unet._dummy_inputs(config, batch)
@@ -274,7 +270,8 @@ KIND = weights.ModelKind(
     ControlNetModel,
     ControlNetConfig,
     _dummy_inputs,
-    lambda config, boxed: weights.weight_map_by_path(boxed, _source_entry),
+    # every name is the UNet's rule (controlnet_down_blocks_N -> controlnet_down_blocks.N)
+    lambda config, boxed: weights.weight_map_by_path(boxed, unet._source_entry),
 )
 abstract_params = KIND.abstract_params
 load_controlnet = KIND.load  # a diffusers ControlNetModel directory

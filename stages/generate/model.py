@@ -50,12 +50,7 @@ class ModelSource:
         """ControlNets given, or a pipeline folder with its own."""
         from jaxcore import control
 
-        if self.controlnet:
-            return True
-        if not (self.pipeline_dir / "model_index.json").is_file():
-            return False
-        index = families.read_model_index(self.pipeline_dir)
-        return bool(control.controlnet_folders(self.pipeline_dir, index))
+        return bool(control.chosen_folders(self.pipeline_dir, self.controlnet))
 
     @property
     def geometry(self) -> families.Geometry:
