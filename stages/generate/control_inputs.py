@@ -197,7 +197,6 @@ def check_files(specs: Sequence, checksums: dict) -> None:
     ``checksums`` (a changed file re-renders its prompts on resume)."""
     import hashlib
 
-    control_image.cache_clear()  # a run reads its files afresh (they may have changed)
     for spec in specs:
         if spec.control is None:
             continue

@@ -186,6 +186,9 @@ def _checked_control(specs, source) -> list:
     """Control fields only for a model with ControlNets, and then on every line; sizes from
     the control images where the family's pipelines take them so (read now: a missing image
     fails before anything loads)."""
+    # a run reads the control images afresh (a rerun in this process may find them changed);
+    # then once: sizes, checks, render and writer share the cache
+    control_inputs.control_image.cache_clear()
     controlled = source.has_controlnet
     for spec in specs:
         if (spec.control is not None) != controlled:
