@@ -1,0 +1,702 @@
+"""The Gemma-3 text model (LTX-2's prompt encoder) in Flax linen, and the prompt embedding of
+diffusers' ``LTX2Pipeline``.
+
+References: ``transformers/models/gemma3/modeling_gemma3.py`` (``Gemma3TextModel``, as
+``Gemma3ForConditionalGeneration`` runs it on text; transformers 5.25) and
+``diffusers/pipelines/ltx2/pipeline_ltx2.py`` (``_get_gemma_prompt_embeds``, diffusers 0.42).
+
+The network: token embedding times ``sqrt(hidden_size)`` (the scale rounded to the weights'
+dtype, as transformers' ``Gemma3TextScaledWordEmbedding``), then per layer
+
+    x = x + post_attention_norm(attn(input_norm(x)))
+    x = x + post_feedforward_norm(mlp(pre_feedforward_norm(x)))
+
+and a final norm. Every norm is Gemma's RMSNorm: statistics and the ``(1 + weight)`` factor in
+float32, one rounding to the activation dtype. Attention: q/k/v projections, Gemma's RMSNorm
+over each head's ``head_dim`` on q and k (before RoPE), rotate-half RoPE at positions
+``0..L-1`` whatever the padding (transformers' default ``position_ids``), grouped-query
+attention, scores scaled by ``query_pre_attn_scalar ** -0.5`` (not ``head_dim``), causal AND
+padding mask. Layers are local or global by ``layer_types`` (default from
+``sliding_window_pattern``: every ``pattern``-th layer global): a local layer's query q sees
+only keys k with ``q - sliding_window < k <= q`` and rotates by ``rope_local_base_freq``; a
+global layer sees every earlier key and rotates by ``rope_theta`` with ``rope_scaling``
+(``linear``: the frequencies divided by ``factor``; 8 for the 12B). The MLP is
+``down(gelu_tanh(gate x) * up x)``. A query with no visible key (a left pad) gets a zero
+attention output, as torch's SDPA (transformers' default attention) gives a fully masked row.
+
+``attn_logit_softcapping`` is accepted and, as in transformers' Gemma3 (whose attention never
+passes it on; Gemma-2 applied it), not applied: every released Gemma-3 sets it to null.
+``final_logit_softcapping`` belongs to the LM head, which an encoder does not have.
+
+``hidden_states`` are numbered as transformers' ``output_hidden_states``: index 0 is the scaled
+embedding, index k < N the output of layer k, and index N has the final norm applied (transformers
+ties the last hidden state to ``last_hidden_state``).
+
+The prompt embedding (:func:`prompt_embeds`) is ``_get_gemma_prompt_embeds``: the prompts
+stripped, tokenized with the tokenizer's padding side set to ``"left"`` (the pipeline sets it on
+the tokenizer; so does this), padded to ``max_sequence_length`` and truncated, BOS added; all
+N + 1 hidden states stacked on a last axis and packed ``[B, L, D * (N + 1)]`` (channel
+``d * (N + 1) + k`` is hidden state k's channel d), and repeated per video as the pipeline does.
+The normalisation of those states is the connectors' (:mod:`jaxcore.models.ltx2_connectors`).
+
+Weights: a saved ``Gemma3ForConditionalGeneration`` (text config nested under
+``text_config``; tensors under ``language_model.model.`` as transformers writes them, or
+``model.language_model.`` as it names them in memory), a ``Gemma3ForCausalLM`` (``model.``) or a
+``Gemma3TextModel`` (no prefix). The vision tower, the projector and the LM head are not read.
+
+Public API: :class:`Gemma3TextConfig`, :class:`Gemma3TextModel`, :func:`hidden_states`,
+:func:`packed_hidden_states`, :func:`tokenize_prompts`, :func:`prompt_embeds`,
+:func:`weight_map`, :func:`load_gemma3`, :func:`init_gemma3`, :func:`count_params`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from jaxcore import weights
+from jaxcore.models.layers import HeadsEinsum, gelu_tanh
+from jaxcore.models.qwen3 import apply_rope
+
+__all__ = [
+    "Gemma3ConfigError",
+    "Gemma3TextConfig",
+    "Gemma3TextModel",
+    "count_params",
+    "hidden_states",
+    "init_gemma3",
+    "load_gemma3",
+    "packed_hidden_states",
+    "prompt_embeds",
+    "tokenize_prompts",
+    "weight_map",
+]
+
+# LTX2Pipeline's default ``max_sequence_length``.
+LTX2_MAX_SEQUENCE_LENGTH = 1024
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+# config.json keys about training, generation, caching or the LM head; the hidden states do not
+# depend on them. Any other key that is no Gemma3TextConfig field is an error naming it.
+IGNORED_CONFIG_KEYS = frozenset(
+    {
+        "architectures",
+        "attention_dropout",
+        "bos_token_id",
+        "cache_implementation",
+        "dtype",
+        "eos_token_id",
+        "final_logit_softcapping",
+        "initializer_range",
+        "pad_token_id",
+        "torch_dtype",
+        "transformers_version",
+        "use_cache",
+    }
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear")
+
+
+class Gemma3ConfigError(ValueError):
+    """A config.json key or value Gemma3TextConfig cannot represent; names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma3TextConfig:
+    """transformers ``Gemma3TextConfig`` fields the encoder uses; defaults are transformers'
+    (what a Hub config.json leaves out, as google/gemma-3-12b-it's text_config does).
+
+    The RoPE is held in the transformers 4.x keys (``rope_theta`` and ``rope_scaling`` for
+    global layers, ``rope_local_base_freq`` for local ones); a 5.x ``rope_parameters`` dict per
+    layer type is read into them by :meth:`from_dict`. ``rope_scaling`` is kept as sorted
+    ``(key, value)`` pairs so the config hashes (modules holding it must).
+    """
+
+    vocab_size: int = 262_208
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    num_hidden_layers: int = 26
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: int = 131_072
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_local_base_freq: float = 10_000.0
+    rope_scaling: Any = None
+    attention_bias: bool = False
+    query_pre_attn_scalar: float = 256
+    sliding_window: int = 4096
+    sliding_window_pattern: int = 6
+    layer_types: tuple[str, ...] | None = None
+    attn_logit_softcapping: float | None = None
+    use_bidirectional_attention: bool = False
+    tie_word_embeddings: bool = True
+    model_type: str = "gemma3_text"
+
+    def __post_init__(self):
+        """Derive ``layer_types``, freeze ``rope_scaling``; refuse what is not implemented."""
+        if self.layer_types is None:
+            pattern = self.sliding_window_pattern
+            types = [SLIDING if (i + 1) % pattern else FULL for i in range(self.num_hidden_layers)]
+            object.__setattr__(self, "layer_types", tuple(types))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        scaling = self.rope_scaling
+        if isinstance(scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(scaling.items())))
+        self._check_supported()
+        self._check_sizes()
+
+    def _check_supported(self) -> None:
+        """Variants the encoder does not implement are refused by the key that asks for them."""
+        if self.model_type != "gemma3_text":
+            raise Gemma3ConfigError(f"model_type={self.model_type!r} is not 'gemma3_text'")
+        if self.hidden_activation != "gelu_pytorch_tanh":
+            raise Gemma3ConfigError(
+                f"hidden_activation={self.hidden_activation!r} is not supported "
+                "(gelu_pytorch_tanh only)"
+            )
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise Gemma3ConfigError(
+                f"rope_scaling rope_type={self.rope_type!r} is not supported "
+                f"({', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+        if self.use_bidirectional_attention:
+            raise Gemma3ConfigError("use_bidirectional_attention=true is not supported")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise Gemma3ConfigError(
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"num_hidden_layers={self.num_hidden_layers}"
+            )
+        unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
+        if unknown:
+            raise Gemma3ConfigError(f"layer_types {unknown} unsupported ({SLIDING}, {FULL})")
+
+    def _check_sizes(self) -> None:
+        """Positive sizes; q heads a multiple of kv heads; an even head_dim for RoPE."""
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            if getattr(self, key) < 1:
+                raise Gemma3ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.sliding_window < 1:
+            raise Gemma3ConfigError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads:
+            raise Gemma3ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise Gemma3ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def rope_type(self) -> str:
+        """The global layers' RoPE type ("default" without ``rope_scaling``)."""
+        return dict(self.rope_scaling or ()).get("rope_type", "default")
+
+    @property
+    def rope_factor(self) -> float:
+        """The global layers' linear scaling factor (1 for the default RoPE)."""
+        if self.rope_type == "default":
+            return 1.0
+        factor = dict(self.rope_scaling).get("factor")
+        if factor is None:
+            raise Gemma3ConfigError("rope_scaling of rope_type 'linear' needs a 'factor'")
+        return float(factor)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Gemma3TextConfig:
+        """Build from a config.json dict: a ``Gemma3Config`` (its ``text_config`` is read) or a
+        ``Gemma3TextConfig``, transformers 4.x or 5.x keys."""
+        if "text_config" in d:
+            d = d["text_config"] or {}
+        kwargs = {k: v for k, v in d.items() if not k.startswith("_")}
+        kwargs = {k: v for k, v in kwargs.items() if k not in IGNORED_CONFIG_KEYS}
+        rope = kwargs.pop("rope_parameters", None)
+        if rope is not None:  # transformers 5: {layer type: {"rope_theta": ..., ...}}
+            kwargs.update(_rope_parameters_to_keys(rope))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise Gemma3ConfigError(
+                f"unknown Gemma3TextConfig keys {unknown}; known: {sorted(known)}"
+            )
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict in the transformers 4.x keys (lists, a rope_scaling dict)."""
+        d = dataclasses.asdict(self)
+        d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+def _rope_parameters_to_keys(rope: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers 5 ``rope_parameters`` per layer type -> the 4.x keys. Local layers only
+    take the default RoPE (as transformers' Gemma3 config builds them)."""
+    full = dict(rope.get(FULL) or {})
+    local = dict(rope.get(SLIDING) or {})
+    out: dict[str, Any] = {}
+    if "rope_theta" in full:
+        out["rope_theta"] = full.pop("rope_theta")
+    if "rope_theta" in local:
+        out["rope_local_base_freq"] = local.pop("rope_theta")
+    if local.get("rope_type", "default") != "default":
+        raise Gemma3ConfigError(
+            f"rope_parameters.{SLIDING}.rope_type={local['rope_type']!r} is not supported"
+        )
+    out["rope_scaling"] = full if full.get("rope_type", "default") != "default" else None
+    return out
+
+
+# --- layers --------------------------------------------------------------------------------------
+
+
+def rope_cos_sin(length: int, head_dim: int, theta: float, factor: float = 1.0):
+    """cos, sin ``[L, head_dim]`` float32 for positions 0..L-1, as transformers' Gemma3 RoPE:
+    ``inv_freq = theta ** (-2i / d) / factor`` (factor 1: the default RoPE, else ``linear``),
+    the frequencies repeated twice for rotate-half."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    # The power correctly rounded to float32 (float64, then rounded): torch's float32 pow is
+    # within an ulp of that, numpy's float32 pow is not (at head_dim 256: 1 of 128 frequencies
+    # off torch's by an ulp this way, 19-26 with numpy's; an ulp is ~1e-4 rad at 1024 tokens).
+    powers = np.power(np.float64(theta), exponents.astype(np.float64)).astype(np.float32)
+    inv_freq = (np.float32(1.0) / powers).astype(np.float32)
+    inv_freq = (inv_freq / np.float32(factor)).astype(np.float32)
+    freqs = np.arange(length, dtype=np.float32)[:, None] * inv_freq[None]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+def visibility_masks(mask_bl: jax.Array, sliding_window: int) -> dict[str, jax.Array]:
+    """``[B, Lq, Lk]`` bool per layer type: key k visible to query q when k <= q and key k is a
+    real token; for local layers also ``k > q - sliding_window`` (transformers'
+    ``sliding_window_overlay``)."""
+    length = mask_bl.shape[1]
+    q = jnp.arange(length)[:, None]
+    k = jnp.arange(length)[None, :]
+    real_bk = mask_bl[:, None, :] > 0
+    causal = (k <= q)[None] & real_bk
+    return {FULL: causal, SLIDING: causal & (k > q - sliding_window)[None]}
+
+
+def _normal(stddev: float = 0.02):
+    """transformers' init: normal(0, initializer_range)."""
+    return nn.initializers.normal(stddev=stddev)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)`` over the last axis, in float32, one
+    rounding to ``dtype``. The parameter is transformers' ``weight`` (zeros-initialised), not a
+    scale: the factor applied is ``1 + weight``."""
+
+    eps: float
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        init = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("norm",))
+        weight = self.param("weight", init, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(self.dtype)
+
+
+class Attention(nn.Module):
+    """Gemma-3 self-attention: q/k norms, RoPE, GQA, ``query_pre_attn_scalar`` scaling."""
+
+    config: Gemma3TextConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def _proj(self, shape, axes, spec, bias_axes, name) -> HeadsEinsum:
+        """A projection into or out of the heads (bias if ``attention_bias``)."""
+        return HeadsEinsum(
+            shape,
+            axes,
+            spec,
+            _normal(),
+            bias_axes=bias_axes if self.config.attention_bias else None,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+        )
+
+    def _in(self, heads: int, name: str) -> HeadsEinsum:
+        """A q/k/v projection ``[B, L, E] -> [B, L, heads, head_dim]``."""
+        c = self.config
+        shape = (c.hidden_size, heads, c.head_dim)
+        return self._proj(shape, ("embed", "heads", "kv"), "bld,dhk->blhk", ("heads", "kv"), name)
+
+    @nn.compact
+    def __call__(self, x_bld, visible_bqk, cos_ld, sin_ld):
+        """Attention output ``[B, L, E]`` of the normed ``x_bld``; ``visible_bqk``: this layer
+        type's mask from :func:`visibility_masks`; ``cos_ld`` / ``sin_ld``: its RoPE."""
+        c = self.config
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        q_blhd = GemmaRMSNorm(c.rms_norm_eps, name="q_norm", **kw)(
+            self._in(c.num_attention_heads, "q_proj")(x_bld)
+        )
+        k_blgd = GemmaRMSNorm(c.rms_norm_eps, name="k_norm", **kw)(
+            self._in(c.num_key_value_heads, "k_proj")(x_bld)
+        )
+        v_blgd = self._in(c.num_key_value_heads, "v_proj")(x_bld)
+        q_blhd, k_blgd = apply_rope(q_blhd, cos_ld, sin_ld), apply_rope(k_blgd, cos_ld, sin_ld)
+        out_blhd = _grouped_attention(q_blhd, k_blgd, v_blgd, visible_bqk, c).astype(self.dtype)
+        h, d = out_blhd.shape[2:]
+        shape = (h, d, c.hidden_size)
+        return self._proj(shape, ("heads", "kv", "embed"), "blhk,hkd->bld", ("embed",), "o_proj")(
+            out_blhd
+        )
+
+
+def _grouped_attention(q_blhd, k_blgd, v_blgd, visible_bqk, config: Gemma3TextConfig):
+    """softmax(q k^T / sqrt(query_pre_attn_scalar)) v over the visible keys, in float32; q head
+    h reads kv head h // (H / G) (transformers' ``repeat_kv`` order). A row with no visible key
+    gives zeros, as torch's SDPA (not NaN from -inf everywhere)."""
+    b, length, h, d = q_blhd.shape
+    groups = k_blgd.shape[2]
+    q_blgrd = q_blhd.reshape(b, length, groups, h // groups, d)
+    scores = jnp.einsum("bqgrd,bkgd->bgrqk", q_blgrd, k_blgd, preferred_element_type=jnp.float32)
+    scores = scores * (float(config.query_pre_attn_scalar) ** -0.5)
+    visible = visible_bqk[:, None, None]
+    probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    probs = jnp.where(visible.any(axis=-1, keepdims=True), probs, 0.0).astype(v_blgd.dtype)
+    out = jnp.einsum("bgrqk,bkgd->bqgrd", probs, v_blgd, preferred_element_type=jnp.float32)
+    return out.reshape(b, length, h, d)
+
+
+class MLP(nn.Module):
+    """``down(gelu_tanh(gate x) * up x)``, no biases."""
+
+    config: Gemma3TextConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_bld: jax.Array) -> jax.Array:
+        """``[B, L, E] -> [B, L, E]``."""
+        c = self.config
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype, "use_bias": False}
+
+        def dense(features, axes, name):
+            """A bias-free torch-initialised Linear."""
+            init = nn.with_logical_partitioning(_normal(), axes)
+            return nn.Dense(features, kernel_init=init, name=name, **kw)
+
+        gate = dense(c.intermediate_size, ("embed", "mlp"), "gate_proj")(x_bld)
+        up = dense(c.intermediate_size, ("embed", "mlp"), "up_proj")(x_bld)
+        return dense(c.hidden_size, ("mlp", "embed"), "down_proj")(gelu_tanh(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """transformers ``Gemma3DecoderLayer``: sandwich norms around attention and the MLP."""
+
+    config: Gemma3TextConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_bld, visible_bqk, cos_ld, sin_ld):
+        """One layer on ``x_bld [B, L, E]`` with its layer type's mask and RoPE."""
+        c = self.config
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+
+        def norm(name):
+            return GemmaRMSNorm(c.rms_norm_eps, name=name, **kw)
+
+        h = Attention(c, name="self_attn", **kw)(
+            norm("input_layernorm")(x_bld), visible_bqk, cos_ld, sin_ld
+        )
+        x_bld = x_bld + norm("post_attention_layernorm")(h)
+        h = MLP(c, name="mlp", **kw)(norm("pre_feedforward_layernorm")(x_bld))
+        return x_bld + norm("post_feedforward_layernorm")(h)
+
+
+class Gemma3TextModel(nn.Module):
+    """transformers ``Gemma3TextModel``; ``__call__(ids, mask)`` -> all hidden states
+    ``[N + 1, B, L, E]`` numbered as transformers' (0: the scaled embedding, k: the output of
+    layer k, the last through the final ``norm``)."""
+
+    config: Gemma3TextConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        """Embedding, layers and the final norm, named as transformers' ``model.*``."""
+        c = self.config
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        self.embed_tokens = nn.Embed(
+            c.vocab_size,
+            c.hidden_size,
+            embedding_init=nn.with_logical_partitioning(_normal(), ("vocab", "embed")),
+            param_dtype=self.param_dtype,
+            dtype=self.dtype,
+        )
+        self.layers = [DecoderLayer(c, **kw) for _ in range(c.num_hidden_layers)]
+        self.norm = GemmaRMSNorm(c.rms_norm_eps, **kw)
+
+    def _rope_tables(self, length: int) -> dict[str, tuple[jax.Array, jax.Array]]:
+        """cos / sin per layer type: local ``rope_local_base_freq``, global ``rope_theta``
+        with the scaling factor."""
+        c = self.config
+        local = rope_cos_sin(length, c.head_dim, c.rope_local_base_freq)
+        full = rope_cos_sin(length, c.head_dim, c.rope_theta, c.rope_factor)
+        return {SLIDING: tuple(map(jnp.asarray, local)), FULL: tuple(map(jnp.asarray, full))}
+
+    def embed(self, ids_bl: jax.Array) -> jax.Array:
+        """Token embeddings times ``sqrt(hidden_size)``, the scale rounded to the embedding's
+        dtype first (transformers: ``embed_scale.to(weight.dtype)``)."""
+        scale = jnp.asarray(np.float32(self.config.hidden_size**0.5), self.param_dtype)
+        return (self.embed_tokens(ids_bl) * scale.astype(self.dtype)).astype(self.dtype)
+
+    def __call__(self, ids_bl: jax.Array, mask_bl: jax.Array) -> jax.Array:
+        """Hidden states ``[N + 1, B, L, E]`` of ``ids_bl`` / ``mask_bl [B, L]``."""
+        c = self.config
+        tables = self._rope_tables(ids_bl.shape[1])
+        masks = visibility_masks(mask_bl, c.sliding_window)
+        x_bld = self.embed(ids_bl)
+        states = [x_bld]
+        for layer, kind in zip(self.layers, c.layer_types, strict=True):
+            x_bld = layer(x_bld, masks[kind], *tables[kind])
+            states.append(x_bld)
+        states[-1] = self.norm(x_bld)  # transformers' last hidden state is normed
+        return jnp.stack(states)
+
+
+# --- running it ----------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_packed(module: Gemma3TextModel):
+    """jit(params, ids, mask) -> the hidden states packed ``[B, L, D * (N + 1)]``."""
+
+    def run(params, ids_bl, mask_bl):
+        states_kbld = module.apply({"params": params}, ids_bl, mask_bl)
+        return _pack(states_kbld)
+
+    return jax.jit(run)
+
+
+def _pack(states_kbld: jax.Array) -> jax.Array:
+    """The pipeline's ``torch.stack(states, dim=-1).flatten(2, 3)``: ``[K, B, L, D]`` ->
+    ``[B, L, D * K]``, channel ``d * K + k``."""
+    k, b, length, d = states_kbld.shape
+    return jnp.transpose(states_kbld, (1, 2, 3, 0)).reshape(b, length, d * k)
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_states(module: Gemma3TextModel):
+    """jit(params, ids, mask) -> the hidden states stacked ``[N + 1, B, L, D]``."""
+    return jax.jit(
+        lambda params, ids_bl, mask_bl: module.apply({"params": params}, ids_bl, mask_bl)
+    )
+
+
+def hidden_states(module: Gemma3TextModel, params, ids_bl, mask_bl) -> jax.Array:
+    """transformers' ``output_hidden_states`` stacked ``[N + 1, B, L, D]`` (jitted)."""
+    ids_bl, mask_bl = jnp.asarray(ids_bl, jnp.int32), jnp.asarray(mask_bl, jnp.int32)
+    return _jitted_states(module)(params, ids_bl, mask_bl)
+
+
+def packed_hidden_states(module: Gemma3TextModel, params, ids_bl, mask_bl) -> jax.Array:
+    """All hidden states packed as the pipeline does: ``[B, L, D * (N + 1)]``, channel
+    ``d * (N + 1) + k`` = hidden state k's channel d (jitted)."""
+    ids_bl, mask_bl = jnp.asarray(ids_bl, jnp.int32), jnp.asarray(mask_bl, jnp.int32)
+    return _jitted_packed(module)(params, ids_bl, mask_bl)
+
+
+def tokenize_prompts(tokenizer, prompts, max_sequence_length: int = LTX2_MAX_SEQUENCE_LENGTH):
+    """ids and attention mask int32 ``[B, max_sequence_length]`` as ``_get_gemma_prompt_embeds``
+    makes them: the tokenizer's padding side set to ``"left"`` and, without a pad token, its
+    EOS made the pad token (both on the tokenizer, as the pipeline does); prompts stripped,
+    special tokens added, padded to ``max_sequence_length`` and truncated."""
+    from jaxcore.text import call_tokenizer
+
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    tokenizer.padding_side = "left"  # Gemma's chat-style prompts are left-padded
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    encoded = call_tokenizer(
+        tokenizer,
+        [p.strip() for p in prompts],
+        padding="max_length",
+        max_length=max_sequence_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_tensors="np",
+    )
+    return (
+        np.asarray(encoded["input_ids"], np.int32),
+        np.asarray(encoded["attention_mask"], np.int32),
+    )
+
+
+def prompt_embeds(
+    tokenizer,
+    module: Gemma3TextModel,
+    params,
+    prompts,
+    num_videos_per_prompt: int = 1,
+    max_sequence_length: int = LTX2_MAX_SEQUENCE_LENGTH,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``LTX2Pipeline._get_gemma_prompt_embeds``: (packed hidden states float32
+    ``[B * n, L, D * (N + 1)]`` in the module's precision, attention mask int32 ``[B * n, L]``)
+    on the host, n = ``num_videos_per_prompt``.
+
+    The repeats are the pipeline's, which differ: the embeddings repeat each prompt n times in
+    a row (p0, p0, p1, p1), the mask repeats the whole batch n times (p0, p1, p0, p1). With
+    several prompts and n > 1 the rows' masks then belong to other prompts; kept, since the
+    point is to equal the pipeline."""
+    ids_bl, mask_bl = tokenize_prompts(tokenizer, prompts, max_sequence_length)
+    packed = packed_hidden_states(module, params, ids_bl, mask_bl)
+    packed = np.asarray(packed.astype(jnp.float32))
+    n = int(num_videos_per_prompt)
+    return np.repeat(packed, n, axis=0), np.tile(mask_bl, (n, 1))
+
+
+# --- weights -------------------------------------------------------------------------------------
+
+# Where the text model's tensors live in each saved transformers class, tried in order.
+TEXT_PREFIXES = ("language_model.model.", "model.language_model.", "model.", "")
+# Gemma3ForConditionalGeneration's other parts; never part of the encoder.
+UNUSED_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "lm_head.",
+    "language_model.lm_head.",
+)
+
+
+def _heads_in(heads: int, head_dim: int):
+    """torch Linear [H*D, E] -> kernel [E, H, D] (invertible for export)."""
+    return weights.Invertible(
+        lambda w: w.T.reshape(w.shape[1], heads, head_dim),
+        lambda k: k.reshape(k.shape[0], -1).T,
+    )
+
+
+def _heads_out(heads: int, head_dim: int):
+    """torch Linear [E, H*D] -> kernel [H, D, E]."""
+    return weights.Invertible(
+        lambda w: w.T.reshape(heads, head_dim, w.shape[0]),
+        lambda k: k.reshape(-1, k.shape[-1]).T,
+    )
+
+
+def _bias_heads(heads: int, head_dim: int):
+    """torch bias [H*D] -> [H, D]."""
+    return weights.Invertible(lambda b: b.reshape(heads, head_dim), lambda b: b.reshape(-1))
+
+
+def _attention_map(config: Gemma3TextConfig, src: str, dst: tuple) -> dict:
+    """Weight map entries of one layer's ``self_attn``."""
+    c, ident = config, weights.identity
+    heads = {
+        "q_proj": c.num_attention_heads,
+        "k_proj": c.num_key_value_heads,
+        "v_proj": c.num_key_value_heads,
+    }
+    mapping = {}
+    for name, n in heads.items():
+        mapping[(*dst, name, "kernel")] = (f"{src}.{name}.weight", _heads_in(n, c.head_dim))
+        if c.attention_bias:
+            mapping[(*dst, name, "bias")] = (f"{src}.{name}.bias", _bias_heads(n, c.head_dim))
+    out = _heads_out(c.num_attention_heads, c.head_dim)
+    mapping[(*dst, "o_proj", "kernel")] = (f"{src}.o_proj.weight", out)
+    if c.attention_bias:
+        mapping[(*dst, "o_proj", "bias")] = (f"{src}.o_proj.bias", ident)
+    for name in ("q_norm", "k_norm"):
+        mapping[(*dst, name, "weight")] = (f"{src}.{name}.weight", ident)
+    return mapping
+
+
+LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
+
+def weight_map(config: Gemma3TextConfig, prefix: str = "language_model.model.") -> dict:
+    """Flax param path -> (transformers key under ``prefix``, transform); the default prefix
+    is where ``Gemma3ForConditionalGeneration.save_pretrained`` writes the text model."""
+    ident = weights.identity
+    mapping = {
+        ("embed_tokens", "embedding"): (f"{prefix}embed_tokens.weight", ident),
+        ("norm", "weight"): (f"{prefix}norm.weight", ident),
+    }
+    for i in range(config.num_hidden_layers):
+        src, dst = f"{prefix}layers.{i}", f"layers_{i}"
+        mapping.update(_attention_map(config, f"{src}.self_attn", (dst, "self_attn")))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            mapping[(dst, "mlp", name, "kernel")] = (f"{src}.mlp.{name}.weight", weights.linear)
+        for name in LAYER_NORMS:
+            mapping[(dst, name, "weight")] = (f"{src}.{name}.weight", ident)
+    return mapping
+
+
+def _text_prefix(reader: weights.SafetensorsReader) -> str:
+    """The prefix of the text model's tensors in this checkpoint; an error naming the tried
+    keys if none holds the embedding."""
+    for prefix in TEXT_PREFIXES:
+        if f"{prefix}embed_tokens.weight" in reader:
+            return prefix
+    tried = [f"{p}embed_tokens.weight" for p in TEXT_PREFIXES]
+    raise weights.WeightsError(f"{reader.directory}: no Gemma-3 text embedding (tried {tried})")
+
+
+def _abstract_params(module: Gemma3TextModel):
+    """The ``params`` collection as boxed ShapeDtypeStructs (nothing allocated)."""
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return weights.shapes_of_init(module.init, ids, ids)["params"]
+
+
+def count_params(config: Gemma3TextConfig) -> int:
+    """Parameters of the text model (``Gemma3TextModel``; the LM head is tied to the
+    embedding in every Gemma-3)."""
+    return weights.count_elements(_abstract_params(Gemma3TextModel(config)))
+
+
+def init_gemma3(config: Gemma3TextConfig, rng, *, dtype=jnp.float32, param_dtype=None):
+    """Random-init ``(module, params)`` (unboxed, on the default device)."""
+    module = Gemma3TextModel(config, dtype=dtype, param_dtype=param_dtype or dtype)
+    ids = jnp.zeros((1, 1), jnp.int32)
+    return module, nn.meta.unbox(jax.jit(module.init)(rng, ids, ids)["params"])
+
+
+def load_gemma3(
+    directory: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    param_dtype=None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules=None,
+) -> tuple[Gemma3TextModel, dict]:
+    """A saved Gemma-3 (``Gemma3ForConditionalGeneration``, ``Gemma3ForCausalLM`` or
+    ``Gemma3TextModel``) directory -> ``(module, text model params)``; the vision tower, the
+    projector and the LM head are not read."""
+    config = Gemma3TextConfig.from_dict(weights.read_config(directory))
+    module = Gemma3TextModel(config, dtype=dtype, param_dtype=param_dtype or dtype)
+    reader = weights.SafetensorsReader(directory)
+    params = weights.load_placed(
+        reader,
+        weight_map(config, _text_prefix(reader)),
+        _abstract_params(module),
+        mesh=mesh,
+        rules=rules,
+        dtype=param_dtype or dtype,
+        ignore_unused=UNUSED_PREFIXES,
+    )
+    return module, params
