@@ -63,6 +63,7 @@ import numpy as np
 from flax import linen as nn
 
 from jaxcore import weights
+from jaxcore.models import layers
 from jaxcore.models.layers import HeadsEinsum, gelu_tanh
 from jaxcore.models.qwen3 import apply_rope
 
@@ -263,11 +264,7 @@ def rope_cos_sin(length: int, head_dim: int, theta: float, factor: float = 1.0):
     """cos, sin ``[L, head_dim]`` float32 for positions 0..L-1, as transformers' Gemma3 RoPE:
     ``inv_freq = theta ** (-2i / d) / factor`` (factor 1: the default RoPE, else ``linear``),
     the frequencies repeated twice for rotate-half."""
-    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    # The power correctly rounded to float32 (float64, then rounded): torch's float32 pow is
-    # within an ulp of that, numpy's float32 pow is not (at head_dim 256: 1 of 128 frequencies
-    # off torch's by an ulp this way, 19-26 with numpy's; an ulp is ~1e-4 rad at 1024 tokens).
-    powers = np.power(np.float64(theta), exponents.astype(np.float64)).astype(np.float32)
+    powers = layers.rope_theta_powers(head_dim, theta)
     inv_freq = (np.float32(1.0) / powers).astype(np.float32)
     inv_freq = (inv_freq / np.float32(factor)).astype(np.float32)
     freqs = np.arange(length, dtype=np.float32)[:, None] * inv_freq[None]

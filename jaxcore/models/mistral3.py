@@ -53,6 +53,7 @@ import numpy as np
 from flax import linen as nn
 
 from jaxcore import weights
+from jaxcore.models import layers
 from jaxcore.models.layers import HeadsEinsum, silu
 from jaxcore.models.t5 import RMSNorm
 
@@ -251,12 +252,6 @@ class MistralTextConfig:
 # --- layers --------------------------------------------------------------------------------------
 
 
-def _theta_powers(head_dim: int, theta: float) -> np.ndarray:
-    """``theta ** (2i / d)`` for i < d / 2, float32 as torch computes it."""
-    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    return (np.float32(theta) ** exponents).astype(np.float32)
-
-
 def _yarn_correction_range(rope: Mapping, head_dim: int, theta: float) -> tuple[float, float]:
     """The dimensions between which YaRN ramps from extrapolation to interpolation
     (``find_correction_range``: where a dimension turns ``beta_fast`` / ``beta_slow`` times
@@ -290,7 +285,7 @@ def _yarn_attention_factor(rope: Mapping, factor: float) -> float:
 def rope_frequencies(config: MistralTextConfig) -> tuple[np.ndarray, float]:
     """``(inv_freq [head_dim / 2] float32, attention_factor)`` as transformers' RoPE init for
     the config's ``rope_type`` (default: ``theta ** (-2i / d)`` and 1)."""
-    powers = _theta_powers(config.head_dim, config.rope_theta)
+    powers = layers.rope_theta_powers(config.head_dim, config.rope_theta)
     if config.rope_scaling is None:
         return (np.float32(1.0) / powers).astype(np.float32), 1.0
     rope = dict(config.rope_scaling)

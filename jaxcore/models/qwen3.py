@@ -42,6 +42,7 @@ import numpy as np
 from flax import linen as nn
 
 from jaxcore import weights
+from jaxcore.models import layers
 from jaxcore.models.layers import HeadsEinsum, silu
 from jaxcore.models.t5 import RMSNorm
 
@@ -178,7 +179,7 @@ class Qwen3Config:
 def rope_cos_sin(length: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin ``[L, head_dim]`` float32 for positions 0..L-1: transformers' default RoPE
     (inv_freq = theta ** (-2i / d), the frequencies repeated twice for rotate-half)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    inv_freq = np.float32(1.0) / layers.rope_theta_powers(head_dim, theta)
     # float32 as torch computes it: positions (float) x inv_freq, then cos / sin.
     freqs = np.arange(length, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None]
     emb = np.concatenate([freqs, freqs], axis=-1)
