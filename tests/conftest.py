@@ -57,6 +57,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in SLOW_NODE_IDS:
             item.add_marker(pytest.mark.slow)
+    if config.args_source == pytest.Config.ArgsSource.TESTPATHS:  # the whole suite collected
+        stale = SLOW_NODE_IDS - {item.nodeid for item in items}
+        if stale:  # a renamed test would otherwise fall back into the default tier unnoticed
+            raise pytest.UsageError(
+                "tests/slow_tier.py lists tests that do not exist: " + ", ".join(sorted(stale))
+            )
 
 
 def pytest_sessionstart(session):
