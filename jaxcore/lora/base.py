@@ -120,7 +120,8 @@ def paired_layer(parts: Mapping[str, tuple[str, np.ndarray]], where: str) -> Lor
     down / up pair (an alpha alone). A down without its up, or the other way, is a LoraError."""
     if ("down" in parts) != ("up" in parts):
         have, lack = ("down", "up") if "down" in parts else ("up", "down")
-        raise LoraError(f"{where}: {parts[have][0]} has no matching lora_{lack} / lora_{lack[0]}")
+        peft_name = {"up": "lora_B", "down": "lora_A"}[lack]
+        raise LoraError(f"{where}: {parts[have][0]} has no matching lora_{lack} / {peft_name}")
     if "down" not in parts:
         return None
     (down_key, down), (up_key, up) = parts["down"], parts["up"]
