@@ -44,6 +44,12 @@ Weights: a saved ``Gemma3ForConditionalGeneration`` (text config nested under
 ``model.language_model.`` as it names them in memory), a ``Gemma3ForCausalLM`` (``model.``) or a
 ``Gemma3TextModel`` (no prefix). The vision tower, the projector and the LM head are not read.
 
+Shared with Qwen3 / Mistral (:mod:`jaxcore.models.decoder_lm`) where the computation is the
+same: RoPE tables and rotation, masks, grouped attention, the q/k/v/o projections, the gated MLP
+(here with ``gelu_tanh``), the embedding, the attention / MLP weight layouts, loading. Gemma's
+own: its ``(1 + w)`` RMSNorm, the sandwich-norm layer, the scaled embedding and the local /
+global layer dispatch (the shared decoder layer and stack are not bent to fit them).
+
 Public API: :class:`Gemma3TextConfig`, :class:`Gemma3TextModel`, :func:`hidden_states`,
 :func:`packed_hidden_states`, :func:`tokenize_prompts`, :func:`prompt_embeds`,
 :func:`weight_map`, :func:`load_gemma3`, :func:`init_gemma3`, :func:`count_params`.
@@ -63,9 +69,9 @@ import numpy as np
 from flax import linen as nn
 
 from jaxcore import weights
-from jaxcore.models import layers
-from jaxcore.models.layers import HeadsEinsum, gelu_tanh
-from jaxcore.models.qwen3 import apply_rope
+from jaxcore.models import decoder_lm
+from jaxcore.models.decoder_lm import GatedMLP, apply_rope, grouped_attention
+from jaxcore.models.layers import gelu_tanh
 
 __all__ = [
     "Gemma3ConfigError",
@@ -264,29 +270,17 @@ def rope_cos_sin(length: int, head_dim: int, theta: float, factor: float = 1.0):
     """cos, sin ``[L, head_dim]`` float32 for positions 0..L-1, as transformers' Gemma3 RoPE:
     ``inv_freq = theta ** (-2i / d) / factor`` (factor 1: the default RoPE, else ``linear``),
     the frequencies repeated twice for rotate-half."""
-    powers = layers.rope_theta_powers(head_dim, theta)
-    inv_freq = (np.float32(1.0) / powers).astype(np.float32)
-    inv_freq = (inv_freq / np.float32(factor)).astype(np.float32)
-    freqs = np.arange(length, dtype=np.float32)[:, None] * inv_freq[None]
-    emb = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+    inv_freq = decoder_lm.default_inv_freq(head_dim, theta)
+    return decoder_lm.rope_cos_sin(length, (inv_freq / np.float32(factor)).astype(np.float32))
 
 
 def visibility_masks(mask_bl: jax.Array, sliding_window: int) -> dict[str, jax.Array]:
-    """``[B, Lq, Lk]`` bool per layer type: key k visible to query q when k <= q and key k is a
-    real token; for local layers also ``k > q - sliding_window`` (transformers'
-    ``sliding_window_overlay``)."""
-    length = mask_bl.shape[1]
-    q = jnp.arange(length)[:, None]
-    k = jnp.arange(length)[None, :]
-    real_bk = mask_bl[:, None, :] > 0
-    causal = (k <= q)[None] & real_bk
-    return {FULL: causal, SLIDING: causal & (k > q - sliding_window)[None]}
-
-
-def _normal(stddev: float = 0.02):
-    """transformers' init: normal(0, initializer_range)."""
-    return nn.initializers.normal(stddev=stddev)
+    """``[B, Lq, Lk]`` bool per layer type (:func:`jaxcore.models.decoder_lm.visibility_mask`):
+    causal and padding; for local layers also ``k > q - sliding_window``."""
+    return {
+        FULL: decoder_lm.visibility_mask(mask_bl),
+        SLIDING: decoder_lm.visibility_mask(mask_bl, sliding_window),
+    }
 
 
 class GemmaRMSNorm(nn.Module):
@@ -308,30 +302,12 @@ class GemmaRMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Gemma-3 self-attention: q/k norms, RoPE, GQA, ``query_pre_attn_scalar`` scaling."""
+    """Gemma-3 self-attention: (1 + w) q/k norms, RoPE, GQA, ``query_pre_attn_scalar``
+    scaling; the projections and the attention itself are the shared decoder's."""
 
     config: Gemma3TextConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-
-    def _proj(self, shape, axes, spec, bias_axes, name) -> HeadsEinsum:
-        """A projection into or out of the heads (bias if ``attention_bias``)."""
-        return HeadsEinsum(
-            shape,
-            axes,
-            spec,
-            _normal(),
-            bias_axes=bias_axes if self.config.attention_bias else None,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name=name,
-        )
-
-    def _in(self, heads: int, name: str) -> HeadsEinsum:
-        """A q/k/v projection ``[B, L, E] -> [B, L, heads, head_dim]``."""
-        c = self.config
-        shape = (c.hidden_size, heads, c.head_dim)
-        return self._proj(shape, ("embed", "heads", "kv"), "bld,dhk->blhk", ("heads", "kv"), name)
 
     @nn.compact
     def __call__(self, x_bld, visible_bqk, cos_ld, sin_ld):
@@ -339,59 +315,27 @@ class Attention(nn.Module):
         type's mask from :func:`visibility_masks`; ``cos_ld`` / ``sin_ld``: its RoPE."""
         c = self.config
         kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+
+        def project(heads, name):
+            return decoder_lm.project_in(
+                c.hidden_size, heads, c.head_dim, bias=c.attention_bias, name=name, **kw
+            )
+
         q_blhd = GemmaRMSNorm(c.rms_norm_eps, name="q_norm", **kw)(
-            self._in(c.num_attention_heads, "q_proj")(x_bld)
+            project(c.num_attention_heads, "q_proj")(x_bld)
         )
         k_blgd = GemmaRMSNorm(c.rms_norm_eps, name="k_norm", **kw)(
-            self._in(c.num_key_value_heads, "k_proj")(x_bld)
+            project(c.num_key_value_heads, "k_proj")(x_bld)
         )
-        v_blgd = self._in(c.num_key_value_heads, "v_proj")(x_bld)
+        v_blgd = project(c.num_key_value_heads, "v_proj")(x_bld)
         q_blhd, k_blgd = apply_rope(q_blhd, cos_ld, sin_ld), apply_rope(k_blgd, cos_ld, sin_ld)
-        out_blhd = _grouped_attention(q_blhd, k_blgd, v_blgd, visible_bqk, c).astype(self.dtype)
-        h, d = out_blhd.shape[2:]
-        shape = (h, d, c.hidden_size)
-        return self._proj(shape, ("heads", "kv", "embed"), "blhk,hkd->bld", ("embed",), "o_proj")(
-            out_blhd
+        scale = float(c.query_pre_attn_scalar) ** -0.5  # Gemma's, not head_dim's
+        out_blhd = grouped_attention(q_blhd, k_blgd, v_blgd, visible_bqk, scale)
+        heads, bias = c.num_attention_heads, c.attention_bias
+        out_proj = decoder_lm.project_out(
+            heads, c.head_dim, c.hidden_size, bias=bias, name="o_proj", **kw
         )
-
-
-def _grouped_attention(q_blhd, k_blgd, v_blgd, visible_bqk, config: Gemma3TextConfig):
-    """softmax(q k^T / sqrt(query_pre_attn_scalar)) v over the visible keys, in float32; q head
-    h reads kv head h // (H / G) (transformers' ``repeat_kv`` order). A row with no visible key
-    gives zeros, as torch's SDPA (not NaN from -inf everywhere)."""
-    b, length, h, d = q_blhd.shape
-    groups = k_blgd.shape[2]
-    q_blgrd = q_blhd.reshape(b, length, groups, h // groups, d)
-    scores = jnp.einsum("bqgrd,bkgd->bgrqk", q_blgrd, k_blgd, preferred_element_type=jnp.float32)
-    scores = scores * (float(config.query_pre_attn_scalar) ** -0.5)
-    visible = visible_bqk[:, None, None]
-    probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
-    probs = jnp.where(visible.any(axis=-1, keepdims=True), probs, 0.0).astype(v_blgd.dtype)
-    out = jnp.einsum("bgrqk,bkgd->bqgrd", probs, v_blgd, preferred_element_type=jnp.float32)
-    return out.reshape(b, length, h, d)
-
-
-class MLP(nn.Module):
-    """``down(gelu_tanh(gate x) * up x)``, no biases."""
-
-    config: Gemma3TextConfig
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x_bld: jax.Array) -> jax.Array:
-        """``[B, L, E] -> [B, L, E]``."""
-        c = self.config
-        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype, "use_bias": False}
-
-        def dense(features, axes, name):
-            """A bias-free torch-initialised Linear."""
-            init = nn.with_logical_partitioning(_normal(), axes)
-            return nn.Dense(features, kernel_init=init, name=name, **kw)
-
-        gate = dense(c.intermediate_size, ("embed", "mlp"), "gate_proj")(x_bld)
-        up = dense(c.intermediate_size, ("embed", "mlp"), "up_proj")(x_bld)
-        return dense(c.hidden_size, ("mlp", "embed"), "down_proj")(gelu_tanh(gate) * up)
+        return out_proj(out_blhd.astype(self.dtype))
 
 
 class DecoderLayer(nn.Module):
@@ -414,7 +358,8 @@ class DecoderLayer(nn.Module):
             norm("input_layernorm")(x_bld), visible_bqk, cos_ld, sin_ld
         )
         x_bld = x_bld + norm("post_attention_layernorm")(h)
-        h = MLP(c, name="mlp", **kw)(norm("pre_feedforward_layernorm")(x_bld))
+        mlp = GatedMLP(c.hidden_size, c.intermediate_size, gelu_tanh, name="mlp", **kw)
+        h = mlp(norm("pre_feedforward_layernorm")(x_bld))
         return x_bld + norm("post_feedforward_layernorm")(h)
 
 
@@ -431,13 +376,7 @@ class Gemma3TextModel(nn.Module):
         """Embedding, layers and the final norm, named as transformers' ``model.*``."""
         c = self.config
         kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        self.embed_tokens = nn.Embed(
-            c.vocab_size,
-            c.hidden_size,
-            embedding_init=nn.with_logical_partitioning(_normal(), ("vocab", "embed")),
-            param_dtype=self.param_dtype,
-            dtype=self.dtype,
-        )
+        self.embed_tokens = decoder_lm.token_embedding(c.vocab_size, c.hidden_size, **kw)
         self.layers = [DecoderLayer(c, **kw) for _ in range(c.num_hidden_layers)]
         self.norm = GemmaRMSNorm(c.rms_norm_eps, **kw)
 
@@ -575,49 +514,6 @@ UNUSED_PREFIXES = (
 )
 
 
-def _heads_in(heads: int, head_dim: int):
-    """torch Linear [H*D, E] -> kernel [E, H, D] (invertible for export)."""
-    return weights.Invertible(
-        lambda w: w.T.reshape(w.shape[1], heads, head_dim),
-        lambda k: k.reshape(k.shape[0], -1).T,
-    )
-
-
-def _heads_out(heads: int, head_dim: int):
-    """torch Linear [E, H*D] -> kernel [H, D, E]."""
-    return weights.Invertible(
-        lambda w: w.T.reshape(heads, head_dim, w.shape[0]),
-        lambda k: k.reshape(-1, k.shape[-1]).T,
-    )
-
-
-def _bias_heads(heads: int, head_dim: int):
-    """torch bias [H*D] -> [H, D]."""
-    return weights.Invertible(lambda b: b.reshape(heads, head_dim), lambda b: b.reshape(-1))
-
-
-def _attention_map(config: Gemma3TextConfig, src: str, dst: tuple) -> dict:
-    """Weight map entries of one layer's ``self_attn``."""
-    c, ident = config, weights.identity
-    heads = {
-        "q_proj": c.num_attention_heads,
-        "k_proj": c.num_key_value_heads,
-        "v_proj": c.num_key_value_heads,
-    }
-    mapping = {}
-    for name, n in heads.items():
-        mapping[(*dst, name, "kernel")] = (f"{src}.{name}.weight", _heads_in(n, c.head_dim))
-        if c.attention_bias:
-            mapping[(*dst, name, "bias")] = (f"{src}.{name}.bias", _bias_heads(n, c.head_dim))
-    out = _heads_out(c.num_attention_heads, c.head_dim)
-    mapping[(*dst, "o_proj", "kernel")] = (f"{src}.o_proj.weight", out)
-    if c.attention_bias:
-        mapping[(*dst, "o_proj", "bias")] = (f"{src}.o_proj.bias", ident)
-    for name in ("q_norm", "k_norm"):
-        mapping[(*dst, name, "weight")] = (f"{src}.{name}.weight", ident)
-    return mapping
-
-
 LAYER_NORMS = (
     "input_layernorm",
     "post_attention_layernorm",
@@ -636,41 +532,31 @@ def weight_map(config: Gemma3TextConfig, prefix: str = "language_model.model.") 
     }
     for i in range(config.num_hidden_layers):
         src, dst = f"{prefix}layers.{i}", f"layers_{i}"
-        mapping.update(_attention_map(config, f"{src}.self_attn", (dst, "self_attn")))
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            mapping[(dst, "mlp", name, "kernel")] = (f"{src}.mlp.{name}.weight", weights.linear)
+        mapping |= decoder_lm.attention_weight_map(
+            f"{src}.self_attn",
+            (dst, "self_attn"),
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            bias=config.attention_bias,
+            qk_norm_param="weight",  # GemmaRMSNorm's parameter
+        )
+        mapping |= decoder_lm.mlp_weight_map(f"{src}.mlp", (dst, "mlp"))
         for name in LAYER_NORMS:
             mapping[(dst, name, "weight")] = (f"{src}.{name}.weight", ident)
     return mapping
 
 
-def _text_prefix(reader: weights.SafetensorsReader) -> str:
-    """The prefix of the text model's tensors in this checkpoint; an error naming the tried
-    keys if none holds the embedding."""
-    for prefix in TEXT_PREFIXES:
-        if f"{prefix}embed_tokens.weight" in reader:
-            return prefix
-    tried = [f"{p}embed_tokens.weight" for p in TEXT_PREFIXES]
-    raise weights.WeightsError(f"{reader.directory}: no Gemma-3 text embedding (tried {tried})")
-
-
-def _abstract_params(module: Gemma3TextModel):
-    """The ``params`` collection as boxed ShapeDtypeStructs (nothing allocated)."""
-    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    return weights.shapes_of_init(module.init, ids, ids)["params"]
-
-
 def count_params(config: Gemma3TextConfig) -> int:
     """Parameters of the text model (``Gemma3TextModel``; the LM head is tied to the
     embedding in every Gemma-3)."""
-    return weights.count_elements(_abstract_params(Gemma3TextModel(config)))
+    return decoder_lm.count_params(Gemma3TextModel(config))
 
 
 def init_gemma3(config: Gemma3TextConfig, rng, *, dtype=jnp.float32, param_dtype=None):
     """Random-init ``(module, params)`` (unboxed, on the default device)."""
     module = Gemma3TextModel(config, dtype=dtype, param_dtype=param_dtype or dtype)
-    ids = jnp.zeros((1, 1), jnp.int32)
-    return module, nn.meta.unbox(jax.jit(module.init)(rng, ids, ids)["params"])
+    return module, decoder_lm.init_params(module, rng)
 
 
 def load_gemma3(
@@ -687,13 +573,9 @@ def load_gemma3(
     config = Gemma3TextConfig.from_dict(weights.read_config(directory))
     module = Gemma3TextModel(config, dtype=dtype, param_dtype=param_dtype or dtype)
     reader = weights.SafetensorsReader(directory)
-    params = weights.load_placed(
-        reader,
-        weight_map(config, _text_prefix(reader)),
-        _abstract_params(module),
-        mesh=mesh,
-        rules=rules,
-        dtype=param_dtype or dtype,
-        ignore_unused=UNUSED_PREFIXES,
+    prefix = decoder_lm.find_prefix(reader, TEXT_PREFIXES, "Gemma-3 text model")
+    mapping = weight_map(config, prefix)
+    params = decoder_lm.load_params(
+        module, reader, mapping, mesh=mesh, rules=rules, ignore_unused=UNUSED_PREFIXES
     )
     return module, params

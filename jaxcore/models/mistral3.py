@@ -7,28 +7,24 @@ References: ``transformers/models/mistral/modeling_mistral.py``,
 ``diffusers/pipelines/flux2/pipeline_flux2.py`` (``format_input`` and
 ``_get_mistral_3_small_prompt_embeds``; the system message from ``system_messages.py``).
 
-The network: token embedding, then per layer (pre-norm) ``x + attn(rms(x))`` and
-``x + mlp(rms(x))``. Attention: bias-free q/k/v/o projections, rotate-half RoPE with
-``rope_theta`` at positions ``0..L-1`` (transformers' default ``position_ids``, whatever the
-padding), grouped-query attention (``num_key_value_heads`` shared by the q heads in order),
-scale ``head_dim ** -0.5``, the causal mask (a band of ``sliding_window`` keys when the config
-sets one, as ``create_sliding_window_causal_mask``) AND the padding mask on keys. SwiGLU MLP
-``down(silu(gate x) * up x)``. RMSNorm statistics in float32, weight applied in the activation
-dtype, as ``MistralRMSNorm``. Unlike Qwen3 there are no q/k norms and ``head_dim`` may be
-absent (``hidden_size // num_attention_heads``).
+The network is the shared Llama-style decoder (:mod:`jaxcore.models.decoder_lm`, which
+describes it) with Mistral's switches: bias-free projections, no q/k norms, the causal mask a
+band of ``sliding_window`` keys when the config sets one (as
+``create_sliding_window_causal_mask``), and ``head_dim`` possibly absent
+(``hidden_size // num_attention_heads``). This file holds what is Mistral's: its config
+(transformers' names), its RoPE frequencies, the system-message chat prompt embedding and the
+checkpoint layouts (key prefixes).
 
 ``hidden_states`` are numbered as transformers' ``output_hidden_states``: index 0 is the
 embedding, index k < N the output of layer k (1-based), and index N (the last layer) has the
-final ``norm`` applied (= ``last_hidden_state``). A query with no visible key (a left pad
-before any real token) gets a zero attention output, as torch's SDPA gives for a fully masked
-row.
+final ``norm`` applied (= ``last_hidden_state``).
 
 RoPE: ``rope_type`` "default" (Mistral-Small-3.x, FLUX.2 [dev]'s encoder: ``rope_theta`` 1e9,
 no scaling) and "yarn" (the scaling Mistral-3 text configs such as Ministral-3's carry:
 transformers' ``_compute_yarn_parameters``, YaRN, Peng et al. 2023, arXiv:2309.00071, its
 frequencies blended between interpolation and extrapolation and cos/sin scaled by the
-attention factor); any other RoPE type or parameter is refused by its key. The vision tower, the projector and the LM head are never loaded (their weights
-are ignored by name).
+attention factor); any other RoPE type or parameter is refused by its key. The vision tower,
+the projector and the LM head are never loaded (their weights are ignored by name).
 
 Public API: :class:`MistralTextConfig`, :class:`MistralTextModel`, :func:`hidden_states`,
 :func:`stacked_hidden_states`, :func:`format_messages`, :func:`tokenize_prompts`,
@@ -39,7 +35,6 @@ Public API: :class:`MistralTextConfig`, :class:`MistralTextModel`, :func:`hidden
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -50,12 +45,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import linen as nn
 
 from jaxcore import weights
-from jaxcore.models import layers
-from jaxcore.models.layers import HeadsEinsum, silu
-from jaxcore.models.t5 import RMSNorm
+from jaxcore.models import decoder_lm, layers
+from jaxcore.models.decoder_lm import hidden_states
 
 __all__ = [
     "FLUX2_DEV_LAYERS",
@@ -248,8 +241,19 @@ class MistralTextConfig:
         d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
         return d
 
+    def decoder_options(self) -> decoder_lm.DecoderOptions:
+        """The shared decoder's view: no biases or q/k norms, the config's sliding window and
+        RoPE (:func:`rope_frequencies`)."""
+        inv_freq, attention_factor = rope_frequencies(self)
+        return decoder_lm.DecoderOptions.of(
+            self,
+            inv_freq,
+            rope_attention_factor=attention_factor,
+            sliding_window=self.sliding_window,
+        )
 
-# --- layers --------------------------------------------------------------------------------------
+
+# --- RoPE ----------------------------------------------------------------------------------------
 
 
 def _yarn_correction_range(rope: Mapping, head_dim: int, theta: float) -> tuple[float, float]:
@@ -285,9 +289,9 @@ def _yarn_attention_factor(rope: Mapping, factor: float) -> float:
 def rope_frequencies(config: MistralTextConfig) -> tuple[np.ndarray, float]:
     """``(inv_freq [head_dim / 2] float32, attention_factor)`` as transformers' RoPE init for
     the config's ``rope_type`` (default: ``theta ** (-2i / d)`` and 1)."""
-    powers = layers.rope_theta_powers(config.head_dim, config.rope_theta)
     if config.rope_scaling is None:
-        return (np.float32(1.0) / powers).astype(np.float32), 1.0
+        return decoder_lm.default_inv_freq(config.head_dim, config.rope_theta), 1.0
+    powers = layers.rope_theta_powers(config.head_dim, config.rope_theta)
     rope = dict(config.rope_scaling)
     factor = rope["factor"]
     if factor is None:  # transformers: the ratio of the context lengths
@@ -304,212 +308,18 @@ def rope_frequencies(config: MistralTextConfig) -> tuple[np.ndarray, float]:
     return inv_freq.astype(np.float32), _yarn_attention_factor(rope, factor)
 
 
-def rope_cos_sin(length: int, config: MistralTextConfig) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin ``[L, head_dim]`` float32 for positions 0..L-1 (the frequencies repeated twice
-    for rotate-half), scaled by the attention factor, as transformers' rotary embedding."""
-    inv_freq, attention_factor = rope_frequencies(config)
-    # float32 as torch computes it: positions (float) x inv_freq, then cos / sin.
-    freqs = np.arange(length, dtype=np.float32)[:, None] * inv_freq[None]
-    angles = np.concatenate([freqs, freqs], axis=-1)
-    scale = np.float32(attention_factor)
-    return (np.cos(angles) * scale).astype(np.float32), (np.sin(angles) * scale).astype(np.float32)
+# --- the model ----------------------------------------------------------------------------------
 
 
-def apply_rope(x_blhd: jax.Array, cos_ld: jax.Array, sin_ld: jax.Array) -> jax.Array:
-    """``x * cos + rotate_half(x) * sin`` with rotate_half(x) = [-x2, x1] (halves of D)."""
-    half = x_blhd.shape[-1] // 2
-    rotated = jnp.concatenate([-x_blhd[..., half:], x_blhd[..., :half]], axis=-1)
-    cos, sin = cos_ld[None, :, None, :], sin_ld[None, :, None, :]
-    return x_blhd * cos.astype(x_blhd.dtype) + rotated * sin.astype(x_blhd.dtype)
-
-
-def visibility_mask(mask_bl: jax.Array, sliding_window: int | None) -> jax.Array:
-    """``[B, Lq, Lk]`` bool: key k visible to query q when k <= q, key k is a real token and,
-    with a ``sliding_window`` W, k > q - W (transformers' ``sliding_window_overlay``)."""
-    length = mask_bl.shape[1]
-    q_idx = jnp.arange(length)[:, None]
-    k_idx = jnp.arange(length)[None, :]
-    visible_qk = k_idx <= q_idx
-    if sliding_window is not None:
-        visible_qk &= k_idx > q_idx - sliding_window
-    return visible_qk[None] & (mask_bl[:, None, :] > 0)
-
-
-def _normal(stddev: float = 0.02):
-    """transformers' init: normal(0, initializer_range)."""
-    return nn.initializers.normal(stddev=stddev)
-
-
-class Attention(nn.Module):
-    """Mistral self-attention: RoPE, GQA, causal (or sliding-window) + padding mask."""
-
-    config: MistralTextConfig
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
-    def _proj_in(self, heads: int, name: str) -> HeadsEinsum:
-        """A bias-free q/k/v projection ``[B, L, E] -> [B, L, heads, head_dim]``."""
-        c = self.config
-        return HeadsEinsum(
-            (c.hidden_size, heads, c.head_dim),
-            ("embed", "heads", "kv"),
-            "bld,dhk->blhk",
-            _normal(),
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name=name,
-        )
-
-    @nn.compact
-    def __call__(self, x_bld, visible_bqk, cos_ld, sin_ld):
-        """Attention output ``[B, L, E]`` of the normed ``x_bld``; ``visible_bqk``: see
-        :func:`visibility_mask`; ``cos_ld`` / ``sin_ld``: :func:`rope_cos_sin`."""
-        c = self.config
-        q_blhd = apply_rope(self._proj_in(c.num_attention_heads, "q_proj")(x_bld), cos_ld, sin_ld)
-        k_blgd = apply_rope(self._proj_in(c.num_key_value_heads, "k_proj")(x_bld), cos_ld, sin_ld)
-        v_blgd = self._proj_in(c.num_key_value_heads, "v_proj")(x_bld)
-        # GQA: q head h reads kv head h // (H / G) (transformers' repeat_kv order).
-        b, length, h, d = q_blhd.shape
-        groups = c.num_key_value_heads
-        q_blgrd = q_blhd.reshape(b, length, groups, h // groups, d)
-        scores = jnp.einsum(
-            "bqgrd,bkgd->bgrqk", q_blgrd, k_blgd, preferred_element_type=jnp.float32
-        ) * (d**-0.5)
-        visible = visible_bqk[:, None, None]
-        scores = jnp.where(visible, scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1)
-        # A row with no visible key: zeros, as torch's SDPA (not NaN from -inf everywhere).
-        probs = jnp.where(visible.any(axis=-1, keepdims=True), probs, 0.0).astype(self.dtype)
-        out = jnp.einsum("bgrqk,bkgd->bqgrd", probs, v_blgd, preferred_element_type=jnp.float32)
-        out_blhd = out.reshape(b, length, h, d).astype(self.dtype)
-        return HeadsEinsum(
-            (h, d, c.hidden_size),
-            ("heads", "kv", "embed"),
-            "blhk,hkd->bld",
-            _normal(),
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="o_proj",
-        )(out_blhd)
-
-
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate x) * up x)``, no biases."""
-
-    config: MistralTextConfig
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x_bld: jax.Array) -> jax.Array:
-        """``[B, L, E] -> [B, L, E]``."""
-        c = self.config
-        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype, "use_bias": False}
-
-        def dense(features, axes, name):
-            """A bias-free torch-initialised Linear."""
-            init = nn.with_logical_partitioning(_normal(), axes)
-            return nn.Dense(features, kernel_init=init, name=name, **kw)
-
-        gate = dense(c.intermediate_size, ("embed", "mlp"), "gate_proj")(x_bld)
-        up = dense(c.intermediate_size, ("embed", "mlp"), "up_proj")(x_bld)
-        return dense(c.hidden_size, ("mlp", "embed"), "down_proj")(silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    """transformers ``MistralDecoderLayer`` (pre-norm attention and MLP, residuals)."""
-
-    config: MistralTextConfig
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x_bld, visible_bqk, cos_ld, sin_ld):
-        """One layer on ``x_bld [B, L, E]``."""
-        c = self.config
-        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        h = RMSNorm(c.rms_norm_eps, name="input_layernorm", **kw)(x_bld)
-        x_bld = x_bld + Attention(c, name="self_attn", **kw)(h, visible_bqk, cos_ld, sin_ld)
-        h = RMSNorm(c.rms_norm_eps, name="post_attention_layernorm", **kw)(x_bld)
-        return x_bld + MLP(c, name="mlp", **kw)(h)
-
-
-class MistralTextModel(nn.Module):
+class MistralTextModel(decoder_lm.DecoderLM):
     """transformers ``MistralModel`` (Mistral3's ``language_model``);
     ``__call__(ids, mask, layers)`` -> the hidden states ``layers`` (numbered as
     transformers': 0 the embedding, k the output of layer k, the last layer's through
     ``norm``) stacked ``[K, B, L, E]``, running only the first ``max(layers)`` layers
-    (default: all the hidden states)."""
+    (default: all the hidden states): the shared :class:`~jaxcore.models.decoder_lm.DecoderLM`
+    built from :meth:`MistralTextConfig.decoder_options`."""
 
     config: MistralTextConfig
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
-    def setup(self):
-        """Embedding, layers and the final norm, named as transformers' ``MistralModel``."""
-        c = self.config
-        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        self.embed_tokens = nn.Embed(
-            c.vocab_size,
-            c.hidden_size,
-            embedding_init=nn.with_logical_partitioning(_normal(), ("vocab", "embed")),
-            param_dtype=self.param_dtype,
-            dtype=self.dtype,
-        )
-        self.layers = [DecoderLayer(c, **kw) for _ in range(c.num_hidden_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps, **kw)
-
-    def __call__(self, ids_bl: jax.Array, mask_bl: jax.Array, layers: Sequence[int] | None = None):
-        """Hidden states ``layers`` of ``ids_bl`` / ``mask_bl [B, L]`` as ``[K, B, L, E]``."""
-        c = self.config
-        layers = tuple(range(c.num_hidden_layers + 1)) if layers is None else tuple(layers)
-        upto = max(layers)
-        cos, sin = (jnp.asarray(t) for t in rope_cos_sin(ids_bl.shape[1], c))
-        visible_bqk = visibility_mask(mask_bl, c.sliding_window)
-        x_bld = self.embed_tokens(ids_bl).astype(self.dtype)
-        kept = {0: x_bld}
-        for index, layer in enumerate(self.layers[:upto], start=1):
-            x_bld = layer(x_bld, visible_bqk, cos, sin)
-            kept[index] = x_bld
-        if upto == c.num_hidden_layers:  # transformers' last hidden state is normed
-            kept[upto] = self.norm(x_bld)
-        elif self.is_initializing():  # still create norm's weight
-            self.norm(x_bld)
-        return jnp.stack([kept[k] for k in layers])
-
-
-# --- running it ----------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=16)
-def _jitted_states(module: MistralTextModel, layers: tuple[int, ...]):
-    """jit(params, ids, mask) -> hidden states ``layers`` stacked ``[B, K, L, E]``."""
-
-    def run(params, ids_bl, mask_bl):
-        """Run the first max(layers) layers; batch first."""
-        states_kble = module.apply({"params": params}, ids_bl, mask_bl, layers)
-        return jnp.swapaxes(states_kble, 0, 1)
-
-    return jax.jit(run)
-
-
-def _check_layers(config: MistralTextConfig, layers: Sequence[int]) -> tuple[int, ...]:
-    """The indices as ints; ValueError naming the valid range otherwise."""
-    layers = tuple(int(k) for k in layers)
-    if not layers or min(layers) < 0 or max(layers) > config.num_hidden_layers:
-        raise ValueError(
-            f"hidden state indices {list(layers)} must be in 0..{config.num_hidden_layers} "
-            "(0: the embedding, k: the output of layer k)"
-        )
-    return layers
-
-
-def hidden_states(module: MistralTextModel, params, ids_bl, mask_bl, layers: Sequence[int]):
-    """transformers' ``output_hidden_states[k]`` for k in ``layers``, as ``[B, K, L, E]``
-    (jitted; only layers up to ``max(layers)`` run)."""
-    layers = _check_layers(module.config, layers)
-    ids_bl, mask_bl = jnp.asarray(ids_bl, jnp.int32), jnp.asarray(mask_bl, jnp.int32)
-    return _jitted_states(module, layers)(params, ids_bl, mask_bl)
 
 
 def stacked_hidden_states(
@@ -517,9 +327,7 @@ def stacked_hidden_states(
 ) -> jax.Array:
     """The pipeline's prompt embedding from token ids: ``[B, L, K * E]``, channel
     ``k * E + e`` = hidden state ``layers[k]`` (its ``stack(dim=1).permute(0, 2, 1, 3)``)."""
-    states_bkle = hidden_states(module, params, ids_bl, mask_bl, layers)
-    b, k, length, e = states_bkle.shape
-    return jnp.transpose(states_bkle, (0, 2, 1, 3)).reshape(b, length, k * e)
+    return decoder_lm.stacked_hidden_states(module, params, ids_bl, mask_bl, layers)
 
 
 # --- prompts -------------------------------------------------------------------------------------
@@ -626,76 +434,21 @@ UNUSED_PREFIXES = (
 )
 
 
-def _heads_in(heads: int, head_dim: int):
-    """torch Linear [H*D, E] -> kernel [E, H, D] (invertible for export)."""
-    return weights.Invertible(
-        lambda w: w.T.reshape(w.shape[1], heads, head_dim),
-        lambda k: k.reshape(k.shape[0], -1).T,
-    )
-
-
-def _heads_out(heads: int, head_dim: int):
-    """torch Linear [E, H*D] -> kernel [H, D, E]."""
-    return weights.Invertible(
-        lambda w: w.T.reshape(heads, head_dim, w.shape[0]),
-        lambda k: k.reshape(-1, k.shape[-1]).T,
-    )
-
-
 def weight_map(config: MistralTextConfig, prefix: str = LANGUAGE_MODEL_PREFIXES[0]) -> dict:
     """Flax param path -> (transformers key under ``prefix``, transform)."""
-    c, ident = config, weights.identity
-    mapping = {
-        ("embed_tokens", "embedding"): (f"{prefix}embed_tokens.weight", ident),
-        ("norm", "scale"): (f"{prefix}norm.weight", ident),
-    }
-    heads = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}
-    heads["v_proj"] = c.num_key_value_heads
-    for i in range(c.num_hidden_layers):
-        src, dst = f"{prefix}layers.{i}", f"layers_{i}"
-        for name, n in heads.items():
-            mapping[(dst, "self_attn", name, "kernel")] = (
-                f"{src}.self_attn.{name}.weight",
-                _heads_in(n, c.head_dim),
-            )
-        mapping[(dst, "self_attn", "o_proj", "kernel")] = (
-            f"{src}.self_attn.o_proj.weight",
-            _heads_out(c.num_attention_heads, c.head_dim),
-        )
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            mapping[(dst, "mlp", name, "kernel")] = (f"{src}.mlp.{name}.weight", weights.linear)
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            mapping[(dst, name, "scale")] = (f"{src}.{name}.weight", ident)
-    return mapping
+    return decoder_lm.weight_map(config.decoder_options(), prefix)
 
 
 def language_model_prefix(reader: weights.SafetensorsReader) -> str:
     """The key prefix of the language model in a checkpoint (see LANGUAGE_MODEL_PREFIXES);
     WeightsError naming the directory when none holds ``embed_tokens.weight``."""
-    for prefix in LANGUAGE_MODEL_PREFIXES:
-        if f"{prefix}embed_tokens.weight" in reader:
-            return prefix
-    tried = [f"{p}embed_tokens.weight" for p in LANGUAGE_MODEL_PREFIXES]
-    where = getattr(reader, "directory", "the checkpoint")
-    raise weights.WeightsError(f"no Mistral language model in {where}: none of {tried} found")
-
-
-def _abstract_params(module: MistralTextModel):
-    """The ``params`` collection as boxed ShapeDtypeStructs (nothing allocated)."""
-    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    return weights.shapes_of_init(module.init, ids, ids)["params"]
-
-
-@functools.lru_cache(maxsize=8)
-def _language_model_size(config: MistralTextConfig) -> int:
-    """Elements of the parameters (tracing a 40-layer init takes seconds: once per config)."""
-    return weights.count_elements(_abstract_params(MistralTextModel(config)))
+    return decoder_lm.find_prefix(reader, LANGUAGE_MODEL_PREFIXES, "Mistral language model")
 
 
 def count_params(config: MistralTextConfig, *, with_lm_head: bool = False) -> int:
     """Parameters of the language model (``MistralModel``); ``with_lm_head`` adds the untied
     LM head, giving ``MistralForCausalLM``'s count."""
-    n = _language_model_size(config)
+    n = decoder_lm.count_params(MistralTextModel(config))
     if with_lm_head and not config.tie_word_embeddings:
         n += config.vocab_size * config.hidden_size
     return n
@@ -704,8 +457,7 @@ def count_params(config: MistralTextConfig, *, with_lm_head: bool = False) -> in
 def init_mistral3(config: MistralTextConfig, rng, *, dtype=jnp.float32, param_dtype=None):
     """Random-init ``(module, params)`` (unboxed, on the default device)."""
     module = MistralTextModel(config, dtype=dtype, param_dtype=param_dtype or dtype)
-    ids = jnp.zeros((1, 1), jnp.int32)
-    return module, nn.meta.unbox(jax.jit(module.init)(rng, ids, ids)["params"])
+    return module, decoder_lm.init_params(module, rng)
 
 
 def load_mistral3(
@@ -722,13 +474,8 @@ def load_mistral3(
     config = MistralTextConfig.from_dict(weights.read_config(directory))
     module = MistralTextModel(config, dtype=dtype, param_dtype=param_dtype or dtype)
     reader = weights.SafetensorsReader(directory)
-    params = weights.load_placed(
-        reader,
-        weight_map(config, language_model_prefix(reader)),
-        _abstract_params(module),
-        mesh=mesh,
-        rules=rules,
-        dtype=param_dtype or dtype,
-        ignore_unused=UNUSED_PREFIXES,
+    mapping = weight_map(config, language_model_prefix(reader))
+    params = decoder_lm.load_params(
+        module, reader, mapping, mesh=mesh, rules=rules, ignore_unused=UNUSED_PREFIXES
     )
     return module, params
