@@ -6,26 +6,26 @@ decode / image-conditioning steps of ``pipelines/ltx2/pipeline_ltx2.py`` and
 ``decoder_causal=False`` and compression ratios 32 / 8 stated in its config
 (``scripts/convert_ltx2_to_diffusers.py``, ``get_ltx2_video_vae_config("2.0")``).
 
-The computation is LTX-Video 0.9.5's (:mod:`jaxcore.models.ltx_vae`): causal 3-D convs that pad
-time with copies of the edge frames, parameter-free RMS norms, space-to-depth downsamplers,
-depth-to-space upsamplers, a decoder optionally conditioned on the decode timestep, and
-per-channel latent statistics. What LTX-2 changes, and so what this file implements itself:
+The computation is LTX-Video 0.9.5's and so are the layers: this file holds LTX-2's config,
+the encoder / decoder wiring and the pipelines' latent steps, built from
+:mod:`jaxcore.models.ltx_vae`'s causal 3-D convs (time padded with copies of the edge frames),
+resnets, space-to-depth downsamplers, depth-to-space upsamplers, down / mid / up blocks,
+time embedder, noise and decode-timestep bookkeeping, posterior split, weight-name rule and
+parameter fills. What LTX-2 changes, each an option of those layers:
 - every conv's H / W padding follows ``encoder_spatial_padding_mode`` /
-  ``decoder_spatial_padding_mode`` (torch ``padding_mode``; the released decoder uses
-  ``"reflect"``), where ltx_vae's convs always zero-pad;
+  ``decoder_spatial_padding_mode`` (torch ``padding_mode``, the layers' ``padding_mode``; the
+  released decoder uses ``"reflect"``; LTX-Video always zero-pads);
 - the encoder's ``conv_in`` maps to ``latent_channels``, and every down block is
   ``LTX2VideoDownBlock3D`` (resnets at its input width, then a ``downsample_type`` of
-  ``"conv"`` / ``"spatial"`` / ``"temporal"`` / ``"spatiotemporal"``); the mid block runs at
-  ``block_out_channels[-1]``;
-- each decoder up block upsamples by its own ``upsample_type`` stride (ltx_vae: always
-  (2, 2, 2)); the first ``stride_t - 1`` frames are dropped, so F latent frames decode to
-  ``1 + stride_t (F - 1)`` per level;
-- a resnet's width-changing shortcut is a plain ``nn.Conv3d`` (key ``conv_shortcut.weight``,
-  not ``conv_shortcut.conv.weight``).
-Reused from ltx_vae unchanged: the pixel norm, time padding, space-to-depth / depth-to-space,
-patchify / unpatchify, the time embedder, the posterior split, the decode-timestep and noise
-bookkeeping, the weight-name rule and the parameter fills. Packing into transformer tokens is
-:mod:`jaxcore.models.ltx_transformer`'s (LTX-2's ``_pack_latents`` is LTX-Video's).
+  ``"conv"`` / ``"spatial"`` / ``"temporal"`` / ``"spatiotemporal"``, no ``conv_out``
+  resnet); the mid block runs at ``block_out_channels[-1]``;
+- each decoder up block upsamples by its own ``upsample_type`` stride (the upsampler's
+  ``stride``; LTX-Video: always (2, 2, 2)); the first ``stride_t - 1`` frames are dropped, so
+  F latent frames decode to ``1 + stride_t (F - 1)`` per level;
+- a resnet's width-changing shortcut is a plain ``nn.Conv3d`` (``plain_shortcut``; key
+  ``conv_shortcut.weight``, not ``conv_shortcut.conv.weight``).
+Packing into transformer tokens is :mod:`jaxcore.models.ltx_transformer`'s (LTX-2's
+``_pack_latents`` is LTX-Video's).
 
 Layout: public tensors use the diffusers layout, video ``[B, C, F, H, W]`` (pixels in [-1, 1])
 and latents ``[B, latent_channels, F', H', W']``; inside, activations are channel-last
@@ -72,11 +72,10 @@ Public API: :class:`LTX2VideoVAEConfig`, :class:`LTX2VideoVAE`, :func:`encode`, 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -85,18 +84,27 @@ from flax import linen as nn
 from jaxcore import weights
 from jaxcore.config import config_json_kwargs
 from jaxcore.models import ltx_vae
-from jaxcore.models.layers import AffineLayerNorm, silu
+from jaxcore.models.layers import silu
 
 # LTX-2's _pack_latents / _unpack_latents are LTX-Video's: re-exported for the family.
 from jaxcore.models.ltx_transformer import pack_latents, unpack_latents  # noqa: F401
+
+# The layers, and the decoder's noise bookkeeping (it reads only decoder_mid /
+# decoder_levels), are LTX-Video's; CausalConv3d and the noise functions are re-exported.
 from jaxcore.models.ltx_vae import (
-    TimeEmbedder,
-    depth_to_space,
+    PADDING_MODES,
+    CausalConv3d,
+    DecoderLevel,
+    DownBlock3D,
+    EncoderLevel,
+    MidBlock3d,
+    UpBlock3d,
+    check_noise,
+    decoder_noise_shapes,  # noqa: F401
     mix_decode_noise,
     patchify,
     pixel_norm,
-    replicate_pad_time,
-    space_to_depth,
+    sample_decoder_noise,  # noqa: F401
     unpatchify,
 )
 from jaxcore.models.wan_vae import DiagonalGaussian
@@ -108,8 +116,6 @@ DOWN_BLOCK = "LTX2VideoDownBlock3D"
 # stride-2 causal conv that keeps the width.
 SCALING_STRIDES = ltx_vae.DOWNSAMPLE_STRIDES
 CONV_DOWNSAMPLE = "conv"
-# torch Conv3d padding_mode -> jnp.pad mode.
-PADDING_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,34 +125,6 @@ PADDING_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge",
 
 class LTX2VideoVAEConfigError(ValueError):
     """A config.json / YAML section LTX2VideoVAEConfig cannot represent; names the key."""
-
-
-class EncoderLevel(NamedTuple):
-    """One ``LTX2VideoDownBlock3D``: ``num_layers`` resnets at ``in_channels``, then
-    ``downsample`` (None, ``"conv"`` or a space-to-depth stride (T, H, W)) to ``out_channels``."""
-
-    in_channels: int
-    out_channels: int
-    num_layers: int
-    downsample: str | tuple[int, int, int] | None
-
-
-class DecoderLevel(NamedTuple):
-    """One ``LTX2VideoUpBlock3d`` as diffusers builds it: ``in_channels`` is its nominal
-    ``previous out // factor``; a ``conv_in`` resnet exists where it differs from
-    ``out_channels``; ``upsample`` is the upsampler's stride (T, H, W) or None."""
-
-    in_channels: int
-    out_channels: int
-    num_layers: int
-    upsample: tuple[int, int, int] | None
-    residual: bool
-    factor: int
-    inject_noise: bool
-
-    @property
-    def conv_in(self) -> bool:
-        return self.in_channels != self.out_channels
 
 
 def _reversed(values) -> tuple:
@@ -249,7 +227,8 @@ class LTX2VideoVAEConfig:
     @property
     def encoder_levels(self) -> tuple[EncoderLevel, ...]:
         """The down blocks, mirroring ``LTX2VideoEncoder3d.__init__``: block i maps the
-        previous width (``latent_channels`` after conv_in) to ``block_out_channels[i]``."""
+        previous width (``latent_channels`` after conv_in) to ``block_out_channels[i]``
+        (resnets at its input width, then the downsampler; no ``conv_out`` resnet)."""
         channels = self.latent_channels
         levels = []
         for i, out in enumerate(self.block_out_channels):
@@ -257,7 +236,8 @@ class LTX2VideoVAEConfig:
             if self.spatio_temporal_scaling[i]:
                 kind = self.downsample_type[i]
                 down = kind if kind == CONV_DOWNSAMPLE else SCALING_STRIDES[kind]
-            levels.append(EncoderLevel(channels, out, self.layers_per_block[i], down))
+            layers = self.layers_per_block[i]
+            levels.append(EncoderLevel(DOWN_BLOCK, channels, out, layers, down, conv_out=False))
             channels = out
         return tuple(levels)
 
@@ -453,308 +433,8 @@ def _check_encoder_level(i: int, level: EncoderLevel) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Layers (channel-last)
+# Encoder and decoder (channel-last), wired from ltx_vae's layers
 # ----------------------------------------------------------------------------------------------
-
-
-class Conv3d(nn.Module):
-    """torch ``nn.Conv3d(k, stride, padding=(0, k // 2, k // 2), padding_mode=...)`` on
-    ``[B, T, H, W, C]``: time unpadded (:class:`CausalConv3d` pads it), H / W padded by
-    ``padding_mode`` (torch's names: zeros, reflect, replicate, circular)."""
-
-    features: int
-    kernel_size: int = 3
-    strides: tuple[int, int, int] = (1, 1, 1)
-    padding_mode: str = "zeros"
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x_bthwc: jax.Array) -> jax.Array:
-        k = self.kernel_size
-        shape = (k, k, k, x_bthwc.shape[-1], self.features)
-        kernel = self.param("kernel", ltx_vae._KERNEL_INIT, shape, self.param_dtype)
-        bias = self.param("bias", ltx_vae._BIAS_INIT, (self.features,), self.param_dtype)
-        x = x_bthwc.astype(self.dtype)
-        pad = k // 2
-        spatial = ((0, 0), (pad, pad), (pad, pad))
-        if pad and self.padding_mode != "zeros":
-            # torch pads first (F.pad) and convolves unpadded for every mode but zeros.
-            mode = PADDING_MODES[self.padding_mode]
-            x = jnp.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad), (0, 0)), mode=mode)
-            spatial = ((0, 0), (0, 0), (0, 0))
-        y = jax.lax.conv_general_dilated(
-            x,
-            kernel.astype(self.dtype),
-            window_strides=self.strides,
-            padding=spatial,
-            dimension_numbers=("NDHWC", "DHWIO", "NDHWC"),
-        )
-        return y + bias.astype(self.dtype)
-
-
-class CausalConv3d(nn.Module):
-    """diffusers ``LTX2VideoCausalConv3d``: time padded with copies of the edge frames
-    (:func:`ltx_vae.replicate_pad_time`), then the :class:`Conv3d` (parameters under
-    ``conv``, as diffusers' ``self.conv``)."""
-
-    features: int
-    kernel_size: int = 3
-    strides: tuple[int, int, int] = (1, 1, 1)
-    is_causal: bool = True
-    padding_mode: str = "zeros"
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x_bthwc: jax.Array) -> jax.Array:
-        x = replicate_pad_time(x_bthwc, self.kernel_size, self.is_causal)
-        conv = Conv3d(
-            self.features,
-            self.kernel_size,
-            self.strides,
-            self.padding_mode,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="conv",
-        )
-        return conv(x)
-
-
-class ConvOptions(NamedTuple):
-    """What every conv of one half of the VAE shares (encoder or decoder)."""
-
-    is_causal: bool
-    padding_mode: str
-    eps: float
-
-
-class ResnetBlock3d(nn.Module):
-    """diffusers ``LTX2VideoResnetBlock3d``: (RMS norm, [timestep scale/shift], SiLU, causal
-    conv, [noise]) x 2, plus the input, through ``norm3`` (LayerNorm) and a plain 1x1x1
-    ``conv_shortcut`` when the width changes.
-
-    ``temb``: ``[B, 4 C]`` (embedded by the block) with ``timestep_conditioning``; ``noise``:
-    two ``[H, W]`` arrays with ``inject_noise`` (diffusers' two ``torch.randn`` draws), added
-    as ``noise[h, w] * per_channel_scale[c]`` to every sample and frame.
-    """
-
-    out_channels: int
-    options: ConvOptions
-    inject_noise: bool = False
-    timestep_conditioning: bool = False
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array, temb=None, noise: Sequence[jax.Array] = ()) -> jax.Array:
-        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        conv_kw = {"is_causal": self.options.is_causal, "padding_mode": self.options.padding_mode}
-        c_in = x.shape[-1]
-        h = pixel_norm(x.astype(self.dtype))
-        if self.timestep_conditioning:
-            table = self.param(
-                "scale_shift_table", ltx_vae._TABLE_INIT, (4, c_in), self.param_dtype
-            )
-            mod = temb.reshape(temb.shape[0], 4, c_in) + table.astype(self.dtype)[None]
-            shift_1, scale_1, shift_2, scale_2 = (ltx_vae._per_sample(mod[:, i]) for i in range(4))
-            h = h * (1 + scale_1) + shift_1
-        h = CausalConv3d(self.out_channels, name="conv1", **conv_kw, **kw)(silu(h))
-        if self.inject_noise:
-            h = self._add_noise(h, noise[0], "per_channel_scale1", c_in)
-        h = pixel_norm(h)
-        if self.timestep_conditioning:
-            h = h * (1 + scale_2) + shift_2
-        h = CausalConv3d(self.out_channels, name="conv2", **conv_kw, **kw)(silu(h))
-        if self.inject_noise:
-            h = self._add_noise(h, noise[1], "per_channel_scale2", c_in)
-        shortcut = x
-        if c_in != self.out_channels:
-            shortcut = AffineLayerNorm(eps=self.options.eps, name="norm3", **kw)(x)
-            shortcut = Conv3d(self.out_channels, kernel_size=1, name="conv_shortcut", **kw)(
-                shortcut
-            )
-        return h + shortcut.astype(self.dtype)
-
-    def _add_noise(self, h, noise_hw, name, channels):
-        # diffusers sizes the scale by the block's INPUT width (equal to its output wherever
-        # diffusers can run it; LTX2VideoVAEConfig refuses the rest).
-        scale = self.param(name, ltx_vae._CHANNEL_ZEROS, (channels,), self.param_dtype)
-        if tuple(noise_hw.shape) != tuple(h.shape[2:4]):
-            raise ValueError(
-                f"{self.name}: noise has shape {tuple(noise_hw.shape)} but this resnet runs at "
-                f"{tuple(h.shape[2:4])} (see decoder_noise_shapes)"
-            )
-        spatial = noise_hw.astype(self.dtype)[:, :, None] * scale.astype(self.dtype)
-        return h + spatial[None, None]
-
-
-class Downsampler3d(nn.Module):
-    """diffusers ``LTX2VideoDownsampler3d``: prepend ``s_t - 1`` copies of the first frame,
-    then a stride-1 causal conv to ``out / (s_t s_h s_w)`` channels folded to ``out`` by
-    :func:`space_to_depth`, plus the input folded the same way and averaged over groups of
-    ``in s_t s_h s_w / out`` channels (LTX-Video 0.9.5's downsampler)."""
-
-    out_channels: int
-    stride: tuple[int, int, int]
-    options: ConvOptions
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        prod = math.prod(self.stride)
-        group = x.shape[-1] * prod // self.out_channels
-        x = jnp.concatenate([x[:, : self.stride[0] - 1], x], axis=1)
-        shortcut = space_to_depth(x, self.stride)
-        shortcut = shortcut.reshape(*shortcut.shape[:-1], -1, group).mean(axis=-1)
-        h = CausalConv3d(
-            self.out_channels // prod,
-            is_causal=self.options.is_causal,
-            padding_mode=self.options.padding_mode,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="conv",
-        )(x)
-        return space_to_depth(h, self.stride) + shortcut
-
-
-class Upsampler3d(nn.Module):
-    """diffusers ``LTX2VideoUpsampler3d``: a causal conv to ``prod(stride) C / factor``
-    channels unfolded by :func:`depth_to_space` to ``C / factor`` channels, the first
-    ``s_t - 1`` frames dropped (F -> s_t F - s_t + 1). ``residual``: plus the input unfolded
-    the same way (``C / prod(stride)`` channels) and tiled ``prod(stride) / factor`` times."""
-
-    stride: tuple[int, int, int]
-    options: ConvOptions
-    residual: bool = False
-    upscale_factor: int = 1
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        prod = math.prod(self.stride)
-        conv = CausalConv3d(
-            x.shape[-1] * prod // self.upscale_factor,
-            is_causal=self.options.is_causal,
-            padding_mode=self.options.padding_mode,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="conv",
-        )
-        drop = self.stride[0] - 1
-        h = depth_to_space(conv(x), self.stride)[:, drop:]
-        if self.residual:
-            shortcut = depth_to_space(x, self.stride)[:, drop:]
-            h = h + jnp.tile(shortcut, (1, 1, 1, 1, prod // self.upscale_factor))
-        return h
-
-
-class DownBlock3D(nn.Module):
-    """diffusers ``LTX2VideoDownBlock3D``: resnets at the input width, then the level's
-    downsampler (``downsamplers_0``: a stride-2 causal conv for ``"conv"``, else a
-    :class:`Downsampler3d` with that stride)."""
-
-    level: EncoderLevel
-    options: ConvOptions
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        lv, opt = self.level, self.options
-        for i in range(lv.num_layers):
-            x = ResnetBlock3d(lv.in_channels, opt, name=f"resnets_{i}", **kw)(x)
-        if lv.downsample == CONV_DOWNSAMPLE:
-            down = CausalConv3d(
-                lv.in_channels,
-                strides=(2, 2, 2),
-                is_causal=opt.is_causal,
-                padding_mode=opt.padding_mode,
-                name="downsamplers_0",
-                **kw,
-            )
-            x = down(x)
-        elif lv.downsample is not None:
-            x = Downsampler3d(lv.out_channels, lv.downsample, opt, name="downsamplers_0", **kw)(x)
-        return x
-
-
-class MidBlock3d(nn.Module):
-    """diffusers ``LTX2VideoMidBlock3d``: ``num_layers`` resnets at the input width; with
-    timestep conditioning its ``time_embedder`` turns the (scaled) timestep into their
-    ``[B, 4 C]`` modulation."""
-
-    num_layers: int
-    options: ConvOptions
-    inject_noise: bool = False
-    timestep_conditioning: bool = False
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array, temb=None, noise: Sequence[jax.Array] = ()) -> jax.Array:
-        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        channels = x.shape[-1]
-        emb = None
-        if self.timestep_conditioning:
-            emb = TimeEmbedder(4 * channels, name="time_embedder", **kw)(temb)
-        runs = ltx_vae._split_noise(noise, [2 if self.inject_noise else 0] * self.num_layers)
-        for i in range(self.num_layers):
-            x = ResnetBlock3d(
-                channels,
-                self.options,
-                self.inject_noise,
-                self.timestep_conditioning,
-                name=f"resnets_{i}",
-                **kw,
-            )(x, emb, runs[i])
-        return x
-
-
-class UpBlock3d(nn.Module):
-    """diffusers ``LTX2VideoUpBlock3d``: [``conv_in`` resnet changing width], [time embedder],
-    the :class:`Upsampler3d` (``upsamplers_0``), then ``num_layers`` resnets."""
-
-    level: DecoderLevel
-    options: ConvOptions
-    timestep_conditioning: bool = False
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array, temb=None, noise: Sequence[jax.Array] = ()) -> jax.Array:
-        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        lv, opt = self.level, self.options
-        if lv.conv_in:  # never with conditioning or noise (LTX2VideoVAEConfig refuses those)
-            x = ResnetBlock3d(lv.out_channels, opt, name="conv_in", **kw)(x)
-        emb = None
-        if self.timestep_conditioning:
-            emb = TimeEmbedder(4 * lv.in_channels, name="time_embedder", **kw)(temb)
-        if lv.upsample is not None:
-            up = Upsampler3d(lv.upsample, opt, lv.residual, lv.factor, name="upsamplers_0", **kw)
-            x = up(x)
-        runs = ltx_vae._split_noise(noise, [2 if lv.inject_noise else 0] * lv.num_layers)
-        for i in range(lv.num_layers):
-            x = ResnetBlock3d(
-                lv.out_channels,
-                opt,
-                lv.inject_noise,
-                self.timestep_conditioning,
-                name=f"resnets_{i}",
-                **kw,
-            )(x, emb, runs[i])
-        return x
-
-
-def _encoder_options(cfg: LTX2VideoVAEConfig) -> ConvOptions:
-    return ConvOptions(cfg.encoder_causal, cfg.encoder_spatial_padding_mode, cfg.resnet_norm_eps)
-
-
-def _decoder_options(cfg: LTX2VideoVAEConfig) -> ConvOptions:
-    return ConvOptions(cfg.decoder_causal, cfg.decoder_spatial_padding_mode, cfg.resnet_norm_eps)
 
 
 class Encoder3d(nn.Module):
@@ -769,21 +449,22 @@ class Encoder3d(nn.Module):
     @nn.compact
     def __call__(self, x_bthwc: jax.Array) -> jax.Array:
         cfg = self.config
-        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        opt = _encoder_options(cfg)
-        conv_kw = {"is_causal": opt.is_causal, "padding_mode": opt.padding_mode, **kw}
+        eps, kw = cfg.resnet_norm_eps, {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        # every conv and block of the encoder shares its causality and H / W padding
+        kw.update(is_causal=cfg.encoder_causal, padding_mode=cfg.encoder_spatial_padding_mode)
         x = patchify(x_bthwc, cfg.patch_size)
-        x = CausalConv3d(cfg.latent_channels, name="conv_in", **conv_kw)(x)
+        x = CausalConv3d(cfg.latent_channels, name="conv_in", **kw)(x)
         for i, level in enumerate(cfg.encoder_levels):
-            x = DownBlock3D(level, opt, name=f"down_blocks_{i}", **kw)(x)
-        x = MidBlock3d(cfg.layers_per_block[-1], opt, name="mid_block", **kw)(x)
+            x = DownBlock3D(level, eps, name=f"down_blocks_{i}", **kw)(x)
+        x = MidBlock3d(cfg.layers_per_block[-1], eps, name="mid_block", **kw)(x)
         x = silu(pixel_norm(x))
-        return CausalConv3d(cfg.latent_channels + 1, name="conv_out", **conv_kw)(x)
+        return CausalConv3d(cfg.latent_channels + 1, name="conv_out", **kw)(x)
 
 
 class Decoder3d(nn.Module):
-    """diffusers ``LTX2VideoDecoder3d``: conv_in, mid block, up blocks, RMS norm, [timestep
-    scale/shift], SiLU, conv_out, unpatchify.
+    """diffusers ``LTX2VideoDecoder3d``: conv_in, mid block, up blocks (plain conv_in
+    shortcuts, per-level upsampling strides), RMS norm, [timestep scale/shift], SiLU,
+    conv_out, unpatchify.
 
     ``temb``: ``[B]`` decode timesteps (timestep conditioning only), multiplied by the
     ``timestep_scale_multiplier`` parameter before every time embedder; ``noise``: the
@@ -797,86 +478,54 @@ class Decoder3d(nn.Module):
     @nn.compact
     def __call__(self, z_bthwc: jax.Array, temb=None, noise: Sequence[jax.Array] = ()):
         cfg = self.config
+        eps, cond = cfg.resnet_norm_eps, cfg.timestep_conditioning
         kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        opt, cond = _decoder_options(cfg), cfg.timestep_conditioning
-        conv_kw = {"is_causal": opt.is_causal, "padding_mode": opt.padding_mode, **kw}
-        x = CausalConv3d(cfg.decoder_width, name="conv_in", **conv_kw)(z_bthwc)
+        # every conv and block of the decoder shares its causality and H / W padding
+        kw.update(is_causal=cfg.decoder_causal, padding_mode=cfg.decoder_spatial_padding_mode)
+        x = CausalConv3d(cfg.decoder_width, name="conv_in", **kw)(z_bthwc)
         if cond:
-            temb = temb.astype(self.dtype) * self._timestep_scale()
+            temb = ltx_vae.scale_decode_timestep(self, temb)
         mid_layers, mid_noise = cfg.decoder_mid
-        runs = ltx_vae._split_noise(noise, ltx_vae._noise_counts(cfg))
-        x = MidBlock3d(mid_layers, opt, mid_noise, cond, name="mid_block", **kw)(x, temb, runs[0])
+        runs = ltx_vae.split_noise(noise, ltx_vae.noise_counts(cfg))
+        mid = MidBlock3d(
+            mid_layers,
+            eps,
+            inject_noise=mid_noise,
+            timestep_conditioning=cond,
+            name="mid_block",
+            **kw,
+        )
+        x = mid(x, temb, runs[0])
         for i, level in enumerate(cfg.decoder_levels):
-            x = UpBlock3d(level, opt, cond, name=f"up_blocks_{i}", **kw)(x, temb, runs[i + 1])
+            up = UpBlock3d(
+                level,
+                eps,
+                timestep_conditioning=cond,
+                plain_shortcut=True,
+                name=f"up_blocks_{i}",
+                **kw,
+            )
+            x = up(x, temb, runs[i + 1])
         x = pixel_norm(x)
         if cond:
-            channels = x.shape[-1]
-            emb = TimeEmbedder(2 * channels, name="time_embedder", **kw)(temb)
-            table = self.param(
-                "scale_shift_table", ltx_vae._TABLE_INIT, (2, channels), self.param_dtype
-            )
-            mod = emb.reshape(emb.shape[0], 2, channels) + table.astype(self.dtype)[None]
-            x = x * (1 + ltx_vae._per_sample(mod[:, 1])) + ltx_vae._per_sample(mod[:, 0])
+            x = ltx_vae.modulate_decoder_output(self, x, temb)
         out = cfg.out_channels * cfg.patch_size**2
-        x = CausalConv3d(out, name="conv_out", **conv_kw)(silu(x))
+        x = CausalConv3d(out, name="conv_out", **kw)(silu(x))
         return unpatchify(x, cfg.patch_size)
-
-    def _timestep_scale(self) -> jax.Array:
-        # diffusers' 0-d parameter, kept as [1] (weights.load_params places a 0-d tensor so).
-        init = nn.with_logical_partitioning(
-            nn.initializers.constant(ltx_vae.TIMESTEP_SCALE), (None,)
-        )
-        multiplier = self.param("timestep_scale_multiplier", init, (1,), self.param_dtype)
-        return multiplier.astype(self.dtype)[0]
 
 
 # ----------------------------------------------------------------------------------------------
-# Shapes and noise
+# Shapes
 # ----------------------------------------------------------------------------------------------
 
 
 def latent_shape(config: LTX2VideoVAEConfig, video_shape: Sequence[int]) -> tuple[int, ...]:
     """The latent shape of a ``[B, C, F, H, W]`` video; ValueError naming the dimension where
-    diffusers' reshapes or paddings would fail."""
-    if len(video_shape) != 5:
-        raise ValueError(f"video must be [B, C, F, H, W], got shape {tuple(video_shape)}")
-    b, c, f, h, w = (int(s) for s in video_shape)
-    if c != config.in_channels:
-        raise ValueError(f"video has {c} channels but in_channels is {config.in_channels}")
-    if f < 1:
-        raise ValueError("video has 0 frames")
-    p = config.patch_size
-    for name, size in (("height", h), ("width", w)):
-        if size % p:
-            raise ValueError(f"video {name} {size} is not divisible by patch_size {p}")
-    h, w = h // p, w // p
-    for i, level in enumerate(config.encoder_levels):
-        f, h, w = _downsampled(config, i, level.downsample, (f, h, w))
-    _check_reflect_size(config.encoder_spatial_padding_mode, "encoder", (h, w))
-    return (b, config.latent_channels, f, h, w)
-
-
-def _downsampled(config, i: int, downsample, fhw: tuple[int, int, int]) -> tuple[int, int, int]:
-    """(F, H, W) after down block ``i``'s downsampler (``"conv"``: stride 2 after padding 2
-    frames / 1 pixel a side; a stride: folded after prepending ``s_t - 1`` frames)."""
-    f, h, w = fhw
-    if downsample is None:
-        return fhw
-    if downsample == CONV_DOWNSAMPLE:
-        return (f - 1) // 2 + 1, (h - 1) // 2 + 1, (w - 1) // 2 + 1
-    s_t, s_h, s_w = downsample
-    if (f + s_t - 1) % s_t:
-        raise ValueError(
-            f"down block {i} folds {s_t} frames after prepending {s_t - 1}: it gets {f} "
-            f"frames (use 1 + {config.temporal_compression}k frames)"
-        )
-    for name, size, s in (("height", h, s_h), ("width", w, s_w)):
-        if size % s:
-            raise ValueError(
-                f"down block {i} folds {s} pixels but the {name} there is {size} "
-                f"(use a video {name} divisible by {config.spatial_compression})"
-            )
-    return (f + s_t - 1) // s_t, h // s_h, w // s_w
+    diffusers' reshapes (:func:`ltx_vae.latent_shape`, the same encoder levels) or reflect
+    padding would fail."""
+    shape = ltx_vae.latent_shape(config, video_shape)
+    _check_reflect_size(config.encoder_spatial_padding_mode, "encoder", shape[3:5])
+    return shape
 
 
 def _check_reflect_size(mode: str, half: str, latent_hw: Sequence[int]) -> None:
@@ -907,55 +556,10 @@ def check_video(config: LTX2VideoVAEConfig, video_shape_: Sequence[int]) -> None
 
 
 def check_latents(config: LTX2VideoVAEConfig, z_shape: Sequence[int]) -> None:
-    """Raise ValueError naming the dimension when latents do not fit this VAE's decoder."""
-    if len(z_shape) != 5:
-        raise ValueError(f"latents must be [B, C, F, H, W], got shape {tuple(z_shape)}")
-    if z_shape[1] != config.latent_channels:
-        raise ValueError(
-            f"latents have {z_shape[1]} channels but latent_channels is {config.latent_channels}"
-        )
-    if min(z_shape[2:]) < 1:
-        raise ValueError(f"latents have an empty dimension: shape {tuple(z_shape)}")
+    """Raise ValueError naming the dimension when latents do not fit this VAE's decoder
+    (:func:`ltx_vae.check_latents`, then the decoder's reflect padding)."""
+    ltx_vae.check_latents(config, z_shape)
     _check_reflect_size(config.decoder_spatial_padding_mode, "decoder", z_shape[3:5])
-
-
-def decoder_noise_shapes(
-    config: LTX2VideoVAEConfig, latent_hw: Sequence[int]
-) -> tuple[tuple[int, int], ...]:
-    """``(H, W)`` of every noise draw decoding latents of height/width ``latent_hw``, in
-    diffusers' ``torch.randn`` order (mid block, then up blocks; per resnet conv1 then
-    conv2); empty without ``decoder_inject_noise``."""
-    h, w = (int(s) for s in latent_hw)
-    mid_layers, mid_noise = config.decoder_mid
-    shapes = [(h, w)] * (2 * mid_layers if mid_noise else 0)
-    for level in config.decoder_levels:
-        if level.upsample is not None:
-            h, w = h * level.upsample[1], w * level.upsample[2]
-        if level.inject_noise:
-            shapes += [(h, w)] * (2 * level.num_layers)
-    return tuple(shapes)
-
-
-def sample_decoder_noise(
-    config: LTX2VideoVAEConfig, latent_hw: Sequence[int], rng: jax.Array, dtype=jnp.float32
-) -> tuple[jax.Array, ...]:
-    """Standard normal noise for every draw of :func:`decoder_noise_shapes` (a stand-in for
-    diffusers' global-RNG ``torch.randn``: same distribution, not the same numbers)."""
-    shapes = decoder_noise_shapes(config, latent_hw)
-    keys = jax.random.split(rng, max(len(shapes), 1))
-    return tuple(jax.random.normal(k, s, dtype) for k, s in zip(keys, shapes, strict=False))
-
-
-def _check_noise(config: LTX2VideoVAEConfig, z_shape, noise) -> tuple:
-    expected = decoder_noise_shapes(config, z_shape[3:5])
-    noise = tuple(noise or ())
-    got = tuple(tuple(n.shape) for n in noise)
-    if got != expected:
-        raise ValueError(
-            f"decoder noise has shapes {list(got)} but this VAE draws {list(expected)} for "
-            "these latents (decoder_noise_shapes; pass rng= to draw it)"
-        )
-    return noise
 
 
 # ----------------------------------------------------------------------------------------------
@@ -985,32 +589,24 @@ class LTX2VideoVAE(nn.Module):
         self.encoder = Encoder3d(cfg, **kw)
         self.decoder = Decoder3d(cfg, **kw)
         shape = (cfg.latent_channels,)
-        zeros, ones = ltx_vae._CHANNEL_ZEROS, ltx_vae._CHANNEL_ONES
+        zeros, ones = ltx_vae.CHANNEL_ZEROS, ltx_vae.CHANNEL_ONES
         self.latents_mean = self.param("latents_mean", zeros, shape, self.param_dtype)
         self.latents_std = self.param("latents_std", ones, shape, self.param_dtype)
 
     def encode(self, video_bcfhw: jax.Array) -> DiagonalGaussian:
         check_video(self.config, video_bcfhw.shape)
-        x = ltx_vae._constrain_video(ltx_vae._to_channel_last(video_bcfhw).astype(self.dtype))
-        return ltx_vae._moments_to_posterior(self.encoder(x), self.config.latent_channels)
+        x = ltx_vae.constrain_video(ltx_vae.to_channel_last(video_bcfhw).astype(self.dtype))
+        return ltx_vae.moments_to_posterior(self.encoder(x), self.config.latent_channels)
 
     def decode(self, z_bcfhw: jax.Array, temb=None, noise: Sequence[jax.Array] = ()):
         check_latents(self.config, z_bcfhw.shape)
-        t = ltx_vae._timesteps(self.config, temb, z_bcfhw.shape[0])
-        noise = _check_noise(self.config, z_bcfhw.shape, noise)
-        z = ltx_vae._constrain_video(ltx_vae._to_channel_last(z_bcfhw).astype(self.dtype))
-        return ltx_vae._to_channel_first(self.decoder(z, t, noise))
+        t = ltx_vae.decode_timesteps(self.config, temb, z_bcfhw.shape[0])
+        noise = check_noise(self.config, z_bcfhw.shape, noise)
+        z = ltx_vae.constrain_video(ltx_vae.to_channel_last(z_bcfhw).astype(self.dtype))
+        return ltx_vae.to_channel_first(self.decoder(z, t, noise))
 
     def __call__(self, video_bcfhw: jax.Array, temb=None, noise: Sequence[jax.Array] = ()):
         return self.decode(self.encode(video_bcfhw).mode(), temb, noise)
-
-
-@functools.lru_cache(maxsize=32)
-def _jitted(module: LTX2VideoVAE, method: str):
-    def run(params, *args):
-        return module.apply({"params": params}, *args, method=method)
-
-    return jax.jit(run)
 
 
 def encode(module: LTX2VideoVAE, params, video_bcfhw: jax.Array) -> DiagonalGaussian:
@@ -1019,7 +615,7 @@ def encode(module: LTX2VideoVAE, params, video_bcfhw: jax.Array) -> DiagonalGaus
     ``1 + k`` latent frames (t = :attr:`~LTX2VideoVAEConfig.temporal_compression`), H / W
     shrink by :attr:`~LTX2VideoVAEConfig.spatial_compression`."""
     check_video(module.config, video_bcfhw.shape)
-    return _jitted(module, "encode")(params, jnp.asarray(video_bcfhw))
+    return ltx_vae.jitted(module, "encode")(params, jnp.asarray(video_bcfhw))
 
 
 def decode(
@@ -1038,15 +634,9 @@ def decode(
     otherwise). With ``decoder_inject_noise``: ``noise`` (the arrays of
     :func:`decoder_noise_shapes`, diffusers' draw order) or ``rng`` to draw it.
     """
-    config = module.config
-    check_latents(config, z_bcfhw.shape)
-    if config.injects_noise and noise is None:
-        if rng is None:
-            raise ValueError("this VAE injects noise while decoding: pass noise= or rng=")
-        noise = sample_decoder_noise(config, z_bcfhw.shape[3:5], rng)
-    noise = _check_noise(config, z_bcfhw.shape, noise)
-    t = ltx_vae._timesteps(config, temb, z_bcfhw.shape[0])
-    return _jitted(module, "decode")(params, jnp.asarray(z_bcfhw), t, noise)
+    check_latents(module.config, z_bcfhw.shape)
+    t, noise = ltx_vae.decode_arguments(module.config, z_bcfhw.shape, temb, noise, rng)
+    return ltx_vae.jitted(module, "decode")(params, jnp.asarray(z_bcfhw), t, noise)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1137,30 +727,19 @@ def _dummy_inputs(config: LTX2VideoVAEConfig):
     return video, latents, temb
 
 
-def _create_parameters(module: LTX2VideoVAE, video, latents, temb):
-    """``init``'s method: the encoder, and the decoder with zero noise."""
-    module.encode(video)
-    shapes = decoder_noise_shapes(module.config, latents.shape[3:5])
-    return module.decode(latents, temb, tuple(jnp.zeros(s, latents.dtype) for s in shapes))
-
-
-def _create_encoder_parameters(module: LTX2VideoVAE, video, latents, temb):
-    """``init``'s method for an encoder-only load: the encoder and the latent statistics."""
-    return module.encode(video)
-
-
 # build / load / init / shape / count, as the other VAEs (jaxcore.weights.VAEKind). The
 # diffusers key of every parameter follows from its path exactly as in LTX-Video
-# (ltx_vae._source_entry: conv kernels, norm3's scale, scale tables, noise scales, the 0-d
-# timestep multiplier); the plain conv_shortcut is a bare Conv3d, so its key has no ".conv".
+# (ltx_vae.source_entry: conv kernels, norm3's scale, scale tables, noise scales, the 0-d
+# timestep multiplier); the plain conv_shortcut (plain_shortcut) is a bare Conv3d, so its key
+# has no ".conv".
 KIND = weights.VAEKind(
     LTX2VideoVAE,
     LTX2VideoVAEConfig,
     _dummy_inputs,
-    lambda config, boxed: weights.weight_map_by_path(boxed, ltx_vae._source_entry),
-    trace_method=_create_parameters,
-    encoder_method=_create_encoder_parameters,
-    fill=ltx_vae._fill,
+    lambda config, boxed: weights.weight_map_by_path(boxed, ltx_vae.source_entry),
+    trace_method=ltx_vae.create_parameters,
+    encoder_method=ltx_vae.create_encoder_parameters,
+    fill=ltx_vae.fill,
 )
 abstract_params = KIND.abstract_params
 # Entries of params that are diffusers buffers (register_buffer), not parameters.

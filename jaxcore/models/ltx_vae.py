@@ -55,14 +55,24 @@ resnet of a noisy block (shared across batch, frames and channels, scaled per ch
 tuple of ``[H, W]`` arrays in diffusers' draw order (:func:`decoder_noise_shapes`), or a PRNG
 key from which :func:`sample_decoder_noise` draws it.
 
+Shared with LTX-2 (:mod:`jaxcore.models.ltx2_vae` builds its encoder and decoder from these
+layers): the convs and blocks take ``padding_mode`` (torch's H / W ``padding_mode``; LTX-Video
+always ``"zeros"``), :class:`Upsampler3d` a ``stride`` (LTX-Video always (2, 2, 2), carried by
+:class:`DecoderLevel`), :class:`ResnetBlock3d` / :class:`UpBlock3d` ``plain_shortcut`` (a
+plain 1x1x1 ``conv_shortcut`` instead of a causal one); every default is LTX-Video's. So are
+the helpers that read only a :class:`CausalVAELayout`: the noise and decode-timestep
+bookkeeping, :func:`downsampled_size`, and the weight-name rule :func:`source_entry` /
+:func:`fill`.
+
 Public API: :class:`LTXVideoVAEConfig`, :class:`LTXVideoVAE` (and its layers
-:class:`CausalConv3d`, :class:`ResnetBlock3d`, :class:`Downsampler3d`, :class:`Upsampler3d`,
-:class:`DownBlock3D`, :class:`MidBlock3d`, :class:`UpBlock3d`, :class:`Encoder3d`,
-:class:`Decoder3d`), :class:`DiagonalGaussian` (shared with :mod:`jaxcore.models.wan_vae`),
-:func:`encode`, :func:`decode`, :func:`decoder_noise_shapes`, :func:`sample_decoder_noise`,
-:func:`mix_decode_noise`, :func:`normalize_latents`, :func:`denormalize_latents`,
-:func:`latent_shape`, :func:`check_video`, :func:`check_latents`, :func:`weight_map`,
-:func:`abstract_params`, :func:`count_params`, :func:`load_ltx_vae`, :func:`init_ltx_vae`.
+:class:`Conv3d`, :class:`CausalConv3d`, :class:`ResnetBlock3d`, :class:`Downsampler3d`,
+:class:`Upsampler3d`, :class:`DownBlock3D`, :class:`MidBlock3d`, :class:`UpBlock3d`,
+:class:`Encoder3d`, :class:`Decoder3d`), :class:`DiagonalGaussian` (shared with
+:mod:`jaxcore.models.wan_vae`), :func:`encode`, :func:`decode`, :func:`decoder_noise_shapes`,
+:func:`sample_decoder_noise`, :func:`mix_decode_noise`, :func:`normalize_latents`,
+:func:`denormalize_latents`, :func:`latent_shape`, :func:`check_video`, :func:`check_latents`,
+:func:`weight_map`, :func:`abstract_params`, :func:`count_params`, :func:`load_ltx_vae`,
+:func:`init_ltx_vae`.
 """
 
 from __future__ import annotations
@@ -73,7 +83,7 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +109,9 @@ DOWN_BLOCK_095 = "LTXVideo095DownBlock3D"
 DOWNSAMPLE_STRIDES = {"spatial": (1, 2, 2), "temporal": (2, 1, 1), "spatiotemporal": (2, 2, 2)}
 # Every decoder upsampler is LTXVideoUpsampler3d(stride=(2, 2, 2)).
 UPSAMPLE_STRIDE = (2, 2, 2)
+# torch Conv3d padding_mode -> jnp.pad mode of the H / W padding (LTX-2 picks one per half;
+# "zeros" is the conv's own padding).
+PADDING_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,12 +139,12 @@ class EncoderLevel(NamedTuple):
 class DecoderLevel(NamedTuple):
     """One decoder up block as diffusers builds it (``in_channels`` is diffusers' nominal
     ``output_channel // upsample_factor``; a ``conv_in`` resnet exists where it differs from
-    ``out_channels``)."""
+    ``out_channels``; ``upsample`` is the upsampler's stride (T, H, W), or None without one)."""
 
     in_channels: int
     out_channels: int
     num_layers: int
-    upsample: bool
+    upsample: tuple[int, int, int] | None
     residual: bool
     factor: int
     inject_noise: bool
@@ -139,6 +152,32 @@ class DecoderLevel(NamedTuple):
     @property
     def conv_in(self) -> bool:
         return self.in_channels != self.out_channels
+
+
+class CausalVAELayout(Protocol):
+    """What the shape, noise and decode-timestep helpers below read of a config: both
+    :class:`LTXVideoVAEConfig` and LTX-2's ``LTX2VideoVAEConfig`` provide it."""
+
+    @property
+    def in_channels(self) -> int: ...
+    @property
+    def latent_channels(self) -> int: ...
+    @property
+    def patch_size(self) -> int: ...
+    @property
+    def timestep_conditioning(self) -> bool: ...
+    @property
+    def encoder_levels(self) -> tuple[EncoderLevel, ...]: ...
+    @property
+    def spatial_compression(self) -> int: ...
+    @property
+    def temporal_compression(self) -> int: ...
+    @property
+    def decoder_mid(self) -> tuple[int, bool]: ...
+    @property
+    def decoder_levels(self) -> tuple[DecoderLevel, ...]: ...
+    @property
+    def injects_noise(self) -> bool: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,7 +381,7 @@ class LTXVideoVAEConfig:
                     c_in,
                     out,
                     layers[i + 1],
-                    bool(scaling[i]),
+                    UPSAMPLE_STRIDE if scaling[i] else None,
                     bool(residual[i]),
                     int(factor[i]),
                     bool(inject[i + 1]),
@@ -400,7 +439,7 @@ class LTXVideoVAEConfig:
                     "noise scales for the input width)"
                 )
             channels = level.out_channels
-        if level.upsample:
+        if level.upsample is not None:
             if channels != level.out_channels * level.factor or (8 * channels) % level.factor:
                 raise LTXVideoVAEConfigError(
                     f"{where}: its upsampler gets {channels} channels but expects "
@@ -520,13 +559,13 @@ def _per_sample(v_bc: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 
 
-# Initializer per parameter leaf name (module init); init_ltx_vae fills with _fill instead.
+# Initializer per parameter leaf name (module init); init_ltx_vae uses fill() instead.
 _KERNEL_INIT = nn.with_logical_partitioning(
     nn.initializers.lecun_normal(), (None, None, None, "conv_in", "conv_out")
 )
 _BIAS_INIT = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("conv_out",))
-_CHANNEL_ZEROS = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("norm",))
-_CHANNEL_ONES = nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",))
+CHANNEL_ZEROS = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("norm",))
+CHANNEL_ONES = nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",))
 # Time embedder Dense layers: replicated like the rest of the VAE.
 _TIME_AXES = (None, "modulation")
 
@@ -540,41 +579,50 @@ _TABLE_INIT = nn.with_logical_partitioning(_table_init, (None, "norm"))
 
 
 class Conv3d(nn.Module):
-    """torch ``nn.Conv3d(k, stride, padding=(0, k // 2, k // 2))`` on ``[B, T, H, W, C]``: time
-    unpadded (:class:`CausalConv3d` pads it), H / W zero padded."""
+    """torch ``nn.Conv3d(k, stride, padding=(0, k // 2, k // 2), padding_mode=...)`` on
+    ``[B, T, H, W, C]``: time unpadded (:class:`CausalConv3d` pads it), H / W padded by
+    ``padding_mode`` (torch's names, :data:`PADDING_MODES`; LTX-Video always uses zeros)."""
 
     features: int
     kernel_size: int = 3
     strides: tuple[int, int, int] = (1, 1, 1)
+    padding_mode: str = "zeros"
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x_bthwc: jax.Array) -> jax.Array:
         k = self.kernel_size
-        kernel = self.param(
-            "kernel", _KERNEL_INIT, (k, k, k, x_bthwc.shape[-1], self.features), self.param_dtype
-        )
+        shape = (k, k, k, x_bthwc.shape[-1], self.features)
+        kernel = self.param("kernel", _KERNEL_INIT, shape, self.param_dtype)
         bias = self.param("bias", _BIAS_INIT, (self.features,), self.param_dtype)
+        x = x_bthwc.astype(self.dtype)
         pad = k // 2
+        spatial = ((0, 0), (pad, pad), (pad, pad))
+        if pad and self.padding_mode != "zeros":
+            # torch pads first (F.pad) and convolves unpadded for every mode but zeros.
+            mode = PADDING_MODES[self.padding_mode]
+            x = jnp.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad), (0, 0)), mode=mode)
+            spatial = ((0, 0), (0, 0), (0, 0))
         y = jax.lax.conv_general_dilated(
-            x_bthwc.astype(self.dtype),
+            x,
             kernel.astype(self.dtype),
             window_strides=self.strides,
-            padding=((0, 0), (pad, pad), (pad, pad)),
+            padding=spatial,
             dimension_numbers=("NDHWC", "DHWIO", "NDHWC"),
         )
         return y + bias.astype(self.dtype)
 
 
 class CausalConv3d(nn.Module):
-    """diffusers ``LTXVideoCausalConv3d``: :func:`replicate_pad_time`, then the Conv3d
-    (parameters under ``conv``, as diffusers' ``self.conv``)."""
+    """diffusers ``LTXVideoCausalConv3d`` / ``LTX2VideoCausalConv3d``: :func:`replicate_pad_time`,
+    then the :class:`Conv3d` (parameters under ``conv``, as diffusers' ``self.conv``)."""
 
     features: int
     kernel_size: int = 3
     strides: tuple[int, int, int] = (1, 1, 1)
     is_causal: bool = True
+    padding_mode: str = "zeros"
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -585,6 +633,7 @@ class CausalConv3d(nn.Module):
             self.features,
             self.kernel_size,
             self.strides,
+            self.padding_mode,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="conv",
@@ -617,9 +666,11 @@ class TimeEmbedder(nn.Module):
 
 
 class ResnetBlock3d(nn.Module):
-    """diffusers ``LTXVideoResnetBlock3d``: (RMS norm, [timestep scale/shift], SiLU, causal
-    conv, [noise]) x 2, plus the input, through ``norm3`` (LayerNorm) + a 1x1x1
-    ``conv_shortcut`` when the width changes.
+    """diffusers ``LTXVideoResnetBlock3d`` / ``LTX2VideoResnetBlock3d``: (RMS norm, [timestep
+    scale/shift], SiLU, causal conv, [noise]) x 2, plus the input, through ``norm3``
+    (LayerNorm) + a 1x1x1 ``conv_shortcut`` when the width changes: a causal conv in
+    LTX-Video (key ``conv_shortcut.conv.weight``), a plain conv with ``plain_shortcut``
+    (LTX-2, key ``conv_shortcut.weight``).
 
     ``temb``: ``[B, 4 C]`` (already embedded by the block) with ``timestep_conditioning``;
     ``noise``: two ``[H, W]`` arrays with ``inject_noise`` (diffusers' two ``torch.randn``
@@ -631,12 +682,13 @@ class ResnetBlock3d(nn.Module):
     is_causal: bool = True
     inject_noise: bool = False
     timestep_conditioning: bool = False
+    padding_mode: str = "zeros"
+    plain_shortcut: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array, temb=None, noise: Sequence[jax.Array] = ()) -> jax.Array:
-        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
         c_in = x.shape[-1]
         h = pixel_norm(x.astype(self.dtype))
         if self.timestep_conditioning:
@@ -644,31 +696,41 @@ class ResnetBlock3d(nn.Module):
             mod = temb.reshape(temb.shape[0], 4, c_in) + table.astype(self.dtype)[None]
             shift_1, scale_1, shift_2, scale_2 = (_per_sample(mod[:, i]) for i in range(4))
             h = h * (1 + scale_1) + shift_1
-        h = CausalConv3d(self.out_channels, is_causal=self.is_causal, name="conv1", **kw)(silu(h))
+        h = self._conv("conv1")(silu(h))
         if self.inject_noise:
             h = self._add_noise(h, noise[0], "per_channel_scale1", c_in)
         h = pixel_norm(h)
         if self.timestep_conditioning:
             h = h * (1 + scale_2) + shift_2
-        h = CausalConv3d(self.out_channels, is_causal=self.is_causal, name="conv2", **kw)(silu(h))
+        h = self._conv("conv2")(silu(h))
         if self.inject_noise:
             h = self._add_noise(h, noise[1], "per_channel_scale2", c_in)
-        shortcut = x
-        if c_in != self.out_channels:
-            shortcut = AffineLayerNorm(eps=self.eps, name="norm3", **kw)(x)
-            shortcut = CausalConv3d(
-                self.out_channels,
-                kernel_size=1,
-                is_causal=self.is_causal,
-                name="conv_shortcut",
-                **kw,
-            )(shortcut)
-        return h + shortcut.astype(self.dtype)
+        return h + self._shortcut(x).astype(self.dtype)
+
+    def _conv(self, name: str, kernel_size: int = 3) -> CausalConv3d:
+        return CausalConv3d(
+            self.out_channels,
+            kernel_size,
+            is_causal=self.is_causal,
+            padding_mode=self.padding_mode,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+        )
+
+    def _shortcut(self, x: jax.Array) -> jax.Array:
+        if x.shape[-1] == self.out_channels:
+            return x
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        x = AffineLayerNorm(eps=self.eps, name="norm3", **kw)(x)
+        if self.plain_shortcut:
+            return Conv3d(self.out_channels, kernel_size=1, name="conv_shortcut", **kw)(x)
+        return self._conv("conv_shortcut", kernel_size=1)(x)
 
     def _add_noise(self, h, noise_hw, name, channels):
         # diffusers sizes the scale by the block's INPUT width (equal to its output wherever
-        # diffusers can run it; LTXVideoVAEConfig refuses the rest).
-        scale = self.param(name, _CHANNEL_ZEROS, (channels,), self.param_dtype)
+        # diffusers can run it; the configs refuse the rest).
+        scale = self.param(name, CHANNEL_ZEROS, (channels,), self.param_dtype)
         if tuple(noise_hw.shape) != tuple(h.shape[2:4]):
             raise ValueError(
                 f"{self.name}: noise has shape {tuple(noise_hw.shape)} but this resnet runs at "
@@ -679,14 +741,15 @@ class ResnetBlock3d(nn.Module):
 
 
 class Downsampler3d(nn.Module):
-    """diffusers ``LTXVideoDownsampler3d`` (0.9.5): prepend ``s_t - 1`` copies of the first
-    frame, then a stride-1 causal conv to ``out / (s_t s_h s_w)`` channels folded to ``out``
-    by :func:`space_to_depth`, plus the input folded the same way and averaged over groups of
-    ``in s_t s_h s_w / out`` channels."""
+    """diffusers ``LTXVideoDownsampler3d`` (0.9.5, and LTX-2's): prepend ``s_t - 1`` copies of
+    the first frame, then a stride-1 causal conv to ``out / (s_t s_h s_w)`` channels folded to
+    ``out`` by :func:`space_to_depth`, plus the input folded the same way and averaged over
+    groups of ``in s_t s_h s_w / out`` channels."""
 
     out_channels: int
     stride: tuple[int, int, int]
     is_causal: bool = True
+    padding_mode: str = "zeros"
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -700,6 +763,7 @@ class Downsampler3d(nn.Module):
         h = CausalConv3d(
             self.out_channels // prod,
             is_causal=self.is_causal,
+            padding_mode=self.padding_mode,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="conv",
@@ -708,69 +772,71 @@ class Downsampler3d(nn.Module):
 
 
 class Upsampler3d(nn.Module):
-    """diffusers ``LTXVideoUpsampler3d(stride=(2, 2, 2))``: a causal conv to ``8 C / factor``
-    channels unfolded by :func:`depth_to_space` to ``C / factor`` channels at twice the
-    frames / height / width, the first frame dropped (F -> 2F - 1). ``residual``: plus the
-    input unfolded the same way (C / 8 channels) and tiled 8 / factor times over channels."""
+    """diffusers ``LTXVideoUpsampler3d`` / ``LTX2VideoUpsampler3d``: a causal conv to
+    ``prod(stride) C / factor`` channels unfolded by :func:`depth_to_space` to ``C / factor``
+    channels, the first ``s_t - 1`` frames dropped (F -> s_t F - s_t + 1). ``residual``: plus
+    the input unfolded the same way (``C / prod(stride)`` channels) and tiled
+    ``prod(stride) / factor`` times over channels. LTX-Video's stride is always (2, 2, 2)."""
 
     residual: bool = False
     upscale_factor: int = 1
     is_causal: bool = True
+    stride: tuple[int, int, int] = UPSAMPLE_STRIDE
+    padding_mode: str = "zeros"
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        stride = UPSAMPLE_STRIDE
-        prod = math.prod(stride)
+        prod = math.prod(self.stride)
         conv = CausalConv3d(
             x.shape[-1] * prod // self.upscale_factor,
             is_causal=self.is_causal,
+            padding_mode=self.padding_mode,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="conv",
         )
-        h = depth_to_space(conv(x), stride)[:, stride[0] - 1 :]
+        drop = self.stride[0] - 1
+        h = depth_to_space(conv(x), self.stride)[:, drop:]
         if self.residual:
-            shortcut = depth_to_space(x, stride)[:, stride[0] - 1 :]
+            shortcut = depth_to_space(x, self.stride)[:, drop:]
             h = h + jnp.tile(shortcut, (1, 1, 1, 1, prod // self.upscale_factor))
         return h
 
 
 class DownBlock3D(nn.Module):
-    """diffusers ``LTXVideoDownBlock3D`` (0.9.0) and ``LTXVideo095DownBlock3D``: resnets at the
-    input width, then the level's downsampler (``downsamplers_0``: a stride-2 causal conv for
-    ``"conv"``, else a :class:`Downsampler3d` with that stride), then for 0.9.0 a
-    channel-changing ``conv_out`` resnet."""
+    """diffusers ``LTXVideoDownBlock3D`` (0.9.0), ``LTXVideo095DownBlock3D`` and
+    ``LTX2VideoDownBlock3D``: resnets at the input width, then the level's downsampler
+    (``downsamplers_0``: a stride-2 causal conv for ``"conv"``, else a :class:`Downsampler3d`
+    with that stride), then for 0.9.0 a channel-changing ``conv_out`` resnet."""
 
     level: EncoderLevel
     eps: float = 1e-6
     is_causal: bool = True
+    padding_mode: str = "zeros"
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        lv, causal = self.level, self.is_causal
+        conv_kw = {"is_causal": self.is_causal, "padding_mode": self.padding_mode, **kw}
+        lv = self.level
         for i in range(lv.num_layers):
-            block = ResnetBlock3d(lv.in_channels, self.eps, causal, name=f"resnets_{i}", **kw)
-            x = block(x)
+            x = ResnetBlock3d(lv.in_channels, self.eps, name=f"resnets_{i}", **conv_kw)(x)
         if lv.downsample == "conv":
-            x = CausalConv3d(
-                lv.in_channels, strides=(2, 2, 2), is_causal=causal, name="downsamplers_0", **kw
-            )(x)
+            conv = CausalConv3d(lv.in_channels, strides=(2, 2, 2), name="downsamplers_0", **conv_kw)
+            x = conv(x)
         elif lv.downsample is not None:
-            down = Downsampler3d(
-                lv.out_channels, lv.downsample, causal, name="downsamplers_0", **kw
-            )
+            down = Downsampler3d(lv.out_channels, lv.downsample, name="downsamplers_0", **conv_kw)
             x = down(x)
         if lv.conv_out:
-            x = ResnetBlock3d(lv.out_channels, self.eps, causal, name="conv_out", **kw)(x)
+            x = ResnetBlock3d(lv.out_channels, self.eps, name="conv_out", **conv_kw)(x)
         return x
 
 
-def _split_noise(noise: Sequence[jax.Array], counts: Sequence[int]) -> list[tuple]:
+def split_noise(noise: Sequence[jax.Array], counts: Sequence[int]) -> list[tuple]:
     """Consecutive runs of ``counts[i]`` arrays (diffusers' draw order, block by block)."""
     runs, start = [], 0
     for n in counts:
@@ -780,15 +846,16 @@ def _split_noise(noise: Sequence[jax.Array], counts: Sequence[int]) -> list[tupl
 
 
 class MidBlock3d(nn.Module):
-    """diffusers ``LTXVideoMidBlock3d``: ``num_layers`` resnets at the input width; with
-    timestep conditioning its ``time_embedder`` turns the (scaled) timestep into their
-    ``[B, 4 C]`` modulation."""
+    """diffusers ``LTXVideoMidBlock3d`` / ``LTX2VideoMidBlock3d``: ``num_layers`` resnets at the
+    input width; with timestep conditioning its ``time_embedder`` turns the (scaled) timestep
+    into their ``[B, 4 C]`` modulation."""
 
     num_layers: int
     eps: float = 1e-6
     is_causal: bool = True
     inject_noise: bool = False
     timestep_conditioning: bool = False
+    padding_mode: str = "zeros"
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -800,7 +867,7 @@ class MidBlock3d(nn.Module):
         if self.timestep_conditioning:
             emb = TimeEmbedder(4 * channels, name="time_embedder", **kw)(temb)
         per_resnet = 2 if self.inject_noise else 0
-        runs = _split_noise(noise, [per_resnet] * self.num_layers)
+        runs = split_noise(noise, [per_resnet] * self.num_layers)
         for i in range(self.num_layers):
             x = ResnetBlock3d(
                 channels,
@@ -808,6 +875,7 @@ class MidBlock3d(nn.Module):
                 self.is_causal,
                 self.inject_noise,
                 self.timestep_conditioning,
+                self.padding_mode,
                 name=f"resnets_{i}",
                 **kw,
             )(x, emb, runs[i])
@@ -815,40 +883,75 @@ class MidBlock3d(nn.Module):
 
 
 class UpBlock3d(nn.Module):
-    """diffusers ``LTXVideoUpBlock3d``: [``conv_in`` resnet changing width], [time embedder],
-    the :class:`Upsampler3d` (``upsamplers_0``), then ``num_layers`` resnets."""
+    """diffusers ``LTXVideoUpBlock3d`` / ``LTX2VideoUpBlock3d``: [``conv_in`` resnet changing
+    width, its shortcut plain with ``plain_shortcut``], [time embedder], the
+    :class:`Upsampler3d` (``upsamplers_0``, the level's stride), then ``num_layers`` resnets."""
 
     level: DecoderLevel
     eps: float = 1e-6
     is_causal: bool = True
     timestep_conditioning: bool = False
+    padding_mode: str = "zeros"
+    plain_shortcut: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array, temb=None, noise: Sequence[jax.Array] = ()) -> jax.Array:
         kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        lv, causal = self.level, self.is_causal
-        if lv.conv_in:  # never with conditioning or noise (LTXVideoVAEConfig refuses those)
-            x = ResnetBlock3d(lv.out_channels, self.eps, causal, name="conv_in", **kw)(x)
+        conv_kw = {"is_causal": self.is_causal, "padding_mode": self.padding_mode, **kw}
+        lv = self.level
+        if lv.conv_in:  # never with conditioning or noise (both configs refuse those)
+            conv_in = ResnetBlock3d(
+                lv.out_channels,
+                self.eps,
+                plain_shortcut=self.plain_shortcut,
+                name="conv_in",
+                **conv_kw,
+            )
+            x = conv_in(x)
         emb = None
         if self.timestep_conditioning:
             emb = TimeEmbedder(4 * lv.in_channels, name="time_embedder", **kw)(temb)
-        if lv.upsample:
-            x = Upsampler3d(lv.residual, lv.factor, causal, name="upsamplers_0", **kw)(x)
+        if lv.upsample is not None:
+            up = Upsampler3d(
+                lv.residual, lv.factor, stride=lv.upsample, name="upsamplers_0", **conv_kw
+            )
+            x = up(x)
         per_resnet = 2 if lv.inject_noise else 0
-        runs = _split_noise(noise, [per_resnet] * lv.num_layers)
+        runs = split_noise(noise, [per_resnet] * lv.num_layers)
         for i in range(lv.num_layers):
             x = ResnetBlock3d(
                 lv.out_channels,
                 self.eps,
-                causal,
-                lv.inject_noise,
-                self.timestep_conditioning,
+                inject_noise=lv.inject_noise,
+                timestep_conditioning=self.timestep_conditioning,
                 name=f"resnets_{i}",
-                **kw,
+                **conv_kw,
             )(x, emb, runs[i])
         return x
+
+
+def scale_decode_timestep(decoder: nn.Module, temb_b: jax.Array) -> jax.Array:
+    """The decode timesteps times the decoder's ``timestep_scale_multiplier`` parameter (created
+    in ``decoder``'s scope; call from its compact ``__call__``), as diffusers scales them
+    before every time embedder."""
+    # diffusers' 0-d parameter, kept as [1] here: weights.load_params places a 0-d tensor as
+    # shape (1,) (np.ascontiguousarray of a 0-d array is 1-d).
+    init = nn.with_logical_partitioning(nn.initializers.constant(TIMESTEP_SCALE), (None,))
+    multiplier = decoder.param("timestep_scale_multiplier", init, (1,), decoder.param_dtype)
+    return temb_b.astype(decoder.dtype) * multiplier.astype(decoder.dtype)[0]
+
+
+def modulate_decoder_output(decoder: nn.Module, x_bthwc: jax.Array, temb_b: jax.Array):
+    """The decoder head's timestep scale / shift after its last norm: ``time_embedder`` and
+    ``scale_shift_table`` in ``decoder``'s scope (call from its compact ``__call__``)."""
+    channels = x_bthwc.shape[-1]
+    kw = {"dtype": decoder.dtype, "param_dtype": decoder.param_dtype}
+    emb = TimeEmbedder(2 * channels, name="time_embedder", **kw)(temb_b)
+    table = decoder.param("scale_shift_table", _TABLE_INIT, (2, channels), decoder.param_dtype)
+    mod = emb.reshape(emb.shape[0], 2, channels) + table.astype(decoder.dtype)[None]
+    return x_bthwc * (1 + _per_sample(mod[:, 1])) + _per_sample(mod[:, 0])
 
 
 class Encoder3d(nn.Module):
@@ -893,17 +996,9 @@ class Decoder3d(nn.Module):
         causal, eps, cond = cfg.decoder_causal, cfg.resnet_norm_eps, cfg.timestep_conditioning
         x = CausalConv3d(cfg.decoder_width, is_causal=causal, name="conv_in", **kw)(z_bthwc)
         if cond:
-            # diffusers' 0-d parameter, kept as [1] here: weights.load_params places a 0-d
-            # tensor as shape (1,) (np.ascontiguousarray of a 0-d array is 1-d).
-            multiplier = self.param(
-                "timestep_scale_multiplier",
-                nn.with_logical_partitioning(nn.initializers.constant(TIMESTEP_SCALE), (None,)),
-                (1,),
-                self.param_dtype,
-            )
-            temb = temb.astype(self.dtype) * multiplier.astype(self.dtype)[0]
+            temb = scale_decode_timestep(self, temb)
         mid_layers, mid_noise = cfg.decoder_mid
-        runs = _split_noise(noise, _noise_counts(cfg))
+        runs = split_noise(noise, noise_counts(cfg))
         mid = MidBlock3d(mid_layers, eps, causal, mid_noise, cond, name="mid_block", **kw)
         x = mid(x, temb, runs[0])
         for i, level in enumerate(cfg.decoder_levels):
@@ -911,11 +1006,7 @@ class Decoder3d(nn.Module):
             x = block(x, temb, runs[i + 1])
         x = pixel_norm(x)
         if cond:
-            channels = x.shape[-1]
-            emb = TimeEmbedder(2 * channels, name="time_embedder", **kw)(temb)
-            table = self.param("scale_shift_table", _TABLE_INIT, (2, channels), self.param_dtype)
-            mod = emb.reshape(emb.shape[0], 2, channels) + table.astype(self.dtype)[None]
-            x = x * (1 + _per_sample(mod[:, 1])) + _per_sample(mod[:, 0])
+            x = modulate_decoder_output(self, x, temb)
         out = cfg.out_channels * cfg.patch_size**2
         x = CausalConv3d(out, is_causal=causal, name="conv_out", **kw)(silu(x))
         return unpatchify(x, cfg.patch_size)
@@ -926,7 +1017,7 @@ class Decoder3d(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 
-def _noise_counts(config: LTXVideoVAEConfig) -> list[int]:
+def noise_counts(config: CausalVAELayout) -> list[int]:
     """Noise draws per decoder block, mid block first: 2 per resnet of a noisy block."""
     mid_layers, mid_noise = config.decoder_mid
     counts = [2 * mid_layers if mid_noise else 0]
@@ -935,7 +1026,7 @@ def _noise_counts(config: LTXVideoVAEConfig) -> list[int]:
 
 
 def decoder_noise_shapes(
-    config: LTXVideoVAEConfig, latent_hw: Sequence[int]
+    config: CausalVAELayout, latent_hw: Sequence[int]
 ) -> tuple[tuple[int, int], ...]:
     """``(H, W)`` of every noise draw decoding latents of height/width ``latent_hw``, in
     diffusers' ``torch.randn`` order (mid block, then up blocks; per resnet conv1 then
@@ -944,15 +1035,15 @@ def decoder_noise_shapes(
     mid_layers, mid_noise = config.decoder_mid
     shapes = [(h, w)] * (2 * mid_layers if mid_noise else 0)
     for level in config.decoder_levels:
-        if level.upsample:
-            h, w = h * UPSAMPLE_STRIDE[1], w * UPSAMPLE_STRIDE[2]
+        if level.upsample is not None:
+            h, w = h * level.upsample[1], w * level.upsample[2]
         if level.inject_noise:
             shapes += [(h, w)] * (2 * level.num_layers)
     return tuple(shapes)
 
 
 def sample_decoder_noise(
-    config: LTXVideoVAEConfig, latent_hw: Sequence[int], rng: jax.Array, dtype=jnp.float32
+    config: CausalVAELayout, latent_hw: Sequence[int], rng: jax.Array, dtype=jnp.float32
 ) -> tuple[jax.Array, ...]:
     """Standard normal noise for every draw of :func:`decoder_noise_shapes` (our stand-in for
     diffusers' global-RNG ``torch.randn``; same distribution, not the same numbers)."""
@@ -995,7 +1086,7 @@ def denormalize_latents(
     return z_bcfhw * std / config.scaling_factor + mean
 
 
-def latent_shape(config: LTXVideoVAEConfig, video_shape: Sequence[int]) -> tuple[int, ...]:
+def latent_shape(config: CausalVAELayout, video_shape: Sequence[int]) -> tuple[int, ...]:
     """The latent shape of a ``[B, C, F, H, W]`` video; ValueError naming the dimension where
     diffusers' reshapes would fail (H / W not divisible by patch_size, or by 2 before a
     space-to-depth level; an even frame count before a temporal space-to-depth level)."""
@@ -1012,23 +1103,34 @@ def latent_shape(config: LTXVideoVAEConfig, video_shape: Sequence[int]) -> tuple
             raise ValueError(f"video {name} {size} is not divisible by patch_size {p}")
     h, w = h // p, w // p
     for i, level in enumerate(config.encoder_levels):
-        if level.downsample == "conv":
-            f, h, w = (f - 1) // 2 + 1, (h - 1) // 2 + 1, (w - 1) // 2 + 1
-        elif level.downsample is not None:
-            s_t, s_h, s_w = level.downsample
-            if (f + s_t - 1) % s_t:
-                raise ValueError(
-                    f"down block {i} folds {s_t} frames after prepending {s_t - 1}: it gets {f} "
-                    f"frames (use 1 + {config.temporal_compression}k frames)"
-                )
-            for name, size, s in (("height", h, s_h), ("width", w, s_w)):
-                if size % s:
-                    raise ValueError(
-                        f"down block {i} folds {s} pixels but the {name} there is {size} "
-                        f"(use a video {name} divisible by {config.spatial_compression})"
-                    )
-            f, h, w = (f + s_t - 1) // s_t, h // s_h, w // s_w
+        f, h, w = downsampled_size(config, i, level.downsample, (f, h, w))
     return (b, config.latent_channels, f, h, w)
+
+
+def downsampled_size(
+    config: CausalVAELayout, i: int, downsample, fhw: tuple[int, int, int]
+) -> tuple[int, int, int]:
+    """(F, H, W) after down block ``i``'s downsampler (``"conv"``: stride 2 after padding 2
+    frames / 1 pixel a side; a stride: folded after prepending ``s_t - 1`` frames); ValueError
+    naming the dimension diffusers' reshapes would fail on."""
+    f, h, w = fhw
+    if downsample is None:
+        return fhw
+    if downsample == "conv":
+        return (f - 1) // 2 + 1, (h - 1) // 2 + 1, (w - 1) // 2 + 1
+    s_t, s_h, s_w = downsample
+    if (f + s_t - 1) % s_t:
+        raise ValueError(
+            f"down block {i} folds {s_t} frames after prepending {s_t - 1}: it gets {f} "
+            f"frames (use 1 + {config.temporal_compression}k frames)"
+        )
+    for name, size, s in (("height", h, s_h), ("width", w, s_w)):
+        if size % s:
+            raise ValueError(
+                f"down block {i} folds {s} pixels but the {name} there is {size} "
+                f"(use a video {name} divisible by {config.spatial_compression})"
+            )
+    return (f + s_t - 1) // s_t, h // s_h, w // s_w
 
 
 def check_video(config: LTXVideoVAEConfig, video_shape: Sequence[int]) -> None:
@@ -1036,7 +1138,7 @@ def check_video(config: LTXVideoVAEConfig, video_shape: Sequence[int]) -> None:
     latent_shape(config, video_shape)
 
 
-def check_latents(config: LTXVideoVAEConfig, z_shape: Sequence[int]) -> None:
+def check_latents(config: CausalVAELayout, z_shape: Sequence[int]) -> None:
     """Raise ValueError naming the dimension when latents do not fit this VAE."""
     if len(z_shape) != 5:
         raise ValueError(f"latents must be [B, C, F, H, W], got shape {tuple(z_shape)}")
@@ -1048,7 +1150,7 @@ def check_latents(config: LTXVideoVAEConfig, z_shape: Sequence[int]) -> None:
         raise ValueError(f"latents have an empty dimension: shape {tuple(z_shape)}")
 
 
-def _timesteps(config: LTXVideoVAEConfig, temb, batch: int):
+def decode_timesteps(config: CausalVAELayout, temb, batch: int):
     """The decode timestep per sample ([B] float), or None without timestep conditioning."""
     if not config.timestep_conditioning:
         if temb is not None:
@@ -1065,7 +1167,8 @@ def _timesteps(config: LTXVideoVAEConfig, temb, batch: int):
     return jnp.broadcast_to(t, (batch,))
 
 
-def _check_noise(config: LTXVideoVAEConfig, z_shape, noise) -> tuple:
+def check_noise(config: CausalVAELayout, z_shape, noise) -> tuple:
+    """``noise`` as a tuple; ValueError unless it has the shapes of :func:`decoder_noise_shapes`."""
     expected = decoder_noise_shapes(config, z_shape[3:5])
     noise = tuple(noise or ())
     got = tuple(tuple(n.shape) for n in noise)
@@ -1077,28 +1180,39 @@ def _check_noise(config: LTXVideoVAEConfig, z_shape, noise) -> tuple:
     return noise
 
 
+def decode_arguments(config: CausalVAELayout, z_shape, temb, noise, rng) -> tuple:
+    """(decode timesteps or None, noise): :func:`decode`'s checked inputs besides the latents;
+    the noise drawn from ``rng`` when the VAE injects noise and none is given."""
+    if config.injects_noise and noise is None:
+        if rng is None:
+            raise ValueError("this VAE injects noise while decoding: pass noise= or rng=")
+        noise = sample_decoder_noise(config, z_shape[3:5], rng)
+    noise = check_noise(config, z_shape, noise)
+    return decode_timesteps(config, temb, z_shape[0]), noise
+
+
 # ----------------------------------------------------------------------------------------------
 # The model
 # ----------------------------------------------------------------------------------------------
 
 
-def _to_channel_last(x_bcfhw: jax.Array) -> jax.Array:
+def to_channel_last(x_bcfhw: jax.Array) -> jax.Array:
     return jnp.transpose(x_bcfhw, (0, 2, 3, 4, 1))
 
 
-def _to_channel_first(x_bfhwc: jax.Array) -> jax.Array:
+def to_channel_first(x_bfhwc: jax.Array) -> jax.Array:
     return jnp.transpose(x_bfhwc, (0, 4, 1, 2, 3))
 
 
-def _constrain_video(x_bthwc: jax.Array) -> jax.Array:
+def constrain_video(x_bthwc: jax.Array) -> jax.Array:
     names = ("frames", "height", "width", "channels")
     return sharding.constrain(x_bthwc, ("activation_batch", *(f"activation_{n}" for n in names)))
 
 
-def _moments_to_posterior(h_bthwc: jax.Array, latent_channels: int) -> DiagonalGaussian:
+def moments_to_posterior(h_bthwc: jax.Array, latent_channels: int) -> DiagonalGaussian:
     """conv_out's ``latent + 1`` channels -> (mean, clamped logvar) in ``[B, C, F, H, W]``; the
     last channel is every latent channel's log-variance (diffusers repeats it)."""
-    h = _to_channel_first(h_bthwc)
+    h = to_channel_first(h_bthwc)
     mean = h[:, :latent_channels]
     logvar = jnp.broadcast_to(h[:, latent_channels:], mean.shape)
     return DiagonalGaussian(mean, jnp.clip(logvar, *LOGVAR_RANGE))
@@ -1126,27 +1240,29 @@ class LTXVideoVAE(nn.Module):
         self.encoder = Encoder3d(cfg, **kw)
         self.decoder = Decoder3d(cfg, **kw)
         shape = (cfg.latent_channels,)
-        self.latents_mean = self.param("latents_mean", _CHANNEL_ZEROS, shape, self.param_dtype)
-        self.latents_std = self.param("latents_std", _CHANNEL_ONES, shape, self.param_dtype)
+        self.latents_mean = self.param("latents_mean", CHANNEL_ZEROS, shape, self.param_dtype)
+        self.latents_std = self.param("latents_std", CHANNEL_ONES, shape, self.param_dtype)
 
     def encode(self, video_bcfhw: jax.Array) -> DiagonalGaussian:
         check_video(self.config, video_bcfhw.shape)
-        x = _constrain_video(_to_channel_last(video_bcfhw).astype(self.dtype))
-        return _moments_to_posterior(self.encoder(x), self.config.latent_channels)
+        x = constrain_video(to_channel_last(video_bcfhw).astype(self.dtype))
+        return moments_to_posterior(self.encoder(x), self.config.latent_channels)
 
     def decode(self, z_bcfhw: jax.Array, temb=None, noise: Sequence[jax.Array] = ()):
         check_latents(self.config, z_bcfhw.shape)
-        t = _timesteps(self.config, temb, z_bcfhw.shape[0])
-        noise = _check_noise(self.config, z_bcfhw.shape, noise)
-        z = _constrain_video(_to_channel_last(z_bcfhw).astype(self.dtype))
-        return _to_channel_first(self.decoder(z, t, noise))
+        t = decode_timesteps(self.config, temb, z_bcfhw.shape[0])
+        noise = check_noise(self.config, z_bcfhw.shape, noise)
+        z = constrain_video(to_channel_last(z_bcfhw).astype(self.dtype))
+        return to_channel_first(self.decoder(z, t, noise))
 
     def __call__(self, video_bcfhw: jax.Array, temb=None, noise: Sequence[jax.Array] = ()):
         return self.decode(self.encode(video_bcfhw).mode(), temb, noise)
 
 
 @functools.lru_cache(maxsize=32)
-def _jitted(module: LTXVideoVAE, method: str):
+def jitted(module: nn.Module, method: str):
+    """``module.apply`` of ``method`` under jit, cached per (module, method)."""
+
     def run(params, *args):
         return module.apply({"params": params}, *args, method=method)
 
@@ -1159,7 +1275,7 @@ def encode(module: LTXVideoVAE, params, video_bcfhw: jax.Array) -> DiagonalGauss
     compression (s = :attr:`~LTXVideoVAEConfig.spatial_compression`, t =
     :attr:`~LTXVideoVAEConfig.temporal_compression`) ``1 + t k`` frames give ``1 + k``."""
     check_video(module.config, video_bcfhw.shape)
-    return _jitted(module, "encode")(params, jnp.asarray(video_bcfhw))
+    return jitted(module, "encode")(params, jnp.asarray(video_bcfhw))
 
 
 def decode(
@@ -1178,15 +1294,9 @@ def decode(
     otherwise). With ``decoder_inject_noise``: ``noise`` (the arrays of
     :func:`decoder_noise_shapes`, diffusers' draw order) or ``rng`` to draw it.
     """
-    config = module.config
-    check_latents(config, z_bcfhw.shape)
-    if config.injects_noise and noise is None:
-        if rng is None:
-            raise ValueError("this VAE injects noise while decoding: pass noise= or rng=")
-        noise = sample_decoder_noise(config, z_bcfhw.shape[3:5], rng)
-    noise = _check_noise(config, z_bcfhw.shape, noise)
-    t = _timesteps(config, temb, z_bcfhw.shape[0])
-    return _jitted(module, "decode")(params, jnp.asarray(z_bcfhw), t, noise)
+    check_latents(module.config, z_bcfhw.shape)
+    t, noise = decode_arguments(module.config, z_bcfhw.shape, temb, noise, rng)
+    return jitted(module, "decode")(params, jnp.asarray(z_bcfhw), t, noise)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1204,14 +1314,14 @@ def _dummy_inputs(config: LTXVideoVAEConfig):
     return video, latents, temb
 
 
-def _create_parameters(module: LTXVideoVAE, video, latents, temb):
+def create_parameters(module: nn.Module, video, latents, temb):
     """``init``'s method: the encoder, and the decoder with zero noise."""
     module.encode(video)
     shapes = decoder_noise_shapes(module.config, latents.shape[3:5])
     return module.decode(latents, temb, tuple(jnp.zeros(s, latents.dtype) for s in shapes))
 
 
-def _create_encoder_parameters(module: LTXVideoVAE, video, latents, temb):
+def create_encoder_parameters(module: nn.Module, video, latents, temb):
     """``init``'s method for an encoder-only load: the encoder and the latent statistics."""
     return module.encode(video)
 
@@ -1223,7 +1333,7 @@ _SCALAR_AS_VECTOR = weights.Invertible(lambda w: w.reshape(1), lambda v: v.resha
 _AS_IS = ("scale_shift_table", "latents_mean", "latents_std")
 
 
-def _source_entry(path: tuple[str, ...], ndim: int) -> tuple[str, weights.Transform]:
+def source_entry(path: tuple[str, ...], ndim: int) -> tuple[str, weights.Transform]:
     """Flax param path -> (diffusers key, transform). Module names mirror diffusers attribute
     names; list entries are written ``resnets_3`` for diffusers' ``resnets.3``."""
     *modules, leaf = path
@@ -1255,7 +1365,7 @@ _FILL = {
 }
 
 
-def _fill(name: str, shape: tuple[int, ...], dtype: Dtype) -> jax.Array:
+def fill(name: str, shape: tuple[int, ...], dtype: Dtype) -> jax.Array:
     """init_ltx_vae's value of every parameter but the kernels."""
     return jnp.full(shape, _FILL[name], dtype)
 
@@ -1265,10 +1375,10 @@ KIND = weights.VAEKind(
     LTXVideoVAE,
     LTXVideoVAEConfig,
     _dummy_inputs,
-    lambda config, boxed: weights.weight_map_by_path(boxed, _source_entry),
-    trace_method=_create_parameters,
-    encoder_method=_create_encoder_parameters,
-    fill=_fill,
+    lambda config, boxed: weights.weight_map_by_path(boxed, source_entry),
+    trace_method=create_parameters,
+    encoder_method=create_encoder_parameters,
+    fill=fill,
 )
 abstract_params = KIND.abstract_params
 # Entries of params that are diffusers buffers, not parameters (AutoencoderKLLTXVideo's
@@ -1296,5 +1406,5 @@ def load_ltx_vae(directory: str | os.PathLike, *, dtype: Dtype = jnp.float32, **
 
 
 def init_ltx_vae(config: LTXVideoVAEConfig, rng: jax.Array, *, dtype: Dtype = jnp.float32, **kw):
-    """:meth:`jaxcore.weights.VAEKind.init`: kernels LeCun normal, the rest :data:`_FILL`."""
+    """:meth:`jaxcore.weights.VAEKind.init`: kernels LeCun normal, the rest :func:`fill`."""
     return KIND.init(config, rng, dtype=dtype, param_dtype=dtype, **kw)
