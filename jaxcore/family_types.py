@@ -104,11 +104,14 @@ class ImageInputs:
     model such as Wan 2.2 TI2V) or ``"required"`` (an image-to-video model); and whether it also
     takes a ``last_image`` (first-last-frame to video); ``max_images``: how many images the
     ``image`` slot takes (above 1: a list of reference images, e.g. Flux.2 [klein]'s 1-4, whose
-    sizes a batch must share)."""
+    sizes a batch must share); ``size_from_image``: a prompt with images and no size renders at
+    the size :meth:`Family.size_from_image` derives from its first image (Flux2KleinPipeline's
+    fallback when ``height`` / ``width`` are None)."""
 
     image: str = "none"
     last_image: bool = False
     max_images: int = 1
+    size_from_image: bool = False
 
     def check_count(self, count: int, where: str) -> None:
         """Raise ValueError naming ``where`` when a list of ``count`` images does not fit."""

@@ -8,7 +8,8 @@ other components, the component configs, the scheduler config) and runs
    image-to-video models, its conditioning images;
 2. :meth:`Pipeline.sample`: the shared jitted denoising loop (:mod:`jaxcore.sampling`), with the
    second expert of a two-expert model (:class:`SecondExpert`) where there is one;
-3. :meth:`Pipeline.decode`: latents -> frames ``[B, F, H, W, 3]`` in [0, 1].
+3. :meth:`Pipeline.decode`: latents -> frames ``[B, F, H, W, 3]`` in [0, 1] (and, for a family
+   that renders sound, :meth:`Pipeline.decode_audio`: latents -> waveforms).
 
 Everything model-specific is a call into ``self.family``; nothing here knows a model.
 """
@@ -736,6 +737,15 @@ class Pipeline:
         a family may read (None: the pipeline's defaults)."""
         with self.context():
             return self.family.decode(self, latents, conditioning)
+
+    def decode_audio(
+        self, latents, conditioning: Mapping[str, Any] | None = None
+    ) -> tuple[jax.Array, int] | None:
+        """The render's sound beside :meth:`decode`'s frames: ``(waveform [B, channels,
+        samples] float32 in [-1, 1], sample rate in Hz)``, or None for a family without sound
+        (:meth:`jaxcore.families.base.Family.decode_audio`)."""
+        with self.context():
+            return self.family.decode_audio(self, latents, conditioning)
 
     def __call__(
         self,

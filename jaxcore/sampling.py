@@ -19,6 +19,9 @@ With CFG the two branches run as one denoiser call on ``[cond; uncond]`` (2B row
 ``data`` mesh axis they spread over its devices) unless ``batched_cfg`` is off (two calls);
 the result equals two calls within fp32 round-off. Step caching (:mod:`jaxcore.step_cache`:
 First-Block-Cache, MagCache, calibration) runs inside the same loop, its state in the carry.
+What the denoiser's calls need from the weights and the conditioning but not from the step
+(Flux.2 [klein] KV's reference keys and values) is made once in the same program, before the
+loop (:meth:`Family.loop_conditioning`), and every step takes it.
 
 Initial noise is drawn per prompt from its seed alone (:func:`initial_latents`), never from a
 batch-level key, so outputs do not depend on batch composition, batch size or device count.
@@ -168,6 +171,7 @@ def denoise(
     gives the arguments' meaning)."""
     batch = latents.shape[0]
     guidance = per_sample_guidance(latents, cfg_on_b, cfg_scale_b, rescale_b)
+    cond, uncond = prepared_conditioning(loop, params, cond, uncond)
     schedule = cstate = ratios = None
     if loop.cache.enabled:
         schedule, cstate = cache_in["schedule"], cache_in["state"]
@@ -185,6 +189,17 @@ def denoise(
         start, stop, body, (latents, state, cstate, ratios)
     )
     return x, state, ({"state": cstate, "ratios": ratios} if loop.cache.enabled else None)
+
+
+def prepared_conditioning(loop: Loop, params, cond, uncond):
+    """Both branches' conditioning as every step's denoiser call takes it
+    (:meth:`Family.loop_conditioning`, once per loop run, before its first step); the negative
+    branch only where CFG runs (it is ignored otherwise)."""
+    weights = _for_denoiser(loop, params, loop.module)
+    cond = loop.family.loop_conditioning(loop.module, weights, cond)
+    if loop.use_cfg:
+        uncond = loop.family.loop_conditioning(loop.module, weights, uncond)
+    return cond, uncond
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,8 @@ What a family tells the stages:
   encoders themselves (:meth:`Family.load_encoders`: media -> latents, captions -> tensors).
 - **media <-> latents**: which sizes it can encode (:meth:`Family.geometry`), the latent shape
   (:meth:`Family.latent_shape`), encode (in :class:`Encoders`) and decode (:meth:`Family.decode`).
+- **sound** (LTX-2): a family that renders an audio track beside the frames decodes it in
+  :meth:`Family.decode_audio` (default: none); generate muxes it into the MP4 and writes a WAV.
 - **the denoiser**: config, build, init, load, shard (``abstract_params``) and export to
   diffusers format through the functions of its model module (:class:`DenoiserModel`, data);
   apply to ``(latents, timestep, conditioning)``, FLOPs.
@@ -24,8 +26,10 @@ What a family tells the stages:
   (:meth:`Family.guidance`).
 - **image conditioning** (image-to-video): which image inputs a pipeline takes
   (:meth:`Family.image_inputs`), how they become conditioning tensors
-  (:meth:`Family.encode_images`), and what the loop's result needs before decoding
-  (:meth:`Family.finish_latents`).
+  (:meth:`Family.encode_images`), what the loop's result needs before decoding
+  (:meth:`Family.finish_latents`), and what the loop computes from them once per render
+  rather than every step (:meth:`Family.loop_conditioning`: Flux.2 [klein] KV's reference
+  keys and values).
 - **two experts** (Wan 2.2 A14B): :meth:`Family.load_pipeline` may give the pipeline a second
   denoiser and the timestep where it takes over (:class:`jaxcore.pipeline.SecondExpert`).
 - **the training target**: :attr:`Family.objective` ("flow_matching" for the flow families;
@@ -111,6 +115,11 @@ class Encoders(abc.ABC):
             )
         padded, count = self._padded(list(videos[:, :, 0]), "images")
         return np.stack(padded), count
+
+    def encode_references(self, images: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+        """Edit pairs: one reference image per row -> the reference latents a record holds
+        (a family whose :meth:`Family.reference_features` gives any)."""
+        raise NotImplementedError(f"{type(self).__name__} encodes no reference images")
 
     def encode_media_conditioning(self, videos: np.ndarray) -> dict[str, np.ndarray]:
         """``[B, 3, F, H, W]`` in [-1, 1] -> the conditioning a record takes from its own
@@ -345,6 +354,13 @@ class Family(abc.ABC):
         )
         return (latents, *conditioning)
 
+    def reference_features(self, directory, height: int, width: int) -> tuple[TensorSpec, ...]:
+        """Edit pairs: the reference latents one reference image of ``height x width`` adds to
+        a record (its Encoders then implement ``encode_references``)."""
+        raise FamilyError(
+            f"the {self.name} family's pipelines take no reference images (edit pairs)"
+        )
+
     def check_features(self, denoiser_config, features: Mapping[str, TensorSpec], where: str):
         """Records must carry what the denoiser takes: the conditioning names and widths
         (the text length may differ) and latents with the denoiser's channel count."""
@@ -508,6 +524,14 @@ class Family(abc.ABC):
         first), for a family whose decoding follows per-prompt settings (LTX-Video's decode
         timestep and noise); None: the pipeline's defaults."""
 
+    def decode_audio(self, pipe, latents, conditioning: Mapping[str, Any] | None = None):
+        """The sound track a render carries beside its frames (LTX-2 renders video and audio
+        together): ``(waveform [B, channels, samples] float32 in [-1, 1], sample rate in Hz)``
+        from the same latents and conditioning :meth:`decode` takes, or None (the default):
+        the family renders no sound, and generate writes frames only."""
+        del pipe, latents, conditioning
+        return None
+
     @abc.abstractmethod
     def sampling_defaults(self, configs: Mapping[str, Any]) -> dict[str, Any]:
         """What the diffusers pipeline renders when not told otherwise: ``height``, ``width``,
@@ -604,6 +628,11 @@ class Family(abc.ABC):
         del configs
         return ImageInputs()
 
+    def size_from_image(self, configs: Mapping[str, Any], width: int, height: int):
+        """(height, width) of a render sized by its first image, for a family whose
+        :class:`ImageInputs` has ``size_from_image``."""
+        raise FamilyError(f"the {self.name} family takes no render size from an image")
+
     def encode_images(
         self, pipe, images: Sequence, height: int, width: int, num_frames: int
     ) -> dict[str, np.ndarray]:
@@ -625,6 +654,17 @@ class Family(abc.ABC):
         """The sampling loop's result -> the latents to decode (jittable). Default: as is."""
         del conditioning
         return latents
+
+    def loop_conditioning(self, module, params, conditioning: Mapping[str, Any]):
+        """The conditioning every :meth:`apply` of one render takes, made from the render's
+        conditioning once, inside the jitted sampling loop before its first step (jittable;
+        ``module`` and ``params``: the denoiser as :meth:`apply` gets it). What depends on the
+        weights and the conditioning but not on the step or the latents is computed here once
+        instead of at every step (Flux.2 [klein] KV: the reference images' per-layer keys and
+        values). Each CFG branch that runs is prepared on its own; a two-expert loop prepares
+        with the first denoiser. Default: as is."""
+        del module, params
+        return conditioning
 
     def loss_mask(self, latents_shape, conditioning: Mapping[str, Any]):
         """Training: where the loss counts, an array broadcastable to ``latents_shape`` (0 on

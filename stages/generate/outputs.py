@@ -2,8 +2,11 @@
 
 Layout of a generate artifact::
 
-    outputs/<name>.png | outputs/<name>.mp4   1-frame renders as PNG, videos as MP4 (H.264)
+    outputs/<name>.png | outputs/<name>.mp4   1-frame renders as PNG, videos as MP4 (H.264,
+                                              and AAC when the render has sound)
     outputs/<name>.npy                        float32 [F, H, W, 3] in [0, 1] (save_arrays=true)
+    outputs/<name>.wav                        the render's sound, 16-bit PCM (families with audio)
+    outputs/<name>.audio.npy                  float32 [channels, samples] (sound, save_arrays=true)
     thumbs/<name>.png                         first frame, small (for the gallery)
     records/<name>.json                       per-prompt record, written LAST for that prompt
     contact_sheet.png, index.html             the gallery of the whole run
@@ -17,12 +20,15 @@ the missing prompts.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import io
 import json
 import logging
 import os
+import subprocess
 import tempfile
+import wave
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,6 +44,50 @@ OUTPUTS, THUMBS, RECORDS = "outputs", "thumbs", "records"
 CONTACT_SHEET, GALLERY = "contact_sheet.png", "index.html"
 CACHE_REPORT, CACHE_COMPARISON = "cache_report.json", "cache_comparison.png"
 IDENTICAL_PSNR = 200.0
+# the sample rates AAC (ISO 14496-3) defines; another rate is resampled to the next one up
+AAC_SAMPLE_RATES = (
+    7350, 8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000
+)  # fmt: skip
+AAC_MAX_CHANNELS = 8
+AAC_BITRATE_PER_CHANNEL = 96_000  # bit/s: transparent for speech and music at 16-48 kHz
+PCM_SCALE = 32767.0  # float [-1, 1] -> 16-bit PCM, symmetric as diffusers' LTX-2 export
+
+
+@dataclasses.dataclass(frozen=True)
+class Audio:
+    """One render's sound: ``waveform`` float32 [channels, samples] in [-1, 1] and its
+    ``sample_rate`` in Hz (a row of :meth:`jaxcore.families.base.Family.decode_audio`)."""
+
+    waveform: np.ndarray
+    sample_rate: int
+
+    def __post_init__(self):
+        waveform = np.asarray(self.waveform, np.float32)
+        if waveform.ndim != 2 or not 1 <= waveform.shape[0] <= AAC_MAX_CHANNELS:
+            raise ValueError(
+                f"audio waveform: expected [channels (1-{AAC_MAX_CHANNELS}), samples], got "
+                f"shape {waveform.shape}"
+            )
+        if waveform.shape[1] == 0 or not np.isfinite(waveform).all():
+            raise ValueError("audio waveform: expected finite samples, at least one")
+        if int(self.sample_rate) != self.sample_rate or not 0 < self.sample_rate <= 192_000:
+            raise ValueError(
+                f"audio sample_rate: expected Hz in (0, 192000], got {self.sample_rate}"
+            )
+        object.__setattr__(self, "waveform", waveform)
+        object.__setattr__(self, "sample_rate", int(self.sample_rate))
+
+    @property
+    def channels(self) -> int:
+        return self.waveform.shape[0]
+
+    @property
+    def samples(self) -> int:
+        return self.waveform.shape[1]
+
+    @property
+    def seconds(self) -> float:
+        return self.samples / self.sample_rate
 
 
 def media_path(name: str, num_frames: int) -> str:
@@ -53,23 +103,73 @@ def encode_png(frame_hwc: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def encode_mp4(frames_fhwc: np.ndarray, fps: int) -> bytes:
-    """H.264 MP4 through imageio's ffmpeg (bundled by imageio-ffmpeg), via a temp file."""
-    import imageio.v2 as imageio
-
+def encode_mp4(frames_fhwc: np.ndarray, fps: int, audio: Audio | None = None) -> bytes:
+    """H.264 MP4 through imageio's ffmpeg (bundled by imageio-ffmpeg), via a temp file; with
+    ``audio``, the same video stream muxed with an AAC stream of it."""
     allow_fork_exec_under_jax()  # ffmpeg is a child process
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "video.mp4")
-        writer = imageio.get_writer(
-            path, fps=fps, codec="libx264", quality=8, macro_block_size=16, ffmpeg_log_level="error"
-        )
-        try:
-            for frame in frames_fhwc:
-                writer.append_data(np.asarray(frame, np.uint8))
-        finally:
-            writer.close()
+        _write_h264(path, frames_fhwc, fps)
+        if audio is not None:
+            path = _mux_aac(path, audio, tmp)
         return Path(path).read_bytes()
+
+
+def _write_h264(path: str, frames_fhwc: np.ndarray, fps: int) -> None:
+    import imageio.v2 as imageio
+
+    writer = imageio.get_writer(
+        path, fps=fps, codec="libx264", quality=8, macro_block_size=16, ffmpeg_log_level="error"
+    )
+    try:
+        for frame in frames_fhwc:
+            writer.append_data(np.asarray(frame, np.uint8))
+    finally:
+        writer.close()
+
+
+def aac_sample_rate(sample_rate: int) -> int:
+    """The rate an MP4's AAC stream carries ``sample_rate`` at: itself where AAC defines it,
+    else the next defined rate up (the top one past it)."""
+    return next((r for r in AAC_SAMPLE_RATES if r >= sample_rate), AAC_SAMPLE_RATES[-1])
+
+
+def _mux_aac(video_path: str, audio: Audio, tmp: str) -> str:
+    """The H.264 stream copied beside an AAC encoding of ``audio`` (from a WAV, so the AAC is
+    made from the same 16-bit samples the artifact's WAV holds); returns the new file's path."""
+    import imageio_ffmpeg
+
+    wav_path, out_path = os.path.join(tmp, "audio.wav"), os.path.join(tmp, "muxed.mp4")
+    Path(wav_path).write_bytes(encode_wav(audio))
+    rate = aac_sample_rate(audio.sample_rate)
+    # an AAC frame holds at most 6144 bits per channel per 1024 samples: 6 bits per sample
+    bitrate = audio.channels * min(AAC_BITRATE_PER_CHANNEL, 6 * rate)
+    command = [
+        imageio_ffmpeg.get_ffmpeg_exe(), "-nostdin", "-v", "error", "-y",
+        "-i", video_path, "-i", wav_path, "-map", "0:v:0", "-map", "1:a:0",
+        "-c:v", "copy", "-c:a", "aac", "-b:a", str(bitrate), "-ar", str(rate), out_path,
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"ffmpeg could not mux the audio ({audio.channels} channel(s), {audio.sample_rate} "
+            f"Hz) into the MP4: {done.stderr.strip()[-2000:]}"
+        )
+    return out_path
+
+
+def encode_wav(audio: Audio) -> bytes:
+    """16-bit PCM WAV of ``audio`` (channels and sample rate kept; samples clipped to [-1, 1]
+    and rounded: ``round(x * 32767)``)."""
+    pcm = np.round(np.clip(audio.waveform, -1.0, 1.0) * PCM_SCALE).astype("<i2")
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(audio.channels)
+        out.setsampwidth(2)
+        out.setframerate(audio.sample_rate)
+        out.writeframes(np.ascontiguousarray(pcm.T).tobytes())  # interleaved frames
+    return buffer.getvalue()
 
 
 def thumbnail(frame_hwc: np.ndarray, size: int) -> bytes:
@@ -98,18 +198,21 @@ def write_prompt_outputs(
     fps: int,
     save_arrays: bool,
     thumbnail_size: int,
+    audio: Audio | None = None,
 ) -> dict:
     """Encode and write one prompt's files, then its record (last). Returns the record.
 
     ``video_fhwc``: float32 [F, H, W, 3] in [0, 1]; ``record`` holds id/name/params/...;
-    the written paths are added to it.
+    the written paths are added to it. ``audio``: the render's sound (muxed into a video's
+    MP4; written as WAV, and as .audio.npy with ``save_arrays``); the record's ``audio``
+    describes it. Without sound, the files and record are what they were before sound.
     """
     from jaxcore.sampling import to_uint8
 
     name = record["name"]
     frames = to_uint8(video_fhwc)
     output = media_path(name, frames.shape[0])
-    data = encode_png(frames[0]) if frames.shape[0] == 1 else encode_mp4(frames, fps)
+    data = encode_png(frames[0]) if frames.shape[0] == 1 else encode_mp4(frames, fps, audio)
     storage.write_bytes(storage.join(root, output), data)
     thumb = f"{THUMBS}/{name}.png"
     storage.write_bytes(storage.join(root, thumb), thumbnail(frames[0], thumbnail_size))
@@ -117,10 +220,32 @@ def write_prompt_outputs(
     if save_arrays:
         record["array"] = f"{OUTPUTS}/{name}.npy"
         storage.write_bytes(storage.join(root, record["array"]), npy_bytes(video_fhwc))
+    if audio is not None:
+        record["audio"] = write_audio(root, name, audio, save_arrays, muxed=frames.shape[0] > 1)
     storage.write_text(
         storage.join(root, f"{RECORDS}/{name}.json"), json.dumps(record, indent=1, sort_keys=True)
     )
     return record
+
+
+def write_audio(root: str, name: str, audio: Audio, save_arrays: bool, muxed: bool) -> dict:
+    """The sound's WAV (and, with ``save_arrays``, its float32 .npy); what the record says of
+    it: the files, ``sample_rate``, ``channels``, ``samples``, ``seconds``, and whether the
+    output MP4 carries it too (``in_output``; a 1-frame render's PNG cannot)."""
+    wav = f"{OUTPUTS}/{name}.wav"
+    storage.write_bytes(storage.join(root, wav), encode_wav(audio))
+    array = f"{OUTPUTS}/{name}.audio.npy" if save_arrays else None
+    if array is not None:
+        storage.write_bytes(storage.join(root, array), npy_bytes(audio.waveform))
+    return {
+        "wav": wav,
+        "array": array,
+        "sample_rate": audio.sample_rate,
+        "channels": audio.channels,
+        "samples": audio.samples,
+        "seconds": round(audio.seconds, 6),
+        "in_output": muxed,
+    }
 
 
 def write_dense(root: str, name: str, cached_fhwc: np.ndarray, dense_fhwc: np.ndarray) -> dict:
@@ -254,6 +379,14 @@ def _cache_section(report: Mapping | None) -> str:
     )
 
 
+def _audio_player(audio: Mapping) -> str:
+    """A card's player for its WAV (styled inline: a gallery without sound keeps its bytes)."""
+    return (
+        f'<audio src="{html.escape(audio["wav"])}" controls preload="none" '
+        'style="width:256px;display:block"></audio>'
+    )
+
+
 def gallery_html(
     records: Iterable[Mapping], title: str, cache_report: Mapping | None = None
 ) -> str:
@@ -263,10 +396,12 @@ def gallery_html(
     for record in records:
         params = record["params"]
         output = html.escape(record["output"])
+        audio = record.get("audio")
         if output.endswith(".mp4"):
+            muted = "" if audio else " muted"  # a render with sound plays it
             media = (
                 f'<video src="{output}" poster="{html.escape(record["thumbnail"])}" '
-                "controls loop muted playsinline></video>"
+                f"controls loop{muted} playsinline></video>"
             )
         else:
             media = f'<img src="{output}" alt="{html.escape(record["id"])}">'
@@ -278,7 +413,7 @@ def gallery_html(
         negative = params.get("negative_prompt") or ""
         cards.append(
             '<figure class="card">'
-            f'<a href="{output}">{media}</a>'
+            f'<a href="{output}">{media}</a>{_audio_player(audio) if audio else ""}'
             f"<figcaption><b>{html.escape(record['id'])}</b> {html.escape(params['prompt'])}"
             + (f'<br><span class="neg">not: {html.escape(negative)}</span>' if negative else "")
             + f'<br><span class="meta">{html.escape(settings)} · '

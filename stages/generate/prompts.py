@@ -140,6 +140,10 @@ class PromptSpec:
     timesteps: tuple[float, ...] | None = None
     # ControlNet inputs (control images, scales, window, ...), None: none
     control: control_inputs.ControlSpec | None = None
+    # the sides ("height", "width") neither the line nor the config gives, for a model that
+    # sizes a render by its first image (ImageInputs.size_from_image), each side on its own as
+    # the pipeline's ``height or image_height``: they hold the defaults until run.py reads it
+    size_from_image: tuple[str, ...] = ()
     # (width, height) of each reference image, set (after the files are read) only for a model
     # that takes several: a batch shares its references' token layout; None: not grouped by it
     image_sizes: tuple[tuple[int, int], ...] | None = None
@@ -451,6 +455,15 @@ def _resolve_loras(given: list[dict], prompt_file: str) -> tuple[tuple[str, floa
     return tuple(out)
 
 
+def _sides_from_image(
+    given: dict, defaults: SamplingSection, fields: dict, image_inputs: ImageInputs | None
+) -> tuple[str, ...]:
+    """The sides a line leaves to its first image (none unless the model sizes by it)."""
+    if fields["image"] is None or image_inputs is None or not image_inputs.size_from_image:
+        return ()
+    return tuple(s for s in ("height", "width") if s not in given and getattr(defaults, s) is None)
+
+
 def _check_values(
     fields: dict, where: str, geometry: Geometry | None, image_inputs: ImageInputs | None
 ) -> None:
@@ -634,6 +647,7 @@ def resolve_prompts(
                 conditions=conditions,
                 timesteps=timesteps,
                 control=controlled,
+                size_from_image=_sides_from_image(given, defaults, fields, image_inputs),
                 **fields,
             )
         )

@@ -292,6 +292,8 @@ class _InFlight:
     dense: object = None  # the dense render beside a cached one (cache.compare_dense)
     seconds: tuple[float, float] | None = None  # (cached, dense) device seconds when compared
     compiled: bool = False  # the first batch of its group (its timings include compilation)
+    # the render's sound, for a family that has it: (waveform [local rows, C, S], sample rate)
+    audio: tuple | None = None
 
 
 def _sample(
@@ -404,8 +406,9 @@ def _dispatch(
     args = (pipe, latents, cond, uncond, scales, first, scheduler, cache, per_row)
     z, stats = _sample(*args, plan)
     video = pipe.decode(z, cond)
+    audio = pipe.decode_audio(z, cond)  # None for a family without sound
     if cache is None or not cache.config.compare_dense:
-        return _InFlight(batch, video, started, stats)
+        return _InFlight(batch, video, started, stats, audio=audio)
     import jax
 
     jax.block_until_ready(video)
@@ -418,7 +421,7 @@ def _dispatch(
     key = (first.group_key, pipe.denoiser)
     compiled = key not in _TIMED_GROUPS
     _TIMED_GROUPS.add(key)
-    return _InFlight(batch, video, started, stats, dense, seconds, compiled)
+    return _InFlight(batch, video, started, stats, dense, seconds, compiled, audio)
 
 
 # (group key, denoiser) pairs whose programs a compared render has compiled in this process
@@ -456,6 +459,28 @@ def _row_extras(flight: _InFlight) -> list[dict]:
     return extras
 
 
+def _row_audio(pipe, flight: _InFlight) -> list:
+    """Per local row its :class:`stages.generate.outputs.Audio`, or None per row for a family
+    without sound."""
+    from jaxcore.family_types import FamilyError
+    from stages.generate.outputs import Audio
+
+    rows = len(flight.batch.local_rows)
+    if flight.audio is None:
+        return [None] * rows
+    waveform, sample_rate = flight.audio
+    waveform = _local_rows(waveform)
+    if waveform.ndim != 3 or waveform.shape[0] != rows:
+        raise FamilyError(
+            f"the {pipe.family.name} family's decode_audio gave a waveform of shape "
+            f"{waveform.shape}; expected [{rows} rows, channels, samples]"
+        )
+    try:
+        return [Audio(row, sample_rate) for row in waveform]
+    except ValueError as err:
+        raise FamilyError(f"the {pipe.family.name} family's decode_audio: {err}") from None
+
+
 def _local_rows(array) -> np.ndarray:
     """This process's rows of a batch-sharded array, in row order, on the host."""
     if getattr(array, "is_fully_addressable", True):
@@ -486,7 +511,9 @@ def render_batches(
 ) -> list[dict]:
     """Render every batch; ``on_result(spec, video_fhwc, seconds, batch_size, extra)`` runs in
     the writer pool for each real prompt of this process (``extra``: step-cache counters and
-    the dense render, see :func:`_row_extras`). Returns the records it produced.
+    the dense render, see :func:`_row_extras`; ``audio``, a
+    :class:`stages.generate.outputs.Audio`, when the family renders sound). Returns the
+    records it produced.
     ``stop()`` true: no further batch starts (the one in flight and its files finish).
     ``skip(batch)`` true: the batch is not rendered (a resumed run's finished batches); it
     still counts in the grouping of texts to encode, as in the run that rendered it."""
@@ -498,6 +525,9 @@ def render_batches(
             seconds = (time.perf_counter() - flight.started) / max(1, len(flight.batch.specs))
             offset = flight.batch.local_rows[0]
             extras = _row_extras(flight)
+            for extra, audio in zip(extras, _row_audio(pipe, flight), strict=True):
+                if audio is not None:  # absent without sound: the records stay as they were
+                    extra["audio"] = audio
             for row, spec in flight.batch.local_real():
                 future = pool.submit(
                     on_result,

@@ -178,6 +178,7 @@ def _checked_prompts(config: GenerateConfig, entries, source):
         config.control,
     )
     specs = _checked_control(specs, source)
+    specs = _sized_from_images(specs, source)
     source.check_guidance(specs)
     return specs, config.sampling.scheduler or defaults["scheduler"]
 
@@ -212,6 +213,29 @@ def _checked_control(specs, source) -> list:
     return sized
 
 
+def _sized_from_images(specs, source) -> list:
+    """The sides a line leaves unset, for a model that sizes a render by its first image
+    (Flux.2 [klein]: the first reference as the pipeline prepares it), taken from that image
+    (read now: a missing image fails before anything loads)."""
+    from jaxcore.families import FamilyError
+    from stages.generate.images import read_image
+
+    out = []
+    for spec in specs:
+        if spec.size_from_image:
+            where = f"line {spec.line} (id {spec.id!r})"
+            width, height = read_image(spec.image_uris[0], where)[0].size
+            try:
+                height, width = source.family.size_from_image(source.configs, width, height)
+                sides = {"height": height, "width": width}
+                spec = dataclasses.replace(spec, **{s: sides[s] for s in spec.size_from_image})
+                source.geometry.check(spec.height, spec.width, spec.num_frames)
+            except (ValueError, FamilyError) as err:
+                raise StageInputError(f"{where}: image {spec.image_uris[0]}: {err}") from None
+        out.append(spec)
+    return out
+
+
 def _spec_fingerprint(
     config, cache, scheduler, run_fp, lora_sha, image_sha, spec: PromptSpec
 ) -> str:
@@ -234,8 +258,8 @@ def _write_prompt(
     batch_size,
     extra,
 ) -> dict:
-    """A rendered prompt's files and its record (with the step cache's figures and, with
-    ``compare_dense``, the dense render's)."""
+    """A rendered prompt's files and its record (with the step cache's figures, with
+    ``compare_dense`` the dense render's, and the render's sound where the family has it)."""
     import jax
 
     record = {
@@ -267,6 +291,7 @@ def _write_prompt(
         fps=config.output.fps,
         save_arrays=config.output.save_arrays,
         thumbnail_size=config.output.thumbnail_size,
+        audio=extra.get("audio"),
     )
 
 
@@ -377,6 +402,7 @@ def _finish(config, writer, specs, checks, provenance, rendered, elapsed, schedu
                 "params": r["params"],
                 "loras": r.get("loras", []),
                 "seconds": round(r["seconds"], 4),
+                **({"audio": r["audio"]} if "audio" in r else {}),  # a render with sound
             }
             for r in ordered
         ],
