@@ -8,6 +8,7 @@ model family names (:meth:`jaxcore.families.Family.record_features`) plus shapes
 | ``latents`` | bytes | ``tf.io.serialize_tensor`` of float32 latents, normalised as the family does |
 | ``<name>`` | bytes | each conditioning tensor of the family (Wan: ``encoder_hidden_states`` [L, D]) |
 | ``<name>_shape`` | int64 list | the shape of each tensor above |
+| (edit pairs) | bytes | the family's reference latents (e.g. ``reference_0``), named by its hook |
 | ``caption`` | bytes | UTF-8 caption |
 | ``source_id`` | bytes | stable id of the source row |
 | ``timesteps`` | int64 | eval split only: the fixed timestep (0..1000) this record is scored at |
@@ -45,6 +46,11 @@ EMPTY_PROMPT_FILE = "empty_prompt.safetensors"
 # the source id of the one extra item a convert job encodes for the empty caption
 EMPTY_PROMPT_ID = "__difforge_empty_prompt__"
 DEFAULT_TIMESTEPS_LIST = (125, 250, 375, 500, 625, 750, 875)
+# Edit pairs (stages.convert DatasetConfig.reference_image_column): each row's reference (source)
+# image is resized / cropped as its image and encoded by the family as its pipelines encode a
+# reference image; the records carry those latents under the names of the family's
+# ``reference_features`` hook (clean context beside the noised latents: the loss counts only
+# the latents, as the family's ``apply`` returns only theirs).
 # a ControlNet's conditioning image, [H, W, 3] pixel values 0..255 (whole numbers, held as the
 # record's float32 like every tensor), resized / cropped as the row's image; see
 # stages.convert DatasetConfig.conditioning_image_column

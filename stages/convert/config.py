@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 from jaxcore.compute import ComputeConfig
 from stages.common.records import DEFAULT_TIMESTEPS_LIST
 
+# the item keys of a row's extra images (DatasetConfig.image_columns)
+CONTROL_ITEM = "control"
+REFERENCE_ITEM = "reference"
+
 RUNNERS = (
     "DirectRunner",
     "DataflowRunner",
@@ -60,6 +64,11 @@ class DatasetConfig:
     # each row's is resized / centre-cropped as its image is and stored as pixels
     # (records.CONDITIONING_PIXELS); None: none
     conditioning_image_column: str | None = None
+    # a column of reference images (the source image of an edit pair: diffusers' image
+    # editing datasets' source / input image); one per row, resized / centre-cropped as its
+    # image is, then encoded by the family as its pipelines encode a reference image (the
+    # records' reference latents); refused for a family whose pipelines take none. None: none
+    reference_image_column: str | None = None
 
     def __post_init__(self):
         if not self.source:
@@ -67,10 +76,21 @@ class DatasetConfig:
         for key in ("media_column", "caption_column"):
             if not getattr(self, key):
                 raise ValueError(f"{key} must be a column name")
-        if self.conditioning_image_column is not None and not self.conditioning_image_column:
-            raise ValueError("conditioning_image_column must be a column name or null")
+        for key in ("conditioning_image_column", "reference_image_column"):
+            if getattr(self, key) is not None and not getattr(self, key):
+                raise ValueError(f"{key} must be a column name or null")
         if self.max_items is not None and self.max_items < 1:
             raise ValueError(f"max_items must be >= 1, got {self.max_items}")
+
+    @property
+    def image_columns(self) -> dict[str, str]:
+        """The extra image columns a row carries besides its media, by the item key they
+        become (``control``: the ControlNet's image, ``reference``: an edit's source image)."""
+        columns = {
+            CONTROL_ITEM: self.conditioning_image_column,
+            REFERENCE_ITEM: self.reference_image_column,
+        }
+        return {key: column for key, column in columns.items() if column}
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ compares them with the whole Beam job.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -27,7 +28,7 @@ from jaxcore.compute import ComputeConfig
 from jaxcore.families import Encoders, TensorSpec
 from jaxcore.pipeline import resolve_pipeline_dir
 from stages.common import records
-from stages.convert.config import EncoderConfig
+from stages.convert.config import CONTROL_ITEM, REFERENCE_ITEM, EncoderConfig
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class EncoderHandler:
         videos = np.stack([item["video"] for item in batch])
         tensors = {records.LATENTS: model.encode_media(videos)}
         tensors.update(model.encode_media_conditioning(videos))
+        tensors.update(_encode_references(batch, model))
         # full batches of captions too: the text encoder's results are sliced per call, and a
         # new batch length would compile new slicing programs (rows are independent)
         captions = [item["caption"] for item in batch]
@@ -136,8 +138,8 @@ class EncoderHandler:
             # the empty-prompt item (see records.EMPTY_PROMPT_FILE) keeps its text tensors only
             names = text if item["source_id"] == records.EMPTY_PROMPT_ID else tensors
             out = {name: tensors[name][i] for name in names}
-            if "control" in item:  # the ControlNet's pixels, stored as they are (no encoder)
-                out[records.CONDITIONING_PIXELS] = item["control"].astype(np.float32)
+            if CONTROL_ITEM in item:  # the ControlNet's pixels, stored as they are (no encoder)
+                out[records.CONDITIONING_PIXELS] = item[CONTROL_ITEM].astype(np.float32)
             yield {"source_id": item["source_id"], "caption": item["caption"], "tensors": out}
 
     def encode_empty_prompt(self, model: Encoders) -> dict:
@@ -159,6 +161,30 @@ class EncoderHandler:
 
     def get_metrics_namespace(self) -> str:
         return "convert_encoder"
+
+
+def _encode_references(batch: Sequence[dict], model: Encoders) -> dict[str, np.ndarray]:
+    """The reference latents of a batch of edit pairs (items with a ``reference`` image), by
+    the family's ``encode_references``; none for other batches. The empty-prompt item of a
+    ``large_model`` job has no reference: it borrows a row's (only its text is kept)."""
+    references = [item.get(REFERENCE_ITEM) for item in batch]
+    given = [image for image in references if image is not None]
+    if not given:
+        return {}
+    return model.encode_references([given[0] if r is None else r for r in references])
+
+
+def plan_references(plan: EncoderPlan, height: int, width: int) -> EncoderPlan:
+    """``plan`` with the reference latents one reference image of ``height x width`` adds to
+    every record (edit pairs), by the family's ``reference_features``. A family whose
+    pipelines take no references, or a size they refuse as a reference, is an
+    EncoderLoadError."""
+    family = families.get(plan.family)
+    try:
+        specs = family.reference_features(plan.directory, height, width)
+    except (families.FamilyError, ValueError) as err:
+        raise EncoderLoadError(str(err)) from None
+    return dataclasses.replace(plan, features=(*plan.features, *specs))
 
 
 def _check_shape(name: str, got: Sequence[int], expected: Sequence[int]) -> None:

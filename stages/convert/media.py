@@ -192,16 +192,19 @@ def prepare_video(
     return to_model_input(frames)
 
 
-def prepare_conditioning_image(value: Any, *, height: int, width: int) -> np.ndarray:
-    """A conditioning-image cell -> uint8 ``[height, width, 3]``: decoded, resized and
-    centre-cropped exactly as :func:`prepare_video` treats the row's image (diffusers'
-    train_controlnet.py gives both the same Resize + CenterCrop). Raises :class:`DropItem`
-    (missing, undecodable) with the detail saying it is the conditioning image."""
+def prepare_conditioning_image(
+    value: Any, *, height: int, width: int, what: str = "conditioning image"
+) -> np.ndarray:
+    """A conditioning-image cell (a ControlNet's image, an edit's reference image) -> uint8
+    ``[height, width, 3]``: decoded, resized and centre-cropped exactly as
+    :func:`prepare_video` treats the row's image (diffusers' train_controlnet.py gives both
+    the same Resize + CenterCrop). Raises :class:`DropItem` (missing, undecodable) with the
+    detail saying it is ``what``."""
     try:
         data, name = media_bytes(value)
         clip = decode_media(data, name)
     except DropItem as drop:
-        raise DropItem(drop.reason, f"conditioning image: {drop.detail}") from None
+        raise DropItem(drop.reason, f"{what}: {drop.detail}") from None
     return resize_center_crop(clip.frames[:1], height, width)[0]
 
 

@@ -40,7 +40,14 @@ from apache_beam.utils import shared
 from jaxcore import storage
 from stages.common import records
 from stages.convert import media, split, tfrecord
-from stages.convert.config import BeamConfig, DatasetConfig, MediaConfig, SplitConfig
+from stages.convert.config import (
+    CONTROL_ITEM,
+    REFERENCE_ITEM,
+    BeamConfig,
+    DatasetConfig,
+    MediaConfig,
+    SplitConfig,
+)
 from stages.convert.encode import EncoderHandler, EncoderPlan
 
 log = logging.getLogger(__name__)
@@ -56,6 +63,8 @@ ROWS_PER_READ = 256
 ENCODE_AHEAD = 2  # batches queued for the encoder threads while the next rows are read
 DROPPED_FILE = "dropped/dropped.jsonl"
 RECORD_OVERHEAD_BYTES = 512  # feature names, shapes, id, TFRecord framing: a generous bound
+# how a dropped row's detail names its extra image (DatasetConfig.image_columns)
+IMAGE_WHAT = {CONTROL_ITEM: "conditioning image", REFERENCE_ITEM: "reference image"}
 
 
 def dropped_counter(reason: str) -> str:
@@ -144,15 +153,18 @@ class ReadRows(beam.DoFn):
             sid = row_id(self._id_kind, index, row, cfg, self._root)
             self._rows_read.inc()
             media_cell, caption = chunk[cfg.media_column][offset], chunk[cfg.caption_column][offset]
-            if cfg.conditioning_image_column:  # a ControlNet data set: its image goes along
-                yield sid, media_cell, caption, chunk[cfg.conditioning_image_column][offset]
+            # a ControlNet's or an edit pair's data set: the row's other images go along
+            images = {key: chunk[column][offset] for key, column in cfg.image_columns.items()}
+            if images:
+                yield sid, media_cell, caption, images
             else:
                 yield sid, media_cell, caption
 
 
 class PrepareItem(beam.DoFn):
-    """A row -> ``{"source_id", "caption", "video"}`` (and ``"control"``, uint8 [H, W, 3],
-    for a row with a conditioning image), or a ``dropped`` side output + counter."""
+    """A row -> ``{"source_id", "caption", "video"}`` (and per extra image of the row,
+    ``"control"`` / ``"reference"`` uint8 [H, W, 3], see ``DatasetConfig.image_columns``), or
+    a ``dropped`` side output + counter."""
 
     def __init__(self, media_config: MediaConfig):
         self._media = media_config
@@ -169,9 +181,10 @@ class PrepareItem(beam.DoFn):
             item["video"] = media.prepare_video(
                 cell, height=cfg.height, width=cfg.width, num_frames=cfg.num_frames, fps=cfg.fps
             )
-            if len(row) > 3:  # a bad conditioning image drops the row as a bad image does
-                item["control"] = media.prepare_conditioning_image(
-                    row[3], height=cfg.height, width=cfg.width
+            images = row[3] if len(row) > 3 else {}
+            for key, cell in images.items():  # a bad one drops the row as a bad image does
+                item[key] = media.prepare_conditioning_image(
+                    cell, height=cfg.height, width=cfg.width, what=IMAGE_WHAT[key]
                 )
         except media.DropItem as drop:
             self._counters[drop.reason].inc()

@@ -20,7 +20,12 @@ from stages.common.errors import StageInputError
 from stages.common.preemption import Preempted, Preemption
 from stages.convert import incremental, split
 from stages.convert.config import ConvertConfig
-from stages.convert.encode import EncoderHandler, EncoderLoadError, plan_encoders
+from stages.convert.encode import (
+    EncoderHandler,
+    EncoderLoadError,
+    plan_encoders,
+    plan_references,
+)
 from stages.convert.media import DROP_REASONS
 from stages.convert.pipeline import (
     DROPPED_FILE,
@@ -136,10 +141,17 @@ def _encoder_plan(config: ConvertConfig):
         )
     except EncoderLoadError as err:
         raise StageInputError(str(err)) from None
+    size = (config.media.height, config.media.width)
+    column = config.dataset.reference_image_column
+    if column:  # edit pairs: the reference's latents join every record, at the record's size
+        try:
+            plan = plan_references(plan, *size)
+        except EncoderLoadError as err:
+            raise StageInputError(f"dataset.reference_image_column={column}: {err}") from None
     if not config.dataset.conditioning_image_column:
         return plan
     # the conditioning images' pixels join the encoders' tensors in every record
-    pixels = TensorSpec(records.CONDITIONING_PIXELS, (config.media.height, config.media.width, 3))
+    pixels = TensorSpec(records.CONDITIONING_PIXELS, (*size, 3))
     return dataclasses.replace(plan, features=(*plan.features, pixels))
 
 
@@ -345,6 +357,7 @@ def _summary(
             "caption": config.dataset.caption,
             "id_column": config.dataset.id_column,
             "id_source": id_source,
+            "image_columns": config.dataset.image_columns,
         },
         "encoder": {
             "pretrained_model_name_or_path": config.encoder.pretrained_model_name_or_path,

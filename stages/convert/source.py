@@ -141,14 +141,15 @@ def load_source(config: DatasetConfig):
     _check_columns(dataset, config)
     if config.max_items is not None and config.max_items < len(dataset):
         dataset = dataset.select(range(config.max_items))
-    if config.conditioning_image_column:  # bytes and paths too, decoded as the media are
-        dataset = _undecoded(dataset, config.conditioning_image_column)
+    for column in config.image_columns.values():  # bytes and paths too, decoded as the media are
+        dataset = _undecoded(dataset, column)
     return _undecoded(dataset, config.media_column)
 
 
 def _check_columns(dataset, config: DatasetConfig) -> None:
     columns = list(dataset.column_names)
-    for key in ("media_column", "caption_column", "id_column", "conditioning_image_column"):
+    keys = ("media_column", "caption_column", "id_column")
+    for key in (*keys, "conditioning_image_column", "reference_image_column"):
         name = getattr(config, key)
         if key == "id_column" and name == AUTO:
             continue
