@@ -149,3 +149,183 @@ CONNECTORS_FOR_TINY_GEMMA3 = dict(
     connector_rope_base_seq_len=64,
     rope_type="split",
 )
+
+
+# --- the whole LTX2Pipeline (tests/jaxcore/test_ltx2_pipeline.py) -------------------------------
+
+# The transformer between the tiny Gemma-3's connectors (48-wide captions for both modalities)
+# and the VAEs below: 8 video channels, audio tokens of 2 channels x 4 latent mel bins, the
+# VAE's 4 x 8 x 8 compression as its RoPE scale factors.
+PIPELINE_TRANSFORMER = dict(
+    in_channels=8,
+    out_channels=8,
+    num_attention_heads=2,
+    attention_head_dim=8,
+    cross_attention_dim=16,
+    audio_in_channels=8,
+    audio_out_channels=8,
+    audio_num_attention_heads=2,
+    audio_attention_head_dim=6,
+    audio_cross_attention_dim=12,
+    num_layers=2,
+    caption_channels=48,
+    rope_type="split",
+    vae_scale_factors=(4, 8, 8),
+)
+# The video VAE of tests/jaxcore/test_ltx2_vae.py's released-like layout (compression 8 / 4,
+# scaling_factor 0.8, reflect-padded non-causal decoder), without timestep conditioning.
+PIPELINE_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=8,
+    block_out_channels=(16, 32, 32),
+    down_block_types=("LTX2VideoDownBlock3D",) * 3,
+    decoder_block_out_channels=(4, 16, 32),
+    layers_per_block=(1, 0, 1, 1),
+    decoder_layers_per_block=(1, 1, 1, 1),
+    spatio_temporal_scaling=(True, True, True),
+    decoder_spatio_temporal_scaling=(True, True, True),
+    decoder_inject_noise=False,
+    downsample_type=("spatial", "temporal", "spatiotemporal"),
+    upsample_type=("spatiotemporal", "temporal", "spatial"),
+    upsample_residual=(False, True, True),
+    upsample_factor=(1, 2, 2),
+    timestep_conditioning=False,
+    patch_size=2,
+    encoder_causal=True,
+    decoder_causal=False,
+    decoder_spatial_padding_mode="reflect",
+    spatial_compression_ratio=8,
+    temporal_compression_ratio=4,
+    scaling_factor=0.8,
+)
+# A timestep-conditioned video VAE (tests/jaxcore/test_ltx2_vae.py's "conditioned" layout, no
+# injected noise: diffusers draws it with torch): compression 16 / 4, so the transformer's RoPE
+# scale factors follow (PIPELINE_CONDITIONED_TRANSFORMER).
+PIPELINE_CONDITIONED_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=8,
+    block_out_channels=(8, 16, 32),
+    down_block_types=("LTX2VideoDownBlock3D",) * 3,
+    decoder_block_out_channels=(16, 32),
+    layers_per_block=(1, 1, 1, 1),
+    decoder_layers_per_block=(1, 2, 1),
+    spatio_temporal_scaling=True,
+    decoder_spatio_temporal_scaling=True,
+    decoder_inject_noise=False,
+    downsample_type=("conv", "spatial", "temporal"),
+    upsample_type=("spatiotemporal", "spatiotemporal"),
+    upsample_residual=(True, False),
+    upsample_factor=(2, 2),
+    timestep_conditioning=True,
+    patch_size=4,
+    encoder_causal=False,
+    decoder_causal=True,
+    spatial_compression_ratio=16,
+    temporal_compression_ratio=4,
+    scaling_factor=1.3,
+)
+PIPELINE_CONDITIONED_TRANSFORMER = dict(vae_scale_factors=(4, 16, 16))
+# Audio VAE: 2 latent channels x 16 / 4 mel bins = 8 features per token = base_channels (the
+# latent statistics' length), time-causal as released; 16 kHz, hop 160 (25 latent frames / s).
+PIPELINE_AUDIO_VAE = dict(
+    base_channels=8,
+    output_channels=2,
+    ch_mult=(1, 2, 2),
+    num_res_blocks=1,
+    latent_channels=2,
+    norm_type="pixel",
+    causality_axis="height",
+    mel_bins=16,
+)
+# Vocoder: the audio VAE's 2 x 16 mel channels in, 100 mel frames / s x 6 = 600 samples / s.
+PIPELINE_VOCODER = dict(
+    in_channels=32,
+    hidden_channels=16,
+    out_channels=2,
+    upsample_kernel_sizes=(7, 5),
+    upsample_factors=(3, 2),
+    resnet_kernel_sizes=(3,),
+    resnet_dilations=((1, 2),),
+    act_fn="leaky_relu",
+    leaky_relu_negative_slope=0.2,
+    final_act_fn="tanh",
+    output_sampling_rate=600,
+)
+# Dynamic shifting moved to where the tiny renders' ~10 video tokens fall.
+PIPELINE_SCHEDULER = dict(
+    use_dynamic_shifting=True,
+    base_shift=0.7,
+    max_shift=1.6,
+    base_image_seq_len=4,
+    max_image_seq_len=64,
+)
+
+
+def _perturb(model, seed: int, scale: float = 0.1):
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator))
+    return model.eval()
+
+
+def _with_statistics(vae, seed: int, channels: int):
+    """Non-default latents_mean / latents_std buffers (the pipeline normalises with them)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        vae.latents_mean.copy_(0.3 * torch.randn(channels, generator=generator))
+        vae.latents_std.copy_(0.6 + torch.rand(channels, generator=generator))
+    return vae
+
+
+def build_ltx2_pipeline(
+    directory: str | Path,
+    *,
+    seed: int = 0,
+    vae: dict | None = None,
+    transformer: dict | None = None,
+) -> Path:
+    """Write a tiny random-init ``LTX2Pipeline`` (every parameter perturbed) into
+    ``directory`` with ``save_pretrained``; returns it. ``vae`` / ``transformer``: configs
+    over :data:`PIPELINE_VAE` / :data:`PIPELINE_TRANSFORMER`."""
+    import torch
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2Pipeline,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration
+
+    directory = Path(directory)
+    torch.manual_seed(seed)
+    text_config = Gemma3Config(
+        text_config=GEMMA3_TEXT,
+        vision_config=GEMMA3_VISION,
+        mm_tokens_per_image=GEMMA3_MM_TOKENS_PER_IMAGE,
+    )
+    vae = _perturb(AutoencoderKLLTX2Video(**{**PIPELINE_VAE, **(vae or {})}), seed + 1, 0.05)
+    audio_vae = _perturb(AutoencoderKLLTX2Audio(**PIPELINE_AUDIO_VAE), seed + 2)
+    pipe = LTX2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**PIPELINE_SCHEDULER),
+        vae=_with_statistics(vae, seed + 3, vae.config.latent_channels),
+        audio_vae=_with_statistics(audio_vae, seed + 4, PIPELINE_AUDIO_VAE["base_channels"]),
+        text_encoder=_perturb(Gemma3ForConditionalGeneration(text_config), seed + 5),
+        tokenizer=AutoTokenizer.from_pretrained(gemma_tokenizer_dir(directory / "tokenizer")),
+        connectors=_perturb(LTX2TextConnectors(**CONNECTORS_FOR_TINY_GEMMA3), seed + 6),
+        transformer=_perturb(
+            LTX2VideoTransformer3DModel(**{**PIPELINE_TRANSFORMER, **(transformer or {})}), seed + 7
+        ),
+        vocoder=_perturb(LTX2Vocoder(**PIPELINE_VOCODER), seed + 8),
+    )
+    pipe.save_pretrained(directory)
+    return directory

@@ -1,0 +1,809 @@
+"""LTX-2 as a family: the twin of diffusers' ``LTX2Pipeline`` (text to video with audio).
+
+Reference: ``diffusers/pipelines/ltx2/pipeline_ltx2.py`` (diffusers 0.42):
+
+- prompts -> Gemma-3's hidden states packed ``[L, D * (N + 1)]`` (left-padded to
+  ``max_sequence_length``, :func:`jaxcore.models.gemma3.prompt_embeds`) -> the text connectors
+  (:func:`jaxcore.models.ltx2_connectors.encode`): the video captions
+  (``encoder_hidden_states``), the audio captions (``audio_encoder_hidden_states``) and one mask
+  for both (``encoder_attention_mask``);
+- the transformer (:mod:`jaxcore.models.ltx2_transformer`) denoises video tokens (the VAE's
+  normalised latents packed ``[F' H' W', C]``) and audio tokens (the audio VAE's normalised
+  latents packed ``[L, C_a M']``) together, at the same timestep, with RoPE coordinates from the
+  grid, ``frame_rate`` and the audio length (``use_cross_timestep`` on, diffusers' default; both
+  modalities are at one timestep, so off is the same render);
+- the schedule: flow-match Euler with sigmas ``linspace(1, 1/N, N)`` and ``mu`` linear in the
+  video's token count with the pipeline's own fallbacks (1024 / 4096 tokens, shifts 0.95 / 2.05);
+  one schedule steps both modalities (diffusers deep-copies its scheduler for the audio);
+- decode: the video as the LTX-2 VAE decodes it (:func:`jaxcore.models.ltx2_vae.decode_inputs`),
+  the audio denormalised, unpacked, decoded to a mel spectrogram and vocoded
+  (:meth:`LTX2Family.decode_audio`).
+
+**The loop's latents (one array for two modalities).** The shared sampling loop denoises one
+array, and the schedule, the Euler step and CFG are elementwise, so the family's latents hold
+both modalities in one array ``[C + K, F', H', W']``: channels ``0..C-1`` are the video latents as
+a prompt's ``latents`` file holds them, the ``K`` channels after them hold the audio's packed
+tokens ``[L, C_a M']`` flattened (``K = ceil(L C_a M' / (F' H' W'))``, the rest zeros). The shape
+keeps the video grid (so ``mu``, the coordinates and the unpacking need nothing else) and the
+audio length follows from it (``L`` from the frame count and :data:`FRAME_RATE`); the two packed
+widths (C and ``C_a M'``) may differ. Zeros past the audio stay zero: their prediction is zero,
+so the Euler step and CFG keep them. :func:`joint_latents` / :func:`split_latents` convert.
+Why this layout: it needs no change to the loop or the pipeline (every hook sees one array),
+and the one thing :meth:`LTX2Family.make_schedule` gets, the latents' shape, still says the
+video's token count; one token array ``[F' H' W' + L, D]`` would need equal packed widths and
+would hide where the video ends. The cost is small: the released model at 121 frames of
+768 x 512 has 6144 video tokens and 126 x 128 audio values, K = 3 channels beside 128.
+
+Guidance (diffusers' delta formula on x0 predictions, ``x0 = x - sigma v``, per modality):
+``x0_c + (g - 1)(x0_c - x0_u) + (m - 1)(x0_c - x0_i)`` with ``guidance_scale`` /
+``modality_scale`` for the video and ``audio_guidance_scale`` / ``audio_modality_scale`` for
+the audio (per-prompt settings; 0 or None: the video's, as diffusers' ``or``), ``x0_i`` the
+prediction of a second transformer pass with the cross-modal attention off (modality guidance,
+run where a row of the batch has a modality scale > 1), then ``guidance_rescale`` /
+``audio_guidance_rescale`` (``rescale_noise_cfg`` over each modality's own x0), back to a
+velocity for the Euler step. The shared loop runs CFG by the video's scale, with both branches
+in one denoiser call (``batched_cfg``, its default); :meth:`LTX2Family.apply` sees the pair
+(the branches are marked by :data:`CFG_BRANCH`, a size-conditioning tensor that is 0 in the
+conditional branch and 1 in the negative one) and gives *both* rows of a pair the guided
+velocity, so the loop's ``n + g (p - n)`` returns it unchanged and its own rescale stays off;
+without CFG the conditional rows get the modality guidance and the rescale alone. With
+unbatched CFG the loop's velocity-space CFG is diffusers' formula rewritten (x0 is affine in v)
+as long as the audio uses the video's scale and nothing else guides; otherwise such a render is
+NaN (loud, never silently different). As in diffusers CFG runs when ``guidance_scale > 1``
+(diffusers also when only ``audio_guidance_scale > 1``: not here). The modality pass runs on
+all rows of the call, the negative ones included (diffusers: the conditional ones only).
+
+Not built, and refused by name when set to anything but "off": STG (``stg_scale``,
+``audio_stg_scale``: the perturbed blocks are a static list the conditioning cannot carry),
+``noise_scale``, ``motion_speed`` and a ``frame_rate`` other than
+:data:`FRAME_RATE` (the audio length is part of the latents' shape). diffusers' own defaults
+switch STG on; pass ``stg_scale=0, audio_stg_scale=0`` to render what this family renders.
+
+Decode settings (``decode_timestep``, ``decode_noise_scale``, a timestep-conditioned VAE only):
+the noise is drawn from the prompt's seed as LTX-Video's family draws it
+(:func:`jaxcore.families.ltx.decode_noise`); diffusers draws it with torch, so pixels agree only
+with ``decode_noise_scale=0`` or a VAE without timestep conditioning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcore import sharding
+from jaxcore.families import flow_match
+from jaxcore.families.base import (
+    TEXT_FEATURE,
+    DenoiserModel,
+    Family,
+    FamilyError,
+    Geometry,
+    Guidance,
+    TensorSpec,
+    decoded_frames,
+)
+from jaxcore.families.ltx import decode_noise, seed_words
+from jaxcore.models import (
+    gemma3,
+    ltx2_audio_vae,
+    ltx2_connectors,
+    ltx2_transformer,
+    ltx2_vae,
+    ltx2_vocoder,
+    ltx_transformer,
+)
+
+TEXT = TEXT_FEATURE  # [L, D]: the video connector's captions
+AUDIO_TEXT = "audio_encoder_hidden_states"  # [L, Da]: the audio connector's captions
+TEXT_MASK = "encoder_attention_mask"  # [L]: the connectors' mask (both modalities)
+DECODE_TIMESTEP = "decode_timestep"  # []
+DECODE_NOISE_SCALE = "decode_noise_scale"  # []
+DECODE_SEED = "decode_seed"  # [2] uint32: the prompt's seed, low and high words
+# Guidance (see the module docstring), per row in both branches
+GUIDANCE_SCALE = "guidance_scale"  # []: the video's CFG scale (Guidance.embedded)
+GUIDANCE_RESCALE = "guidance_rescale"  # []: the video's rescale, 0 = off (Guidance.embedded)
+AUDIO_GUIDANCE_SCALE = "audio_guidance_scale"  # []: 0 = the video's (diffusers' `or`)
+AUDIO_GUIDANCE_RESCALE = "audio_guidance_rescale"  # []: 0 = the video's
+CFG_BRANCH = "cfg_branch"  # []: 0 in the conditional branch, 1 in the negative one
+# only where a row of the batch has modality guidance on (its extra transformer pass)
+MODALITY_SCALE = "modality_scale"  # []: 1 = off
+AUDIO_MODALITY_SCALE = "audio_modality_scale"  # []: the audio's (diffusers' `or` resolved)
+
+PIPELINE_CLASS = "LTX2Pipeline"
+NUM_TRAIN_TIMESTEPS = 1000  # the transformer's timestep t = 1000 sigma
+PIPELINE_SIZE_MULTIPLE = 32  # diffusers' check_inputs: height and width divisible by 32
+FRAME_RATE = 24.0  # LTX2Pipeline.__call__'s default frame_rate; the only one built
+DEFAULT_MAX_SEQUENCE_LENGTH = 1024  # LTX2Pipeline.__call__'s default
+CONNECTOR_PADDING_SIDE = "left"  # the pipeline left-pads Gemma's prompts
+# LTX2Pipeline's calculate_shift fallbacks (scheduler configs without these keys)
+SHIFT_DEFAULTS = {
+    "base_image_seq_len": 1024,
+    "max_image_seq_len": 4096,
+    "base_shift": 0.95,
+    "max_shift": 2.05,
+}
+# Per-prompt settings: built ones, and the diffusers options that are refused unless "off".
+SETTINGS = (
+    "frame_rate",
+    "decode_timestep",
+    "decode_noise_scale",
+    AUDIO_GUIDANCE_SCALE,
+    AUDIO_GUIDANCE_RESCALE,
+    MODALITY_SCALE,
+    AUDIO_MODALITY_SCALE,
+    # both modalities denoise at one timestep here, so each one's cross-modal timestep is its
+    # own and the flag changes nothing (diffusers renders the same either way)
+    "use_cross_timestep",
+)
+OFF_SETTINGS = {
+    "stg_scale": (0.0,),
+    "audio_stg_scale": (None, 0.0),
+    "noise_scale": (0.0,),
+    "motion_speed": (1.0,),
+}
+
+
+# --- pure helpers ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class JointLayout:
+    """Where each modality lives in the loop's latents ``[C + K, F', H', W']`` (see the module
+    docstring): ``channels`` C video channels, ``audio_frames`` L audio tokens of
+    ``audio_width`` = C_a M' features in the ``extra`` K channels after them."""
+
+    channels: int
+    grid: tuple[int, int, int]
+    audio_frames: int
+    audio_width: int
+
+    @property
+    def video_tokens(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def audio_size(self) -> int:
+        return self.audio_frames * self.audio_width
+
+    @property
+    def extra(self) -> int:
+        return -(-self.audio_size // self.video_tokens)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.channels + self.extra, *self.grid)
+
+
+def audio_width(audio_vae: ltx2_audio_vae.LTX2AudioVAEConfig) -> int:
+    """Features of one packed audio token: latent channels x latent mel bins."""
+    mel_bins = audio_vae.mel_bins // ltx2_audio_vae.LATENT_DOWNSAMPLE_FACTOR
+    return audio_vae.latent_channels * mel_bins
+
+
+def layout(configs: Mapping, grid: Sequence[int]) -> JointLayout:
+    """The joint layout of a video latent grid ``(F', H', W')`` (the audio at
+    :data:`FRAME_RATE`, as ``LTX2Pipeline`` sizes it from ``num_frames``)."""
+    vae, audio_vae = configs["vae"], configs["audio_vae"]
+    num_frames = vae.temporal_compression_ratio * (grid[0] - 1) + 1
+    frames = ltx2_audio_vae.audio_latent_length(audio_vae, num_frames, FRAME_RATE)
+    return JointLayout(
+        vae.latent_channels, tuple(int(n) for n in grid), frames, audio_width(audio_vae)
+    )
+
+
+def joint_latents(video_bcfhw, audio_bclm, joint: JointLayout) -> np.ndarray:
+    """Video latents ``[B, C, F', H', W']`` and audio latents ``[B, C_a, L, M']`` (both
+    normalised) -> the loop's latents ``[B, C + K, F', H', W']``."""
+    video = np.asarray(video_bcfhw, np.float32)
+    audio = np.asarray(audio_bclm, np.float32)
+    batch = video.shape[0]
+    if (
+        audio.ndim != 4
+        or (audio.shape[0], audio.shape[2]) != (batch, joint.audio_frames)
+        or audio.shape[1] * audio.shape[3] != joint.audio_width
+    ):
+        raise FamilyError(
+            f"audio_latents {list(audio.shape)}: expected [B, C_a, {joint.audio_frames}, M'] "
+            f"with C_a M' = {joint.audio_width} for this video's {joint.grid[0]} latent frames"
+        )
+    tokens = np.transpose(audio, (0, 2, 1, 3)).reshape(batch, -1)  # packed [L, C_a M']
+    padded = np.zeros((batch, joint.extra * joint.video_tokens), np.float32)
+    padded[:, : tokens.shape[1]] = tokens
+    return np.concatenate([video, padded.reshape(batch, joint.extra, *joint.grid)], axis=1)
+
+
+def split_latents(latents, joint: JointLayout):
+    """The loop's latents -> (video ``[B, C, F', H', W']``, packed audio ``[B, L, C_a M']``)."""
+    batch = latents.shape[0]
+    audio = latents[:, joint.channels :].reshape(batch, -1)[:, : joint.audio_size]
+    return latents[:, : joint.channels], audio.reshape(batch, joint.audio_frames, -1)
+
+
+def joined_prediction(video_bcfhw, audio_bld, joint: JointLayout):
+    """A prediction per modality -> the loop's layout (zeros past the audio)."""
+    batch = video_bcfhw.shape[0]
+    flat = audio_bld.reshape(batch, -1)
+    flat = jnp.pad(flat, ((0, 0), (0, joint.extra * joint.video_tokens - joint.audio_size)))
+    return jnp.concatenate([video_bcfhw, flat.reshape(batch, joint.extra, *joint.grid)], axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSettings:
+    """One prompt's render settings: the decode timestep and noise scale, the seed's words, and
+    the audio's guidance scale and rescale (0: the video's, as diffusers' ``or`` reads None)."""
+
+    decode_timestep: float = 0.0
+    decode_noise_scale: float = 0.0
+    seed_words: tuple[int, int] = (0, 0)
+    audio_guidance_scale: float = 0.0
+    audio_guidance_rescale: float = 0.0
+    modality_scale: float = 1.0
+    audio_modality_scale: float = 1.0
+
+    @property
+    def modality_guidance(self) -> bool:
+        """diffusers runs the isolated pass when either modality's scale is > 1."""
+        return self.modality_scale > 1 or self.audio_modality_scale > 1
+
+
+def _number(values: Mapping, key: str, default: float) -> float:
+    value = values.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise FamilyError(f"{key}={value!r}: expected a finite number")
+    return float(value)
+
+
+def check_settings(values: Mapping) -> RowSettings:
+    """One prompt's :class:`RowSettings`; an unknown setting, or a diffusers option this family
+    does not build set to anything but off, is an error naming it."""
+    unknown = sorted(set(values) - {*SETTINGS, *OFF_SETTINGS, "seed"})
+    if unknown:
+        raise FamilyError(f"{unknown}: not settings of LTX-2 (this one takes {list(SETTINGS)})")
+    for name, off in OFF_SETTINGS.items():
+        if name in values and values[name] not in off:
+            raise FamilyError(
+                f"{name}={values[name]!r}: not built for LTX-2 yet (accepted: {list(off)}); "
+                "see jaxcore/families/ltx2.py"
+            )
+    if _number(values, "frame_rate", FRAME_RATE) != FRAME_RATE:
+        raise FamilyError(
+            f"frame_rate={values['frame_rate']}: LTX-2 renders at {FRAME_RATE} fps only for now "
+            "(the audio length is part of the latents' shape)"
+        )
+    timestep = _number(values, "decode_timestep", 0.0)
+    scale = _number(values, "decode_noise_scale", timestep)  # diffusers: None -> the timestep
+    if timestep < 0 or not 0.0 <= scale <= 1.0:
+        raise FamilyError(
+            f"decode_timestep={timestep}, decode_noise_scale={scale}: need >= 0 and [0, 1]"
+        )
+    audio_scale = _number(values, AUDIO_GUIDANCE_SCALE, 0.0)
+    audio_rescale = _number(values, AUDIO_GUIDANCE_RESCALE, 0.0)
+    if audio_scale < 0 or audio_rescale < 0:
+        raise FamilyError(
+            f"{AUDIO_GUIDANCE_SCALE}={audio_scale}, {AUDIO_GUIDANCE_RESCALE}={audio_rescale}: "
+            "must be >= 0 (0 or None: the video's)"
+        )
+    modality = _number(values, MODALITY_SCALE, 1.0)
+    audio_modality = _number(values, AUDIO_MODALITY_SCALE, 0.0) or modality  # diffusers' `or`
+    if not (modality > 1 or audio_modality > 1):  # diffusers: no isolated pass, no delta
+        modality = audio_modality = 1.0
+    if not isinstance(values.get("use_cross_timestep", True), bool):
+        raise FamilyError(f"use_cross_timestep={values['use_cross_timestep']!r}: expected a bool")
+    seed = values.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise FamilyError(f"seed={seed!r}: expected an integer >= 0")
+    return RowSettings(
+        timestep,
+        scale,
+        seed_words(seed),
+        audio_scale,
+        audio_rescale,
+        modality,
+        audio_modality,
+    )
+
+
+def _per_row(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``[R]`` values broadcast against ``like`` ``[R, ...]``."""
+    return x.reshape((-1,) + (1,) * (like.ndim - 1))
+
+
+def x0_guided(x, cond, sigma, scales: Mapping, negative=None, isolated=None):
+    """diffusers' LTX-2 guidance of one modality for the conditional rows (velocities ``cond``
+    at latents ``x``; per row ``sigma`` and the ``scales`` ``scale`` / ``rescale`` /
+    ``modality``), in x0 space (``x0 = x - sigma v``): ``x0_c`` plus the CFG delta
+    ``(scale - 1)(x0_c - x0_u)`` (with the ``negative`` velocities) plus the modality delta
+    ``(modality - 1)(x0_c - x0_i)`` (with the ``isolated`` ones), then ``rescale_noise_cfg``
+    (Lin et al., arXiv 2305.08891, 3.4) of that against ``x0_c`` where ``rescale > 0``, back to
+    a velocity ``(x - x0) / sigma``."""
+    from jaxcore.sampling import rescale_guidance
+
+    sigma = _per_row(sigma, x)
+    x0_cond = x - sigma * cond
+    guided = x0_cond
+    if negative is not None:
+        guided = guided + _per_row(scales["scale"] - 1, x) * (x0_cond - (x - sigma * negative))
+    if isolated is not None:
+        guided = guided + _per_row(scales["modality"] - 1, x) * (x0_cond - (x - sigma * isolated))
+    rescale = _per_row(scales["rescale"], x)
+    guided = jnp.where(rescale > 0, rescale_guidance(guided, x0_cond, rescale), guided)
+    return (x - guided) / sigma
+
+
+def modality_scales(conditioning: Mapping) -> dict[str, dict[str, jax.Array]]:
+    """Per modality its rows' ``scale``, ``rescale`` and ``modality`` scales (the audio's 0:
+    the video's, diffusers' ``or``; ``modality`` 1 without modality guidance)."""
+
+    def audio(name: str, video: jax.Array) -> jax.Array:
+        return jnp.where(conditioning[name] > 0, conditioning[name], video)
+
+    ones = jnp.ones_like(conditioning[GUIDANCE_SCALE])
+    video = {
+        "scale": conditioning[GUIDANCE_SCALE],
+        "rescale": conditioning[GUIDANCE_RESCALE],
+        "modality": conditioning.get(MODALITY_SCALE, ones),
+    }
+    return {
+        "video": video,
+        "audio": {
+            "scale": audio(AUDIO_GUIDANCE_SCALE, video["scale"]),
+            "rescale": audio(AUDIO_GUIDANCE_RESCALE, video["rescale"]),
+            "modality": conditioning.get(AUDIO_MODALITY_SCALE, video["modality"]),
+        },
+    }
+
+
+def guided_predictions(latents, predictions, isolated, timestep, conditioning):
+    """Both modalities' predictions of one denoiser call, guided as diffusers guides them.
+
+    ``latents`` and ``predictions``: ``(video, audio)`` of the call's rows; ``isolated``: the
+    predictions with the cross-modal attention off (modality guidance), or None. A call that
+    holds both CFG branches (``[cond; negative]``, :data:`CFG_BRANCH` 0 then 1: the loop's
+    batched CFG) gives every row of a pair the guided velocity, so the loop's
+    ``n + g (p - n)`` returns it whatever ``g``; a call of conditional rows alone (no CFG) gets
+    the modality guidance and the rescale. A call of negative rows alone (the loop's unbatched
+    CFG) cannot guide per modality: where that would differ from the loop's one-scale velocity
+    CFG its rows are NaN, so the render fails loudly instead of differing."""
+    branch = conditioning[CFG_BRANCH]
+    scales = modality_scales(conditioning)
+    video, audio = scales["video"], scales["audio"]
+    per_modality = (
+        (audio["scale"] != video["scale"])
+        | (video["rescale"] > 0)
+        | (audio["rescale"] > 0)
+        | (video["modality"] != 1)
+        | (audio["modality"] != 1)
+    )
+    unguidable = (branch == 1) & per_modality
+    sigma = timestep / NUM_TRAIN_TIMESTEPS
+    rows = branch.shape[0]
+    half = rows // 2
+    paired = jnp.asarray(False)
+    if rows % 2 == 0:
+        paired = jnp.all(branch[:half] == 0) & jnp.all(branch[half:] == 1)
+    out = []
+    for index, name in enumerate(("video", "audio")):
+        x, prediction = latents[index], predictions[index]
+        iso = None if isolated is None else isolated[index]
+        alone = x0_guided(x, prediction, sigma, scales[name], isolated=iso)
+        guided = jnp.where(_per_row(branch == 0, x), alone, prediction)
+        if rows % 2 == 0:
+            first = {k: v[:half] for k, v in scales[name].items()}
+            pair = x0_guided(
+                x[:half],
+                prediction[:half],
+                sigma[:half],
+                first,
+                negative=prediction[half:],
+                isolated=None if iso is None else iso[:half],
+            )
+            guided = jnp.where(paired, jnp.concatenate([pair, pair]), guided)
+        out.append(jnp.where(_per_row(unguidable & ~paired, x), jnp.float32(jnp.nan), guided))
+    return tuple(out)
+
+
+def encode_text(components: Mapping, prompts: Sequence[str], max_sequence_length: int) -> dict:
+    """Gemma-3 then the connectors, as ``LTX2Pipeline.encode_prompt`` + ``connectors(...)``:
+    ``{encoder_hidden_states, audio_encoder_hidden_states, encoder_attention_mask}`` float32."""
+    encoder, params = components["text_encoder"]
+    states, mask = gemma3.prompt_embeds(
+        components["tokenizer"], encoder, params, list(prompts), 1, max_sequence_length
+    )
+    connectors, connector_params = components["connectors"]
+    video, audio, out_mask = ltx2_connectors.encode(
+        connectors, connector_params, states, mask, CONNECTOR_PADDING_SIDE
+    )
+    return {
+        TEXT: np.asarray(video, np.float32),
+        AUDIO_TEXT: np.asarray(audio, np.float32),
+        TEXT_MASK: np.asarray(out_mask, np.float32),
+    }
+
+
+def _fit_problems(configs: Mapping) -> list[str]:
+    """Components that do not make one LTX-2 pipeline (channels and widths between them)."""
+    transformer, vae, audio_vae = (configs.get(k) for k in ("transformer", "vae", "audio_vae"))
+    problems = []
+    if transformer is None:
+        return problems
+    if transformer.patch_size != 1 or transformer.patch_size_t != 1:
+        problems.append("transformer patch_size / patch_size_t must be 1 (every released LTX-2)")
+    if vae is not None and transformer.in_channels != vae.latent_channels:
+        problems.append(
+            f"transformer in_channels {transformer.in_channels} != vae latent_channels "
+            f"{vae.latent_channels}"
+        )
+    if vae is not None and transformer.vae_scale_factors[0] != vae.temporal_compression_ratio:
+        problems.append(  # apply sizes the audio from the transformer's config
+            f"transformer vae_scale_factors[0] {transformer.vae_scale_factors[0]} != vae "
+            f"temporal_compression_ratio {vae.temporal_compression_ratio}"
+        )
+    if audio_vae is None:
+        return problems
+    if transformer.audio_in_channels != audio_width(audio_vae):
+        problems.append(
+            f"transformer audio_in_channels {transformer.audio_in_channels} != audio_vae "
+            f"latent_channels x mel_bins / 4 = {audio_width(audio_vae)}"
+        )
+    pairs = (
+        ("audio_sampling_rate", "sample_rate"),
+        ("audio_hop_length", "mel_hop_length"),
+    )
+    for ours, theirs in pairs:
+        if getattr(transformer, ours) != getattr(audio_vae, theirs):
+            problems.append(
+                f"transformer {ours} {getattr(transformer, ours)} != audio_vae {theirs} "
+                f"{getattr(audio_vae, theirs)}"
+            )
+    if transformer.audio_scale_factor != ltx2_audio_vae.LATENT_DOWNSAMPLE_FACTOR:
+        problems.append(f"transformer audio_scale_factor {transformer.audio_scale_factor} != 4")
+    return problems
+
+
+def _loaded(load, directory: Path, errors: tuple, **kwargs):
+    try:
+        return load(directory, **kwargs)
+    except errors as err:
+        raise FamilyError(f"{directory}: {err}") from None
+
+
+class LTX2Family(Family):
+    name = "ltx2"
+    description = "LTX-2 text-to-video with audio (LTX2Pipeline)"
+    pipeline_classes = (PIPELINE_CLASS,)
+    denoiser_classes = ("LTX2VideoTransformer3DModel",)
+    denoiser_component = "transformer"
+    objective = "flow_matching"
+    denoiser_model = DenoiserModel(
+        kind=ltx2_transformer.KIND,
+        weight_map=ltx2_transformer.weight_map,
+        config_error=ltx2_transformer.LTX2ConfigError,
+    )
+    # q/k/v/out of every attention (video and audio self / text attentions and both
+    # cross-modal ones, by suffix): no diffusers LTX-2 LoRA script exists to take a default
+    # from; LTX-Video's family default, which DiffSynth-Studio's LTX-2 LoRA scripts also use
+    lora_default_targets = ("to_q", "to_k", "to_v", "to_out.0")
+
+    def component_config_classes(self) -> dict[str, type]:
+        return {
+            "transformer": ltx2_transformer.LTX2VideoTransformerConfig,
+            "vae": ltx2_vae.LTX2VideoVAEConfig,
+            "audio_vae": ltx2_audio_vae.LTX2AudioVAEConfig,
+            "connectors": ltx2_connectors.LTX2TextConnectorsConfig,
+            "text_encoder": gemma3.Gemma3TextConfig,
+        }
+
+    def check_configs(self, configs, where) -> None:
+        problems = _fit_problems(configs)
+        if problems:
+            raise FamilyError(f"{where}: " + "; ".join(problems))
+
+    # --- the denoiser -----------------------------------------------------------------------
+    def apply(self, module, params, latents, timestep, conditioning, run_stack=None):
+        """Split the loop's latents into video and audio tokens, run the transformer on both
+        (timestep and sigma ``t``, coordinates from the grid at :data:`FRAME_RATE`; again with
+        the cross-modal attention off for modality guidance), guide (a render's conditioning:
+        :func:`guided_predictions`) and join the two velocities into the loop's layout."""
+        if run_stack is not None:
+            raise FamilyError("step caching is not built for LTX-2")
+        joint = _layout_of(module.config, latents.shape)
+        video, audio = split_latents(latents, joint)
+        t = timestep.astype(jnp.float32)
+
+        def predict(isolate: bool):
+            return _transformer(module, params, video, audio, t, conditioning, joint, isolate)
+
+        predictions = predict(False)
+        if CFG_BRANCH in conditioning:  # a render (training conditioning has no branches)
+            isolated = predict(True) if MODALITY_SCALE in conditioning else None
+            predictions = guided_predictions((video, audio), predictions, isolated, t, conditioning)
+        return joined_prediction(*predictions, joint)
+
+    def flops_per_forward(self, config, batch, latent_shape, conditioning_shapes):
+        raise FamilyError("FLOPs are not counted for LTX-2 yet")
+
+    def tokens_per_example(self, config, latent_shape):
+        """Video tokens plus audio tokens (the two streams the transformer runs)."""
+        joint = _layout_of(config, (1, *latent_shape))
+        return joint.video_tokens + joint.audio_frames
+
+    def lora_to_diffusers(self, state_dict, denoiser_config, where: str):
+        """diffusers / PEFT (``transformer.``) and LTX-2 trainer / ComfyUI
+        (``diffusion_model.``, original names) LTX-2 LoRAs (:mod:`jaxcore.lora.ltx2`)."""
+        from jaxcore.lora import ltx2 as ltx2_lora
+
+        return ltx2_lora.to_diffusers(state_dict, denoiser_config, where)
+
+    def check_heads(self, config, mesh) -> None:
+        sharding.check_divisible(mesh, heads=config.num_attention_heads)
+        sharding.check_divisible(mesh, heads=config.audio_num_attention_heads)
+
+    # --- conditioning and latents -----------------------------------------------------------
+    def conditioning_specs(self, denoiser_config, text_length, latent_shape, image_tokens=None):
+        """The connectors' video and audio captions and their mask (what generate makes;
+        LTX-2 records for training are not built): ``caption_channels`` wide where the
+        transformer projects them (LTX-2.0), else at its attention widths (LTX-2.3)."""
+        del latent_shape, image_tokens
+        config = denoiser_config
+        widths = (config.caption_channels, config.caption_channels)
+        if not config.use_prompt_embeddings:
+            widths = (config.cross_attention_dim, config.audio_cross_attention_dim)
+        return (
+            TensorSpec(TEXT, (text_length, widths[0])),
+            TensorSpec(AUDIO_TEXT, (text_length, widths[1])),
+            TensorSpec(TEXT_MASK, (text_length,)),
+        )
+
+    def latent_channels(self, denoiser_config) -> int:
+        return denoiser_config.in_channels
+
+    def geometry(self, configs) -> Geometry:
+        vae = configs["vae"]
+        spatial = math.lcm(PIPELINE_SIZE_MULTIPLE, vae.spatial_compression_ratio)
+        return Geometry(spatial, vae.temporal_compression_ratio)
+
+    def latent_shape(self, configs, height, width, num_frames):
+        """``[C + K, F', H', W']``: the video's latents and the audio's in K more channels."""
+        vae = configs["vae"]
+        t, s = vae.temporal_compression_ratio, vae.spatial_compression_ratio
+        return layout(configs, ((num_frames - 1) // t + 1, height // s, width // s)).shape
+
+    def load_encoders(self, directory, compute, max_sequence_length, batch_size):
+        raise FamilyError("convert (training records) is not built for LTX-2")
+
+    # --- inference --------------------------------------------------------------------------
+    def load_components(self, directory, configs, compute, mesh, rules, denoiser):
+        """The video VAE (on the mesh), the audio VAE, the vocoder, Gemma-3, its tokenizer and
+        the connectors (replicated), and the joint layout's inputs in ``configs``."""
+        from jaxcore.text import load_tokenizer
+
+        directory = Path(directory)
+        dtype = compute.dtype
+        components = {
+            "vae": _loaded(
+                ltx2_vae.load_ltx2_vae,
+                directory / "vae",
+                (ltx2_vae.LTX2VideoVAEConfigError,),
+                dtype=dtype,
+                mesh=mesh,
+                rules=rules,
+            ),
+            "audio_vae": _loaded(
+                ltx2_audio_vae.load_ltx2_audio_vae,
+                directory / "audio_vae",
+                (ltx2_audio_vae.LTX2AudioVAEConfigError,),
+                dtype=dtype,
+            ),
+            "vocoder": _loaded(
+                ltx2_vocoder.load_ltx2_vocoder,
+                directory / "vocoder",
+                (ltx2_vocoder.LTX2VocoderConfigError,),
+                dtype=dtype,
+            ),
+            "text_encoder": _loaded(
+                gemma3.load_gemma3,
+                directory / "text_encoder",
+                (gemma3.Gemma3ConfigError,),
+                dtype=dtype,
+                param_dtype=compute.param_dtype,
+            ),
+            "connectors": _loaded(
+                ltx2_connectors.load_ltx2_connectors,
+                directory / "connectors",
+                (ltx2_connectors.LTX2ConnectorsConfigError,),
+                dtype=dtype,
+            ),
+            "tokenizer": load_tokenizer(directory / "tokenizer"),
+        }
+        return {"components": components}
+
+    def encode_prompts(self, pipe, prompts, max_sequence_length):
+        return encode_text(pipe.components, prompts, max_sequence_length)
+
+    def size_conditioning(self, configs, height, width, micro):
+        """Per row the decode settings, the seed and the audio's guidance settings (both
+        branches), and which CFG branch a row is in (:data:`CFG_BRANCH`); the diffusers options
+        not built are refused unless off (:func:`check_settings`)."""
+        del configs, height, width
+        rows = [check_settings(values) for values in micro]
+
+        def column(name, dtype=np.float32):
+            return np.asarray([getattr(r, name) for r in rows], dtype)
+
+        cond = {
+            DECODE_TIMESTEP: column("decode_timestep"),
+            DECODE_NOISE_SCALE: column("decode_noise_scale"),
+            DECODE_SEED: column("seed_words", np.uint32).reshape(len(rows), 2),
+            AUDIO_GUIDANCE_SCALE: column("audio_guidance_scale"),
+            AUDIO_GUIDANCE_RESCALE: column("audio_guidance_rescale"),
+            CFG_BRANCH: np.zeros((len(rows),), np.float32),
+        }
+        if any(r.modality_guidance for r in rows):  # the extra pass only where it is needed
+            cond[MODALITY_SCALE] = column("modality_scale")
+            cond[AUDIO_MODALITY_SCALE] = column("audio_modality_scale")
+        return cond, {**cond, CFG_BRANCH: np.ones((len(rows),), np.float32)}
+
+    def decode(self, pipe, latents, conditioning=None):
+        """The video part -> frames ``[B, F, H, W, 3]`` in [0, 1] (LTX2Pipeline's decode)."""
+        vae, params = pipe.components["vae"]
+        joint = layout(pipe.configs, latents.shape[2:])
+        video, _ = split_latents(jnp.asarray(latents, jnp.float32), joint)
+        rows = video.shape[0]
+        conditioning = conditioning or {}
+        timestep = conditioning.get(DECODE_TIMESTEP, np.zeros((rows,), np.float32))
+        scale = conditioning.get(DECODE_NOISE_SCALE, timestep)
+        noise = None
+        if vae.config.timestep_conditioning:
+            seeds = conditioning.get(DECODE_SEED, np.zeros((rows, 2), np.uint32))
+            noise = decode_noise(seeds, video.shape[1:])
+        z, temb = ltx2_vae.decode_inputs(
+            video,
+            params,
+            vae.config,
+            decode_timestep=timestep,
+            decode_noise_scale=scale,
+            noise_bcfhw=noise,
+        )
+        return decoded_frames(ltx2_vae.decode(vae, params, z.astype(vae.dtype), temb))
+
+    def decode_audio(self, pipe, latents, conditioning=None):
+        """The audio part -> (waveform float32 ``[B, channels, samples]``, sample rate):
+        denormalised, unpacked, decoded to a mel spectrogram, vocoded (LTX2Pipeline's chain)."""
+        del conditioning
+        audio_vae, audio_params = pipe.components["audio_vae"]
+        vocoder, vocoder_params = pipe.components["vocoder"]
+        joint = layout(pipe.configs, latents.shape[2:])
+        _, tokens = split_latents(jnp.asarray(latents, jnp.float32), joint)
+        tokens = ltx2_audio_vae.denormalize_audio_latents(tokens, audio_params)
+        mel_bins = audio_vae.config.mel_bins // ltx2_audio_vae.LATENT_DOWNSAMPLE_FACTOR
+        z = ltx2_audio_vae.unpack_audio_latents(tokens, mel_bins)
+        mel = ltx2_audio_vae.decode(audio_vae, audio_params, z.astype(audio_vae.dtype))
+        wave = ltx2_vocoder.vocode(vocoder, vocoder_params, mel)
+        return np.asarray(wave, np.float32), int(vocoder.config.output_sampling_rate)
+
+    def sampling_defaults(self, configs) -> dict:
+        # LTX2Pipeline.__call__'s defaults (num_frames: its fallback without a duration head),
+        # the guidance it builds too; its default STG (stg_scale 1 at block 28) is not built
+        return {
+            "height": 512,
+            "width": 768,
+            "num_frames": 121,
+            "num_inference_steps": 30,
+            "guidance_scale": 3.0,
+            "guidance_rescale": 0.7,
+            AUDIO_GUIDANCE_SCALE: 7.0,
+            AUDIO_GUIDANCE_RESCALE: None,
+            MODALITY_SCALE: 3.0,
+            AUDIO_MODALITY_SCALE: None,
+            "frame_rate": FRAME_RATE,
+            "decode_timestep": 0.0,
+            "decode_noise_scale": None,
+            "max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH,
+        }
+
+    def default_scheduler(self, scheduler_config) -> str:
+        return flow_match.scheduler_name(scheduler_config, "LTX-2")
+
+    def make_schedule(self, pipe, scheduler, num_inference_steps, shift, latent_shape):
+        """The pipeline's schedule: sigmas ``linspace(1, 1/N, N)``, ``mu`` from the video's
+        token count ``F' H' W'`` with the pipeline's fallbacks (:data:`SHIFT_DEFAULTS`)."""
+        from jaxcore.schedulers import make_scheduler
+        from jaxcore.schedulers.flow_euler import calculate_shift, pipeline_sigmas
+
+        options = flow_match.euler_options(pipe, scheduler, shift, "LTX-2", "the video's size")
+        config = {**SHIFT_DEFAULTS, **pipe.scheduler_config}
+        f, h, w = latent_shape[-3:]
+        mu = calculate_shift(
+            f * h * w,
+            config["base_image_seq_len"],
+            config["max_image_seq_len"],
+            config["base_shift"],
+            config["max_shift"],
+        )
+        try:
+            return make_scheduler(
+                "flow_euler",
+                num_inference_steps,
+                shift,
+                euler_options=options,
+                sigmas=pipeline_sigmas(num_inference_steps),
+                mu=mu,
+            )
+        except ValueError as err:
+            raise FamilyError(f"{pipe.source}/scheduler/scheduler_config.json: {err}") from None
+
+    def guidance(
+        self,
+        configs,
+        *,
+        guidance_scale: float,
+        true_cfg_scale: float,
+        guidance_scale_2: float | None = None,
+    ) -> Guidance:
+        if true_cfg_scale != 1.0:
+            raise FamilyError(
+                f"true_cfg_scale={true_cfg_scale}: LTX-2 has no true CFG; its guidance_scale is "
+                "the classifier-free guidance scale"
+            )
+        if guidance_scale_2 is not None:
+            raise FamilyError(f"guidance_scale_2={guidance_scale_2}: LTX-2 has one transformer")
+        scale = float(guidance_scale)
+        # the loop's CFG runs by the video's scale; the family guides (apply) with both
+        return Guidance(cfg_scale=scale, embedded={GUIDANCE_SCALE: scale, GUIDANCE_RESCALE: 0.0})
+
+    def with_guidance_rescale(self, configs, guidance, guidance_rescale):
+        """diffusers' ``guidance_rescale`` for the video (and the audio, unless a row sets
+        ``audio_guidance_rescale``), applied by :meth:`apply` to each modality's x0; the
+        loop's own velocity-space rescale stays off."""
+        value = float(guidance_rescale)
+        if not value >= 0.0:
+            raise FamilyError(f"guidance_rescale={guidance_rescale}: must be >= 0 (0 = off)")
+        embedded = {**guidance.embedded, GUIDANCE_RESCALE: value}
+        return dataclasses.replace(guidance, embedded=embedded, guidance_rescale=0.0)
+
+
+def _transformer(module, params, video, audio, t, conditioning, joint: JointLayout, isolate):
+    """One transformer call as ``LTX2Pipeline`` makes it: (video velocity ``[B, C, F', H',
+    W']``, audio velocity ``[B, L, C_a M']``) float32; ``isolate``: no cross-modal attention."""
+    f, h, w = joint.grid
+    dtype = module.dtype
+    mask = conditioning[TEXT_MASK]
+    video_out, audio_out = module.apply(
+        {"params": params},
+        ltx_transformer.pack_latents(video.astype(dtype)),
+        audio.astype(dtype),
+        conditioning[TEXT].astype(dtype),
+        conditioning[AUDIO_TEXT].astype(dtype),
+        t,
+        sigma=t,
+        encoder_attention_mask=mask,
+        audio_encoder_attention_mask=mask,
+        num_frames=f,
+        height=h,
+        width=w,
+        fps=FRAME_RATE,
+        audio_num_frames=joint.audio_frames,
+        isolate_modalities=isolate,
+        use_cross_timestep=True,
+    )
+    video_out = ltx_transformer.unpack_latents(video_out, f, h, w)
+    return video_out.astype(jnp.float32), audio_out.astype(jnp.float32)
+
+
+def _layout_of(config, shape) -> JointLayout:
+    """The joint layout of the loop's latents from the transformer's config (the audio
+    length: :data:`FRAME_RATE` at the video's frame count, as :func:`layout`)."""
+    grid = tuple(int(n) for n in shape[2:])
+    scale_t = int(config.vae_scale_factors[0])
+    num_frames = scale_t * (grid[0] - 1) + 1
+    per_second = config.audio_sampling_rate / config.audio_hop_length / config.audio_scale_factor
+    frames = round(num_frames / FRAME_RATE * per_second)
+    return JointLayout(config.in_channels, grid, frames, config.audio_in_channels)

@@ -1,0 +1,302 @@
+"""The ``ltx2`` family end to end vs diffusers' ``LTX2Pipeline.__call__`` (a tiny random-init
+pipeline, every parameter perturbed, saved with save_pretrained; fp32 on CPU).
+
+Both sides start from the same initial video AND audio latents (diffusers takes them
+de-normalised: its ``prepare_latents`` / ``prepare_audio_latents`` normalise what they are
+given) and render through the library's Pipeline API (load_pipeline, conditioning, sample,
+decode, decode_audio); video pixels in [0, 1] and the waveform agree within 1e-4, with and
+without classifier-free guidance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jaxcore import families
+from jaxcore.families import ltx2
+from jaxcore.families.base import FamilyError
+from jaxcore.family_types import Guidance
+from tests.support import tiny_ltx2
+
+PIXEL_TOLERANCE = 1e-4  # max abs on [0, 1] pixels
+WAVE_TOLERANCE = 1e-4  # max abs on the waveform (tanh: in [-1, 1])
+HEIGHT = WIDTH = 32  # diffusers' check_inputs: multiples of 32
+NUM_FRAMES = 9  # 3 latent frames; audio: round(9 / 24 * 25) = 9 latent frames
+STEPS = 3
+MAX_SEQUENCE_LENGTH = 16  # a multiple of the connectors' 8 registers
+PROMPTS = ["a red fox in the snow", "a cat on a mat"]
+NEGATIVES = ["", "a long prompt"]
+# STG (not built here) switched off in diffusers
+OFF = dict(stg_scale=0.0, audio_stg_scale=0.0)
+GUIDANCE_KEYS = (
+    "guidance_scale",
+    "guidance_rescale",
+    "audio_guidance_scale",
+    "audio_guidance_rescale",
+    "modality_scale",
+    "audio_modality_scale",
+)
+# name -> GUIDANCE_KEYS' values; None for the audio: the video's value (diffusers' `or`)
+GUIDANCE = {
+    "no_cfg": (1.0, 0.0, None, None, 1.0, None),
+    "cfg": (3.0, 0.0, None, None, 1.0, None),
+    "cfg_audio_scale": (3.0, 0.0, 6.0, None, 1.0, None),
+    "cfg_rescale": (3.0, 0.7, None, None, 1.0, None),
+    "cfg_audio_scale_both_rescales": (2.5, 0.6, 5.0, 0.3, 1.0, None),
+    "no_cfg_modality_rescale": (1.0, 0.5, None, None, 3.0, None),
+    "cfg_both_modality_scales": (3.0, 0.7, 7.0, None, 2.0, 4.0),
+}
+# the default tier: without and with CFG, and everything built at once; the rest is `slow`
+FAST = ("no_cfg", "cfg", "cfg_both_modality_scales")
+
+
+def _both(directory):
+    """(diffusers LTX2Pipeline, our Pipeline) of one tiny folder."""
+    from diffusers import LTX2Pipeline
+
+    theirs = LTX2Pipeline.from_pretrained(directory, dtype=torch.float32)
+    return theirs, families.load_pipeline(directory)
+
+
+@pytest.fixture(scope="module")
+def pipelines(tmp_path_factory):
+    return _both(tiny_ltx2.build_ltx2_pipeline(tmp_path_factory.mktemp("ltx2_pipeline")))
+
+
+@pytest.fixture(scope="module")
+def references(pipelines):
+    """diffusers' renders by GUIDANCE name, each made once."""
+    theirs, pipe = pipelines
+    video, audio, _ = _initial_latents(pipe)
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = _reference(theirs, video, audio, GUIDANCE[name])
+        return cache[name]
+
+    return get
+
+
+def _initial_latents(pipe, seed: int = 0):
+    """Normalised video ``[B, C, F', H', W']`` and audio ``[B, C_a, L, M']`` noise."""
+    shape = pipe.latent_shape(HEIGHT, WIDTH, NUM_FRAMES)
+    joint = ltx2.layout(pipe.configs, shape[1:])
+    rng = np.random.default_rng(seed)
+    batch = len(PROMPTS)
+    video = rng.standard_normal((batch, joint.channels, *joint.grid), np.float32)
+    mel_bins = joint.audio_width // pipe.configs["audio_vae"].latent_channels
+    audio = rng.standard_normal(
+        (batch, pipe.configs["audio_vae"].latent_channels, joint.audio_frames, mel_bins),
+        np.float32,
+    )
+    return video, audio, joint
+
+
+def _denormalised(theirs, video, audio):
+    """What diffusers' ``latents=`` / ``audio_latents=`` take for these normalised latents."""
+    vae, audio_vae = theirs.vae, theirs.audio_vae
+    mean = vae.latents_mean.view(1, -1, 1, 1, 1)
+    std = vae.latents_std.view(1, -1, 1, 1, 1)
+    video_t = torch.from_numpy(video) * std / vae.config.scaling_factor + mean
+    packed = theirs._pack_audio_latents(torch.from_numpy(audio))
+    packed = packed * audio_vae.latents_std + audio_vae.latents_mean
+    audio_t = theirs._unpack_audio_latents(packed, audio.shape[2], num_mel_bins=audio.shape[3])
+    return video_t, audio_t
+
+
+def _reference(theirs, video, audio, guidance, **options):
+    video_t, audio_t = _denormalised(theirs, video, audio)
+    with torch.no_grad():
+        out = theirs(
+            prompt=PROMPTS,
+            negative_prompt=NEGATIVES,
+            height=HEIGHT,
+            width=WIDTH,
+            num_frames=NUM_FRAMES,
+            frame_rate=ltx2.FRAME_RATE,
+            num_inference_steps=STEPS,
+            latents=video_t,
+            audio_latents=audio_t,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+            output_type="np",
+            return_dict=False,
+            **OFF,
+            **dict(zip(GUIDANCE_KEYS, guidance, strict=True)),
+            **options,
+        )
+    frames, wave = out
+    return np.asarray(frames, np.float32), wave.float().numpy()
+
+
+def _ours(pipe, video, audio, joint, guidance, batched_cfg: bool = True, **settings):
+    scale, rescale, *per_prompt = guidance
+    settings = {**dict(zip(GUIDANCE_KEYS[2:], per_prompt, strict=True)), **settings}
+    row = pipe.guidance(scale, guidance_rescale=rescale)
+    cond, uncond, scales = pipe.conditioning(
+        PROMPTS,
+        NEGATIVES,
+        [row] * len(PROMPTS),
+        MAX_SEQUENCE_LENGTH,
+        size=(HEIGHT, WIDTH, NUM_FRAMES),
+        micro_conditioning=[settings] * len(PROMPTS),
+    )
+    latents = ltx2.joint_latents(video, audio, joint)
+    result = pipe.sample(
+        latents,
+        cond,
+        uncond,
+        num_inference_steps=STEPS,
+        cfg_scale=scales,
+        batched_cfg=batched_cfg,
+        guidance_rescale=[row.guidance_rescale] * len(PROMPTS),
+    )
+    frames = np.asarray(pipe.decode(result, cond))
+    wave, rate = pipe.family.decode_audio(pipe, result, cond)
+    return frames, wave, rate
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in GUIDANCE]
+)
+def test_render_equals_diffusers(pipelines, references, name):
+    _, pipe = pipelines
+    video, audio, joint = _initial_latents(pipe)
+    want_frames, want_wave = references(name)
+    frames, wave, rate = _ours(pipe, video, audio, joint, GUIDANCE[name])
+
+    assert frames.shape == want_frames.shape == (len(PROMPTS), NUM_FRAMES, HEIGHT, WIDTH, 3)
+    assert wave.shape == want_wave.shape and wave.dtype == np.float32
+    assert rate == tiny_ltx2.PIPELINE_VOCODER["output_sampling_rate"]
+    # not trivially equal: the render varies across pixels and samples
+    assert want_frames.std() > 1e-2 and want_wave.std() > 1e-3
+    pixel_error = np.abs(frames - want_frames).max()
+    wave_error = np.abs(wave - want_wave).max()
+    print(f"{name}: pixels {pixel_error:.2e}, waveform {wave_error:.2e}")
+    assert pixel_error < PIXEL_TOLERANCE
+    assert wave_error < WAVE_TOLERANCE
+    if name != "cfg":  # each setting changes diffusers' render well beyond the tolerance
+        plain_frames, plain_wave = references("cfg")
+        changed = max(
+            np.abs(want_frames - plain_frames).max(), np.abs(want_wave - plain_wave).max()
+        )
+        print(f"{name}: changes diffusers' render by {changed:.2e} (vs cfg)")
+        assert changed > 10 * max(PIXEL_TOLERANCE, WAVE_TOLERANCE)
+
+
+@pytest.mark.slow
+def test_decode_timestep_of_a_conditioned_vae_equals_diffusers(tmp_path):
+    """A timestep-conditioned VAE decodes at the prompt's decode_timestep (the decode noise
+    scaled to 0, so diffusers' torch draw does not enter)."""
+    directory = tiny_ltx2.build_ltx2_pipeline(
+        tmp_path,
+        seed=3,
+        vae=tiny_ltx2.PIPELINE_CONDITIONED_VAE,
+        transformer=tiny_ltx2.PIPELINE_CONDITIONED_TRANSFORMER,
+    )
+    theirs, pipe = _both(directory)
+    video, audio, joint = _initial_latents(pipe, seed=2)
+    decode = dict(decode_timestep=0.05, decode_noise_scale=0.0)
+    want_frames, want_wave = _reference(theirs, video, audio, GUIDANCE["no_cfg"], **decode)
+    frames, wave, _ = _ours(pipe, video, audio, joint, GUIDANCE["no_cfg"], **decode)
+    at_zero, _, _ = _ours(pipe, video, audio, joint, GUIDANCE["no_cfg"])
+    pixel_error = np.abs(frames - want_frames).max()
+    print(f"decode_timestep: pixels {pixel_error:.2e}")
+    assert pixel_error < PIXEL_TOLERANCE
+    assert np.abs(wave - want_wave).max() < WAVE_TOLERANCE
+    assert np.abs(frames - at_zero).max() > 100 * PIXEL_TOLERANCE  # the timestep matters
+
+
+@pytest.mark.slow
+def test_use_cross_timestep_is_the_same_render(pipelines, references):
+    """Both modalities denoise at one timestep in LTX2Pipeline, so each one's cross-modal
+    timestep is its own: diffusers renders the same with use_cross_timestep off, and the family
+    accepts either value."""
+    theirs, pipe = pipelines
+    video, audio, _ = _initial_latents(pipe)
+    frames, wave = _reference(theirs, video, audio, GUIDANCE["no_cfg"], use_cross_timestep=False)
+    want_frames, want_wave = references("no_cfg")
+    np.testing.assert_array_equal(frames, want_frames)
+    np.testing.assert_array_equal(wave, want_wave)
+    for value in (True, False):
+        pipe.family.size_conditioning(pipe.configs, HEIGHT, WIDTH, [{"use_cross_timestep": value}])
+
+
+def test_conditioning_specs_are_what_conditioning_makes(pipelines):
+    _, pipe = pipelines
+    row = pipe.guidance(1.0)
+    cond, _, _ = pipe.conditioning(["a fox"], [""], [row], MAX_SEQUENCE_LENGTH)
+    shape = pipe.latent_shape(HEIGHT, WIDTH, NUM_FRAMES)
+    for spec in pipe.family.conditioning_specs(pipe.denoiser.config, MAX_SEQUENCE_LENGTH, shape):
+        assert cond[spec.name].shape[1:] == spec.shape, spec.name
+
+
+def test_joint_latents_round_trip_and_layout(pipelines):
+    """The loop's latents hold the video as given and the audio's packed tokens ([L, C_a M'],
+    feature c M' + m) after it, zeros past them; split_latents gives both back."""
+    _, pipe = pipelines
+    video, audio, joint = _initial_latents(pipe, seed=1)
+    latents = ltx2.joint_latents(video, audio, joint)
+    assert latents.shape[1:] == pipe.latent_shape(HEIGHT, WIDTH, NUM_FRAMES)
+    got_video, got_audio = ltx2.split_latents(latents, joint)
+    np.testing.assert_array_equal(got_video, video)
+    packed = np.transpose(audio, (0, 2, 1, 3)).reshape(audio.shape[0], audio.shape[2], -1)
+    np.testing.assert_array_equal(got_audio, packed)
+    tail = latents[:, joint.channels :].reshape(len(video), -1)[:, joint.audio_size :]
+    assert tail.size and not tail.any()
+    tokens = pipe.family.tokens_per_example(pipe.denoiser.config, latents.shape[1:])
+    assert tokens == joint.video_tokens + joint.audio_frames == 3 * 4 * 4 + 9
+
+
+@pytest.mark.parametrize(
+    "setting, value",
+    [
+        ("stg_scale", 1.0),
+        ("audio_stg_scale", 1.0),
+        ("modality_scale", float("nan")),
+        ("audio_guidance_scale", -1.0),
+        ("noise_scale", 0.1),
+        ("use_cross_timestep", 1),
+        ("frame_rate", 25.0),
+        ("motion_speed", 0.5),
+        ("bogus", 1),
+    ],
+)
+def test_unbuilt_settings_are_refused_by_name(pipelines, setting, value):
+    _, pipe = pipelines
+    with pytest.raises(FamilyError, match=setting):
+        pipe.family.size_conditioning(pipe.configs, HEIGHT, WIDTH, [{setting: value}])
+
+
+def test_guidance_keeps_the_loops_rescale_off(pipelines):
+    """The family rescales each modality's x0 itself; the loop gets no rescale, and settings
+    the family has not are refused by name."""
+    _, pipe = pipelines
+    row = pipe.guidance(3.0, guidance_rescale=0.7)
+    assert row.cfg_scale == 3.0 and row.guidance_rescale == 0.0
+    assert row.embedded == {ltx2.GUIDANCE_SCALE: 3.0, ltx2.GUIDANCE_RESCALE: 0.7}
+    with pytest.raises(FamilyError, match="true_cfg_scale"):
+        pipe.guidance(3.0, true_cfg_scale=2.0)
+    with pytest.raises(FamilyError, match="guidance_rescale"):
+        pipe.guidance(3.0, guidance_rescale=-0.5)
+    assert pipe.guidance(3.0) == Guidance(
+        3.0, {ltx2.GUIDANCE_SCALE: 3.0, ltx2.GUIDANCE_RESCALE: 0.0}
+    )
+
+
+@pytest.mark.slow
+def test_unbatched_cfg_equals_batched_or_fails_loudly(pipelines):
+    """Two CFG calls per step (batched_cfg=False): one scale and no rescale is the loop's
+    velocity CFG, the same render; per-modality guidance cannot be done so: NaN, not a
+    different render."""
+    _, pipe = pipelines
+    video, audio, joint = _initial_latents(pipe)
+    plain = GUIDANCE["cfg"]
+    batched = _ours(pipe, video, audio, joint, plain)
+    unbatched = _ours(pipe, video, audio, joint, plain, batched_cfg=False)
+    assert np.abs(batched[0] - unbatched[0]).max() < 1e-5
+    assert np.abs(batched[1] - unbatched[1]).max() < 1e-5
+    frames, wave, _ = _ours(pipe, video, audio, joint, GUIDANCE["cfg_rescale"], batched_cfg=False)
+    assert np.isnan(frames).all() and np.isnan(wave).all()
