@@ -39,6 +39,7 @@ BENCHMARKS = {
     "matmul": "bench.matmul",
     "transformer": "bench.transformer",
     "flux": "bench.flux",
+    "flux2_kv": "bench.flux2_kv",
     "ltx": "bench.ltx",
     "unet": "bench.unet",
     "train_step": "bench.train_step",
@@ -57,6 +58,8 @@ GOALS = {
     "transformer_forward": "difforge >= 1.0x diffusers eager and torch.compile (fp32, S and M); "
     ">= 1.0x diffusers eager in bf16",
     "flux_forward": "difforge >= 1.0x diffusers eager",
+    "flux2_kv": "Flux.2 [klein] KV render (reference K/V once per render) faster than the "
+    "non-KV render of the same model and references (speedup > 1)",
     "ltx_forward": "difforge >= 1.0x diffusers eager and torch.compile (fp32)",
     "unet_forward": "difforge >= 1.0x diffusers eager and torch.compile (fp32)",
     "train_step": "difforge >= 1.0x PyTorch eager and torch.compile (diffusers' model, torch "

@@ -29,13 +29,23 @@ from jaxcore.families.base import (
 )
 from jaxcore.families.flux import FluxFamily
 from jaxcore.families.flux2 import Flux2Family
+from jaxcore.families.flux2_dev import Flux2DevFamily
 from jaxcore.families.ltx import LTXFamily
+from jaxcore.families.ltx2 import LTX2Family
 from jaxcore.families.sd import SDFamily
 from jaxcore.families.wan import WanFamily
 
 FAMILIES: dict[str, Family] = {
     family.name: family
-    for family in (WanFamily(), FluxFamily(), SDFamily(), LTXFamily(), Flux2Family())
+    for family in (
+        WanFamily(),
+        FluxFamily(),
+        SDFamily(),
+        LTXFamily(),
+        Flux2Family(),  # before Flux2DevFamily: a bare Flux2Transformer2DModel is Klein's
+        Flux2DevFamily(),
+        LTX2Family(),
+    )
 }
 
 

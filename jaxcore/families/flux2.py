@@ -1,8 +1,8 @@
 """Flux.2 [klein] text-to-image and multi-reference editing as a family: the twin of diffusers'
-``Flux2KleinPipeline``.
+``Flux2KleinPipeline`` and ``Flux2KleinKVPipeline`` (reference K/V cache).
 
-Reference: ``diffusers/pipelines/flux2/pipeline_flux2_klein.py`` (``Flux2KleinPipeline.__call__``)
-and ``pipelines/flux2/image_processor.py`` (diffusers 0.42):
+Reference: ``diffusers/pipelines/flux2/pipeline_flux2_klein.py`` (``Flux2KleinPipeline.__call__``),
+``pipeline_flux2_klein_kv.py`` and ``pipelines/flux2/image_processor.py`` (diffusers 0.42):
 
 - prompts -> Qwen3's hidden states ``text_encoder_out_layers`` (default ``(9, 18, 27)``)
   stacked per token (``encoder_hidden_states [max_sequence_length, K * D]``), each prompt one
@@ -17,8 +17,15 @@ and ``pipelines/flux2/image_processor.py`` (diffusers 0.42):
   the pipeline's ``sample_mode="argmax"``), patchified and normalised like the latents. Their
   tokens are appended after the noise tokens (``cat([latents, refs])``, full attention, the
   step's timestep) with ids ``(10 * (i + 1), row, col, 0)``, and only the first ``h * w``
-  outputs are kept; the plain concatenation path of :mod:`jaxcore.models.flux2_transformer`
-  (the KV-cache layout is ``Flux2KleinKVPipeline``'s, another function);
+  outputs are kept; the plain concatenation path of :mod:`jaxcore.models.flux2_transformer`;
+- ``Flux2KleinKVPipeline`` (the same preprocessing and ids) attends another way: the noise and
+  text queries see the reference keys, the reference queries only their own, the reference
+  tokens modulated at the fixed timestep 0 (diffusers' ``ref_fixed_timestep``). So every layer's
+  reference K/V depend on the weights and the references alone: diffusers computes them in its
+  first step ("extract") and reuses them ("cached"); here they are computed once per render,
+  in the jitted loop before its first step (:meth:`Flux2Family.loop_conditioning`: the same
+  values, so the same render), and every step's call takes them. That pipeline has no CFG
+  (``guidance_scale`` is ignored, as for a distilled one) and defaults to 4 steps;
 - guidance: CFG ``neg + guidance_scale * (cond - neg)`` when ``guidance_scale > 1`` unless the
   pipeline ``is_distilled`` (model_index.json), which turns it off as diffusers does. diffusers
   encodes the empty prompt as the negative; here a prompt's negative prompt is encoded instead
@@ -29,12 +36,20 @@ and ``pipelines/flux2/image_processor.py`` (diffusers 0.42):
 
 Conditioning tensors: ``encoder_hidden_states`` and, with reference images, ``reference_<i>``
 ``[B, 4c, h_i, w_i]`` per reference image ``i`` (its latents in the layout of ``latents``; the
-shapes give the ids, so the RoPE tables are built from host ids, as the latents' are). All rows
-of one batch take the same number of references of the same sizes (one token layout).
+shapes give the ids, so the RoPE tables are built from host ids, as the latents' are), named
+``kv_reference_<i>`` for the KV render; inside its loop they become ``kv_cache`` (the
+transformer's :class:`~jaxcore.models.flux2_transformer.ReferenceKV`). An :meth:`apply` given
+``kv_reference_<i>`` itself (no cache) computes their K/V in the call: the same function,
+uncached. All rows of one batch take the same number of references of the same sizes (one
+token layout).
 
 ``text_encoder_out_layers`` is a pipeline setting (:class:`Flux2PipelineOptions`): a model
 YAML's ``pipeline:`` section or ``load_pipeline(..., text_encoder_out_layers=(...))``; it fixes
 the prompt embedding (and so the pipeline's prompt memo), hence once per loaded pipeline.
+``reference_kv`` likewise: true for a ``Flux2KleinKVPipeline`` folder, false for a
+``Flux2KleinPipeline`` one, and ``load_pipeline(..., reference_kv=...)`` chooses the other as
+diffusers lets either class load either folder (``Flux2KleinKVPipeline.from_pretrained`` of a
+Klein folder: the same components).
 """
 
 from __future__ import annotations
@@ -48,9 +63,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcore import sharding, weights
+from jaxcore.compute import ComputeConfig
 from jaxcore.families import flow_match
 from jaxcore.families.base import (
     DenoiserModel,
+    Encoders,
     Family,
     FamilyError,
     Geometry,
@@ -65,7 +82,13 @@ from jaxcore.models import flux2_transformer, qwen3
 from jaxcore.text import load_tokenizer
 
 TEXT = "encoder_hidden_states"
+GUIDANCE = "guidance"  # FLUX.2 [dev]'s embedded guidance scale (Guidance.embedded)
 REFERENCE = "reference_"  # reference_0, reference_1, ...: one per reference image
+KV_REFERENCE = "kv_reference_"  # the same, for the KV render (Flux2KleinKVPipeline)
+KV_CACHE = "kv_cache"  # inside the KV render's loop: the references' per-layer K/V
+KV_PIPELINE = "Flux2KleinKVPipeline"
+KV_DEFAULT_STEPS = 4  # Flux2KleinKVPipeline.__call__'s num_inference_steps
+REF_FIXED_TIMESTEP = 0.0  # the KV path modulates the reference tokens at this sigma
 MAX_REFERENCES = 4  # FLUX.2 [klein] edits with up to four reference images
 REFERENCE_TIME_STEP = 10  # _prepare_image_ids' scale: reference i has t = 10 * (i + 1)
 MAX_REFERENCE_AREA = 1024 * 1024  # larger references are resized down to this area
@@ -89,16 +112,20 @@ REFERENCE_SCHEDULER_CONFIG: dict[str, object] = {
 
 @dataclasses.dataclass(frozen=True)
 class Flux2PipelineOptions:
-    """Pipeline-level settings: ``is_distilled`` (model_index.json; CFG off) and the Qwen3
-    hidden states the prompt embedding stacks (``__call__``'s ``text_encoder_out_layers``)."""
+    """Pipeline-level settings: ``is_distilled`` (model_index.json; CFG off), the Qwen3
+    hidden states the prompt embedding stacks (``__call__``'s ``text_encoder_out_layers``) and
+    ``reference_kv``: render as ``Flux2KleinKVPipeline`` (model_index.json's class)."""
 
     is_distilled: bool = False
     text_encoder_out_layers: tuple[int, ...] = qwen3.KLEIN_LAYERS
+    reference_kv: bool = False
 
     def __post_init__(self):
-        """Refuse a non-bool ``is_distilled`` or a layer list that is no list of ints."""
-        if not isinstance(self.is_distilled, bool):
-            raise ValueError(f"is_distilled must be true or false, got {self.is_distilled!r}")
+        """Refuse a non-bool ``is_distilled`` / ``reference_kv`` or a layer list that is no
+        list of ints."""
+        for key in ("is_distilled", "reference_kv"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{key} must be true or false, got {getattr(self, key)!r}")
         layers = tuple(self.text_encoder_out_layers)
         if not layers or any(isinstance(k, bool) or not isinstance(k, int) for k in layers):
             raise ValueError(
@@ -108,8 +135,12 @@ class Flux2PipelineOptions:
 
     @classmethod
     def from_index(cls, index: Mapping) -> Flux2PipelineOptions:
-        """The options model_index.json holds (``is_distilled``; the layers are a call's)."""
-        return cls(is_distilled=index.get("is_distilled", False))
+        """The options model_index.json holds (``is_distilled``, and the pipeline class:
+        ``reference_kv``; the layers are a call's)."""
+        return cls(
+            is_distilled=index.get("is_distilled", False),
+            reference_kv=index.get("_class_name") == KV_PIPELINE,
+        )
 
     def to_dict(self) -> dict:
         """The options as a model YAML's ``pipeline:`` section."""
@@ -146,10 +177,22 @@ def text_ids(length: int) -> np.ndarray:
     return ids
 
 
-def reference_names(conditioning: Mapping) -> list[str]:
-    """The reference images' conditioning names in image order."""
-    names = [n for n in conditioning if n.startswith(REFERENCE)]
-    return sorted(names, key=lambda n: int(n[len(REFERENCE) :]))
+def reference_names(conditioning: Mapping, prefix: str = REFERENCE) -> list[str]:
+    """The reference images' conditioning names in image order (``prefix``: ``reference_``,
+    or ``kv_reference_`` for the KV render's)."""
+    names = [n for n in conditioning if n.startswith(prefix)]
+    return sorted(names, key=lambda n: int(n[len(prefix) :]))
+
+
+def packed_references(conditioning: Mapping, names: Sequence[str], dtype):
+    """(tokens ``[B, R, 4c]``, ids ``[R, 4]``) of the named reference latents, concatenated
+    in image order with ids ``(10 * (i + 1), row, col, 0)`` (``prepare_image_latents``)."""
+    tokens, ids = [], []
+    for i, name in enumerate(names):
+        reference = conditioning[name]
+        tokens.append(flux2_vae.pack_latents(reference.astype(dtype)))
+        ids.append(grid_ids(REFERENCE_TIME_STEP * (i + 1), *reference.shape[2:]))
+    return jnp.concatenate(tokens, axis=1), np.concatenate(ids)
 
 
 def compute_empirical_mu(image_seq_len: int, num_steps: int) -> float:
@@ -207,6 +250,23 @@ def check_reference(image) -> None:
         )
 
 
+def reference_size(width: int, height: int, multiple: int) -> tuple[int, int]:
+    """(width, height) of a reference as the pipeline prepares it: resized down to 1024 x 1024
+    pixels of area when larger (``_resize_to_target_area``), then cropped to multiples of
+    ``multiple``."""
+    width, height = _area_capped(width, height)
+    return (width // multiple) * multiple, (height // multiple) * multiple
+
+
+def _area_capped(width: int, height: int) -> tuple[int, int]:
+    """``_resize_if_exceeds_area``'s size: scaled down to 1024 x 1024 pixels of area when
+    larger (truncated as ``_resize_to_target_area`` truncates)."""
+    if width * height <= MAX_REFERENCE_AREA:
+        return width, height
+    scale = math.sqrt(MAX_REFERENCE_AREA / (width * height))
+    return int(width * scale), int(height * scale)
+
+
 def preprocess_reference(image, multiple: int) -> np.ndarray:
     """A reference image as the pipeline prepares it: resized down to 1024 x 1024 pixels of
     area when larger (``_resize_to_target_area``, LANCZOS), then centre-cropped to multiples
@@ -216,11 +276,10 @@ def preprocess_reference(image, multiple: int) -> np.ndarray:
 
     check_reference(image)
     width, height = image.size
-    if width * height > MAX_REFERENCE_AREA:
-        scale = math.sqrt(MAX_REFERENCE_AREA / (width * height))
-        width, height = int(width * scale), int(height * scale)
+    crop_w, crop_h = reference_size(width, height, multiple)
+    if (width, height) != _area_capped(width, height):
+        width, height = _area_capped(width, height)
         image = image.resize((width, height), PIL.Image.Resampling.LANCZOS)
-    crop_w, crop_h = (width // multiple) * multiple, (height // multiple) * multiple
     left, top = (width - crop_w) // 2, (height - crop_h) // 2
     image = image.crop((left, top, left + crop_w, top + crop_h)).convert("RGB")
     pixels = np.asarray(image).astype(np.float32) / 255.0
@@ -254,15 +313,124 @@ def _prepared_rows(rows: list[list], multiple: int) -> list[list[np.ndarray]]:
     return prepared
 
 
+def reference_features(configs: Mapping, height: int, width: int) -> tuple[TensorSpec, ...]:
+    """The edit-pair records' reference latents for references of ``height x width`` pixels:
+    ``reference_0 [4c, h, w]`` at the size :func:`preprocess_reference` makes of them (found by
+    preprocessing a blank image of that size: the pipeline's own arithmetic, and its refusals)."""
+    import PIL.Image
+
+    multiple = configs["vae"].spatial_compression * PACK
+    _, h, w = preprocess_reference(PIL.Image.new("RGB", (width, height)), multiple).shape
+    channels = configs["vae"].bn_channels
+    return (TensorSpec(f"{REFERENCE}0", (channels, h // multiple, w // multiple)),)
+
+
+def _reference_feature_problems(denoiser_config, features: Mapping[str, TensorSpec]) -> list[str]:
+    """What keeps the records' ``reference_<i>`` features from being the denoiser's reference
+    latents: names other than reference_0..reference_{n-1}, more than four, or latents of
+    another channel count than the noise latents."""
+    names = reference_names(features)
+    expected = [f"{REFERENCE}{i}" for i in range(len(names))]
+    problems = []
+    if names != expected:
+        problems.append(f"reference features {names} must be named {expected}")
+    if len(names) > MAX_REFERENCES:
+        problems.append(f"{len(names)} reference features; at most {MAX_REFERENCES}")
+    for name in names:
+        shape = tuple(features[name].shape)
+        if len(shape) != 3 or shape[0] != denoiser_config.in_channels:
+            problems.append(
+                f"{name!r} has shape {list(shape)}, the denoiser takes reference latents "
+                f"[{denoiser_config.in_channels}, h, w]"
+            )
+    return problems
+
+
+class Flux2Encoders(Encoders):
+    """The VAE encoder, Qwen3 and its tokenizer of a Flux2KleinPipeline directory (convert).
+
+    Media -> the latents ``prepare_latents`` and :meth:`Flux2Family.encode_images` make:
+    the VAE posterior *mode* (the pipeline's ``sample_mode="argmax"``; deterministic records),
+    2x2 patchify, BatchNorm normalisation; captions -> Qwen3's stacked hidden states at the
+    pipeline's ``text_encoder_out_layers``, as :meth:`Flux2Family.encode_prompts`; an edit
+    pair's reference image -> ``reference_0``, preprocessed (:func:`preprocess_reference`) and
+    encoded as :meth:`Flux2Family.encode_images` encodes a reference.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        compute: ComputeConfig,
+        max_sequence_length: int,
+        batch_size: int,
+        configs: Mapping,
+    ):
+        self.batch_size = batch_size
+        self.max_sequence_length = max_sequence_length
+        self.layers = configs["pipeline"].text_encoder_out_layers
+        self.multiple = configs["vae"].spatial_compression * PACK
+        try:
+            self.vae, self.vae_params = flux2_vae.load_autoencoder_kl_flux2(
+                directory / "vae",
+                encoder_only=True,
+                dtype=compute.dtype,
+                param_dtype=compute.param_dtype,
+                attention=compute.attention,
+            )
+            self.bn = flux2_vae.load_latent_bn(directory / "vae", configs["vae"])
+            self.text_encoder = qwen3.load_qwen3(
+                directory / "text_encoder", dtype=compute.dtype, param_dtype=compute.param_dtype
+            )
+        except (ValueError, weights.WeightsError) as err:
+            raise FamilyError(f"{directory}: {err}") from None
+        self.tokenizer = load_tokenizer(directory / "tokenizer")
+
+    def _latents(self, images: np.ndarray) -> np.ndarray:
+        """``[batch_size, 3, H, W]`` in [-1, 1] -> normalised patchified latents, float32."""
+        posterior = flux2_vae.encode(self.vae, self.vae_params, jnp.asarray(images, self.vae.dtype))
+        z = posterior.mean.astype(jnp.float32)  # the mode: "argmax"
+        return np.asarray(flux2_vae.to_model_latents(z, self.bn), np.float32)
+
+    def encode_media(self, videos: np.ndarray) -> np.ndarray:
+        images, count = self._padded_images(videos, "Flux.2")
+        return self._latents(images)[:count]
+
+    def encode_text(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
+        padded, count = self._padded(list(captions), "captions")
+        module, params = self.text_encoder
+        embeds = qwen3.prompt_embeds(
+            self.tokenizer, module, params, padded, self.max_sequence_length, self.layers
+        )
+        return {TEXT: embeds[:count]}
+
+    def encode_references(self, images: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+        """Edit pairs: one reference image per row, ``[H, W, 3]`` uint8 -> ``{reference_0:
+        [B, 4c, h, w]}``, as :meth:`Flux2Family.encode_images` makes it of the same image."""
+        import PIL.Image
+
+        prepared = [
+            preprocess_reference(PIL.Image.fromarray(np.asarray(image, np.uint8)), self.multiple)
+            for image in images
+        ]
+        padded, count = self._padded(prepared, "reference images")
+        return {f"{REFERENCE}0": self._latents(np.stack(padded))[:count]}
+
+
 class Flux2Family(Family):
     name = "flux2"
-    description = "Flux.2 [klein] text-to-image and reference editing (Flux2KleinPipeline)"
-    pipeline_classes = ("Flux2KleinPipeline",)
+    description = (
+        "Flux.2 [klein] text-to-image and reference editing (Flux2KleinPipeline, "
+        "Flux2KleinKVPipeline)"
+    )
+    pipeline_classes = ("Flux2KleinPipeline", KV_PIPELINE)
     denoiser_classes = ("Flux2Transformer2DModel",)
     denoiser_component = "transformer"
     objective = "flow_matching"
     # the options load_pipeline takes beside the common ones (stages refuse others by name)
-    load_options = ("text_encoder_out_layers",)
+    load_options = ("text_encoder_out_layers", "reference_kv")
+    # diffusers' train_dreambooth_lora_flux2_klein.py default; suffix matching makes
+    # "attn.to_out" the single blocks' fused output only (the double blocks' is "to_out.0")
+    lora_default_targets = ("to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj", "attn.to_out")
 
     denoiser_model = DenoiserModel(
         kind=flux2_transformer.KIND,
@@ -306,13 +474,16 @@ class Flux2Family(Family):
     def load_pipeline(self, directory, compute, mesh=None, rules=None, **options):
         """:meth:`Family.load_pipeline`; ``text_encoder_out_layers``: the Qwen3 hidden states
         the prompt embedding stacks (default: the pipeline's ``(9, 18, 27)``), checked against
-        the components before any weight is read."""
-        layers = options.pop("text_encoder_out_layers", None)
-        if layers is None:
+        the components before any weight is read; ``reference_kv``: render as
+        ``Flux2KleinKVPipeline`` (true) or ``Flux2KleinPipeline`` (false) whatever class the
+        folder names (default: its own), as diffusers loads either folder as either class."""
+        given = {key: options.pop(key, None) for key in self.load_options}
+        given = {key: value for key, value in given.items() if value is not None}
+        if not given:
             return super().load_pipeline(directory, compute, mesh, rules, **options)
         configs = self.component_configs(directory)
         try:
-            chosen = dataclasses.replace(configs["pipeline"], text_encoder_out_layers=layers)
+            chosen = dataclasses.replace(configs["pipeline"], **given)
         except (TypeError, ValueError) as err:
             raise FamilyError(f"{directory}: {err}") from None
         self.check_configs({**configs, "pipeline": chosen}, str(directory))
@@ -323,51 +494,106 @@ class Flux2Family(Family):
     # --- the denoiser -----------------------------------------------------------------------
     def apply(self, module, params, latents, timestep, conditioning, run_stack=None):
         """Pack ``latents [B, 4c, h, w]`` (and the reference images' after them), run the
-        transformer at ``timestep / 1000``, keep the noise tokens' outputs, unpack."""
+        transformer at ``timestep / 1000``, keep the noise tokens' outputs, unpack. The KV
+        render's references join every layer's keys instead: their cached K/V (``kv_cache``,
+        :meth:`loop_conditioning`), or, given their latents (``kv_reference_<i>``), K/V the
+        call computes itself (the same function, uncached)."""
         if run_stack is not None:
             raise FamilyError("step caching is not supported for the flux2 family yet")
         _, _, h, w = latents.shape
         text = conditioning[TEXT]
-        tokens = [flux2_vae.pack_latents(latents.astype(module.dtype))]
-        ids = [grid_ids(0, h, w)]
-        for i, name in enumerate(reference_names(conditioning)):
-            reference = conditioning[name]
-            tokens.append(flux2_vae.pack_latents(reference.astype(module.dtype)))
-            ids.append(grid_ids(REFERENCE_TIME_STEP * (i + 1), *reference.shape[2:]))
+        tokens = flux2_vae.pack_latents(latents.astype(module.dtype))
+        ids = grid_ids(0, h, w)
+        names = reference_names(conditioning)
+        if names:
+            references, reference_ids = packed_references(conditioning, names, module.dtype)
+            tokens = jnp.concatenate([tokens, references], axis=1)
+            ids = np.concatenate([ids, reference_ids])
         out = module.apply(
             {"params": params},
-            jnp.concatenate(tokens, axis=1),
+            tokens,
             text.astype(module.dtype),
             timestep.astype(jnp.float32) / 1000.0,
-            np.concatenate(ids),
+            ids,
             text_ids(text.shape[1]),
-            None,
+            conditioning.get(GUIDANCE),  # FLUX.2 [dev]'s embedded guidance [B] (flux2_dev)
+            **_kv_arguments(conditioning, module.dtype),
         )
         return flux2_vae.unpack_latents(out[:, : h * w], h, w)
 
-    def flops_per_forward(self, config, batch, latent_shape, conditioning_shapes):
-        text_tokens = conditioning_shapes[TEXT][0]
-        image_tokens = self.tokens_per_example(config, latent_shape)
-        image_tokens += sum(
-            int(np.prod(s[1:])) for n, s in conditioning_shapes.items() if n.startswith(REFERENCE)
+    def loop_conditioning(self, module, params, conditioning):
+        """The KV render's reference latents -> every layer's reference K/V (``kv_cache``),
+        once per render: they depend on the weights and the references alone (reference
+        queries see reference keys only, at the fixed timestep, and Klein has no guidance
+        embedding), so they are the cache diffusers' first ("extract") step makes, and every
+        step then runs as its "cached" steps do. Anything else as is."""
+        names = reference_names(conditioning, KV_REFERENCE)
+        if not names:
+            return conditioning
+        tokens, ids = packed_references(conditioning, names, module.dtype)
+        cache = module.apply(
+            {"params": params}, tokens, ids, None, REF_FIXED_TIMESTEP, method="reference_kv"
         )
-        return flops(config, batch, image_tokens, text_tokens)
+        kept = {name: value for name, value in conditioning.items() if name not in names}
+        return {**kept, KV_CACHE: cache}
+
+    def flops_per_forward(self, config, batch, latent_shape, conditioning_shapes):
+        image_tokens = self._image_and_reference_tokens(config, latent_shape, conditioning_shapes)
+        return flops(config, batch, image_tokens, conditioning_shapes[TEXT][0])
 
     def attention_flops_per_forward(self, config, batch, latent_shape, conditioning_shapes):
-        image_tokens = self.tokens_per_example(config, latent_shape)
+        image_tokens = self._image_and_reference_tokens(config, latent_shape, conditioning_shapes)
         return attention_flops(config, batch, image_tokens, conditioning_shapes[TEXT][0])
+
+    def _image_and_reference_tokens(self, config, latent_shape, conditioning_shapes) -> int:
+        """The noise tokens and the reference images' (an edit pair's joint sequence)."""
+        references = sum(
+            int(np.prod(s[1:])) for n, s in conditioning_shapes.items() if n.startswith(REFERENCE)
+        )
+        return self.tokens_per_example(config, latent_shape) + references
 
     def tokens_per_example(self, config, latent_shape):
         _, h, w = latent_shape
         return h * w
+
+    def lora_to_diffusers(self, state_dict, denoiser_config, where: str):
+        """diffusers/PEFT, AI-Toolkit / ComfyUI (BFL names), PEFT and kohya Flux.2 LoRAs, and
+        PEFT / AI-Toolkit / LyCORIS / bare LoKr files, as exact LoRAs (:mod:`jaxcore.lora.flux2`)."""
+        from jaxcore.lora import flux2
+
+        return flux2.to_diffusers(state_dict, denoiser_config, where)
+
+    def lora_weight_map(self, denoiser_config) -> Mapping:
+        """The transformer's own weight map: it names every Linear by its diffusers module
+        (fused ``to_qkv_mlp_proj`` included) and the SwiGLU ``linear_in`` reshape is
+        invertible, so a LoRA delta merges through it as the checkpoint weight loads."""
+        return flux2_transformer.weight_map(denoiser_config)
 
     def check_heads(self, config, mesh) -> None:
         sharding.check_divisible(mesh, heads=config.num_attention_heads)
 
     # --- conditioning and latents -----------------------------------------------------------
     def conditioning_specs(self, denoiser_config, text_length, latent_shape, image_tokens=None):
+        """Qwen3's stacked states; the reference latents of edit pairs are optional (text-to-
+        image records have none), checked by :meth:`check_features` when present."""
         del latent_shape, image_tokens
         return (TensorSpec(TEXT, (text_length, denoiser_config.joint_attention_dim)),)
+
+    def check_features(self, denoiser_config, features, where):
+        """:meth:`Family.check_features`, and an edit pair's ``reference_<i>`` latents must be
+        what :meth:`apply` packs after the noise tokens."""
+        super().check_features(denoiser_config, features, where)
+        problems = _reference_feature_problems(denoiser_config, features)
+        if problems:
+            raise FamilyError(
+                f"{where}: records do not fit the {self.name} model: " + "; ".join(problems)
+            )
+
+    def reference_features(self, directory, height: int, width: int) -> tuple[TensorSpec, ...]:
+        """Edit-pair records (convert's reference image column): the reference latents one
+        reference image of ``height x width`` pixels adds to a record (:func:`reference_features`);
+        sizes the pipeline refuses as a reference are FamilyErrors."""
+        return reference_features(self.component_configs(directory), height, width)
 
     def latent_channels(self, denoiser_config) -> int:
         return denoiser_config.in_channels  # the patchified latents' 4c
@@ -383,11 +609,8 @@ class Flux2Family(Family):
         return (vae.bn_channels, height // s, width // s)
 
     def load_encoders(self, directory, compute, max_sequence_length, batch_size):
-        """Not yet: training records are a later step of issue 50."""
-        raise FamilyError(
-            "convert (training records) is not supported for the flux2 family yet; it renders "
-            "with generate / the Pipeline API"
-        )
+        configs = self.component_configs(directory)
+        return Flux2Encoders(Path(directory), compute, max_sequence_length, batch_size, configs)
 
     def latent_normalization(self, configs) -> dict:
         return {
@@ -439,12 +662,19 @@ class Flux2Family(Family):
         return {TEXT: embeds}
 
     def image_inputs(self, configs) -> ImageInputs:
-        return ImageInputs(image="optional", max_images=MAX_REFERENCES)
+        return ImageInputs(image="optional", max_images=MAX_REFERENCES, size_from_image=True)
+
+    def size_from_image(self, configs, width, height):
+        """The pipeline's fallback size: its first reference as preprocessed (area capped,
+        cropped to the latent multiple)."""
+        width, height = reference_size(width, height, self.geometry(configs).spatial_multiple)
+        return height, width
 
     def encode_images(self, pipe, images, height, width, num_frames):
         """Per row ``(references, None)``, references one PIL image or a list of 1-4 ->
-        ``reference_<i> [B, 4c, h_i, w_i]`` (VAE posterior mode, patchified, normalised);
-        rows without references give nothing, and a batch cannot mix the two."""
+        ``reference_<i> [B, 4c, h_i, w_i]`` (VAE posterior mode, patchified, normalised;
+        ``kv_reference_<i>`` for the KV render); rows without references give nothing, and a
+        batch cannot mix the two."""
         del height, width, num_frames  # the references keep their own (cropped) sizes
         rows = _reference_rows(images)
         if not any(rows):
@@ -456,13 +686,14 @@ class Flux2Family(Family):
         multiple = pipe.configs["vae"].spatial_compression * PACK
         prepared = _prepared_rows(rows, multiple)
         vae, params = pipe.components["vae"]
+        prefix = KV_REFERENCE if _options(pipe.configs).reference_kv else REFERENCE
         out = {}
         for i in range(len(prepared[0])):
             pixels = jnp.asarray(np.stack([row[i] for row in prepared]), vae.dtype)
             posterior = flux2_vae.encode(vae, params, pixels)
             z = posterior.mean.astype(jnp.float32)  # the mode: "argmax"
             latents = flux2_vae.to_model_latents(z, pipe.components["latent_bn"])
-            out[f"{REFERENCE}{i}"] = np.asarray(latents, np.float32)
+            out[f"{prefix}{i}"] = np.asarray(latents, np.float32)
         return out
 
     def decode(self, pipe, latents, conditioning=None):
@@ -477,7 +708,7 @@ class Flux2Family(Family):
         # Flux2KleinPipeline.__call__'s defaults (it takes the size of the first reference
         # image when none is given; here the size is always given)
         size = DEFAULT_SAMPLE_SIZE * configs["vae"].spatial_compression
-        return {
+        defaults = {
             "height": size,
             "width": size,
             "num_frames": 1,
@@ -485,6 +716,9 @@ class Flux2Family(Family):
             "guidance_scale": 4.0,
             "max_sequence_length": qwen3.KLEIN_MAX_SEQUENCE_LENGTH,
         }
+        if _options(configs).reference_kv:  # Flux2KleinKVPipeline: 4 steps, no guidance_scale
+            defaults.update(num_inference_steps=KV_DEFAULT_STEPS, guidance_scale=1.0)
+        return defaults
 
     def default_scheduler(self, scheduler_config) -> str:
         return flow_match.scheduler_name(scheduler_config, "Flux.2")
@@ -504,7 +738,8 @@ class Flux2Family(Family):
         true_cfg_scale: float,
         guidance_scale_2: float | None = None,
     ) -> Guidance:
-        """CFG at ``guidance_scale`` (> 1), off for a distilled pipeline as in diffusers."""
+        """CFG at ``guidance_scale`` (> 1), off for a distilled pipeline as in diffusers, and
+        for the KV render (Flux2KleinKVPipeline, distilled by its own default, has no CFG)."""
         if guidance_scale_2 is not None:
             raise FamilyError(
                 f"guidance_scale_2={guidance_scale_2}: Flux.2 has one denoiser; guidance_scale_2 "
@@ -515,9 +750,28 @@ class Flux2Family(Family):
                 f"true_cfg_scale={true_cfg_scale}: Flux2KleinPipeline has no true_cfg_scale; "
                 "its CFG scale is guidance_scale"
             )
-        if configs["pipeline"].is_distilled:
+        options = _options(configs)
+        if options.is_distilled or options.reference_kv:
             return Guidance(cfg_scale=1.0)  # diffusers ignores guidance_scale (with a warning)
         return Guidance(cfg_scale=float(guidance_scale))
+
+
+def _options(configs: Mapping) -> Flux2PipelineOptions:
+    """The pipeline options of these configs (the defaults where a model YAML has none)."""
+    return configs.get("pipeline") or Flux2PipelineOptions()
+
+
+def _kv_arguments(conditioning: Mapping, dtype) -> dict:
+    """The transformer's reference keywords of a KV render's conditioning: its cache
+    (``reference_kv``), or its reference latents, whose K/V the call then computes at the fixed
+    reference timestep (``reference_tokens``, diffusers' "extract" call); none otherwise."""
+    if KV_CACHE in conditioning:
+        return {"reference_kv": conditioning[KV_CACHE]}
+    names = reference_names(conditioning, KV_REFERENCE)
+    if not names:
+        return {}
+    tokens, ids = packed_references(conditioning, names, dtype)
+    return {"reference_tokens": tokens, "reference_ids": ids, "ref_timestep": REF_FIXED_TIMESTEP}
 
 
 def _config_problems(configs: Mapping) -> list[str]:

@@ -9,7 +9,17 @@ import pytest
 from bench import run as bench_run
 from bench.common import BenchContext, check_record, timed_record, value_record
 
-FAST = ("matmul", "transformer", "flux", "ltx", "unet", "vae", "maxdiffusion", "quantization")
+FAST = (
+    "matmul",
+    "transformer",
+    "flux",
+    "flux2_kv",
+    "ltx",
+    "unet",
+    "vae",
+    "maxdiffusion",
+    "quantization",
+)
 SLOW = (
     "train_step",
     "generate",

@@ -137,3 +137,41 @@ def test_text_encoder_out_layers_is_refused_by_a_family_without_it(tmp_path, cap
     args = _args(wan, prompts, tmp_path / "out", "model.text_encoder_out_layers=[1]")
     assert cli.main(args) == 2
     assert "model.text_encoder_out_layers" in capsys.readouterr().err
+
+
+def test_a_line_without_a_size_renders_at_its_first_reference_size(klein_dir, tmp_path):
+    """As Flux2KleinPipeline with height / width None: the first reference's size as it is
+    prepared (cropped to the latent multiple; here 4), each side the line leaves unset."""
+    _write_image(tmp_path / "refs/c.png", 70, 90, seed=3)
+    _write_image(tmp_path / "refs/d.png", 64, 64, seed=4)
+    lines = [
+        {"id": "sized-by-ref", "prompt": "edit", "seed": 6, "image": ["refs/c.png", "refs/d.png"]},
+        {"id": "own-size", "prompt": "edit", "seed": 7, "image": "refs/c.png", "height": 16},
+    ]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "render"
+    args = _args(klein_dir, prompts, out, "save_arrays=true")
+    args = [a for a in args if not a.startswith(("height=", "width="))]
+    args[-1:-1] = ["height=null", "width=null"]  # the stage config's 16 x 16 unset
+    assert cli.main(args) == 0
+    records = {p.stem: json.loads(p.read_text()) for p in (out / "records").glob("*.json")}
+    params = records["sized-by-ref"]["params"]
+    assert (params["height"], params["width"]) == (88, 68)
+    assert _array(out, "sized-by-ref").shape == (1, 88, 68, 3)
+    own = records["own-size"]["params"]
+    assert (own["height"], own["width"]) == (16, 68)  # the width still from the image
+
+
+def test_reference_size_caps_the_area_as_the_image_processor_does():
+    """The size arithmetic against Flux2ImageProcessor's own resize of large images."""
+    import PIL.Image
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    from jaxcore.families.flux2 import reference_size
+
+    for width, height in [(1500, 1000), (2049, 513), (1024, 1024), (333, 4000), (100, 70)]:
+        image = PIL.Image.new("RGB", (width, height))
+        resized = Flux2ImageProcessor._resize_if_exceeds_area(image, 1024 * 1024)
+        expected = tuple((side // 16) * 16 for side in resized.size)
+        assert reference_size(width, height, 16) == expected, (width, height)

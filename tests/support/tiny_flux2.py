@@ -161,3 +161,57 @@ def distilled_copy(source: str | Path, directory: str | Path) -> Path:
     index["is_distilled"] = True
     index_path.write_text(json.dumps(index, indent=2))
     return directory
+
+
+# the edits of write_edit_pairs: caption -> the RGB gains the target applies to the source
+EDITS = {
+    "make it red": (1.0, 0.25, 0.25),
+    "make it blue": (0.25, 0.25, 1.0),
+    "make it dark": (0.3, 0.3, 0.3),
+}
+
+
+def write_edit_pairs(directory: str | Path, count: int, size: int = 64, seed: int = 0) -> Path:
+    """An imagefolder dataset of ``count`` edit pairs: ``file_name`` the edited (target) image,
+    ``text`` the edit's instruction and ``source_image`` the absolute path of the source
+    (reference) image, a smooth random pattern ``size x size`` that the edit tints per channel
+    (:data:`EDITS`), so that the target depends on both the caption and the reference."""
+    import numpy as np
+    import PIL.Image
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    rows, edits = [], list(EDITS.items())
+    for i in range(count):
+        coarse = PIL.Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8))
+        source = np.asarray(coarse.resize((size, size), PIL.Image.Resampling.BICUBIC))
+        caption, gains = edits[i % len(edits)]
+        target = (source.astype(np.float32) * np.asarray(gains, np.float32)).astype(np.uint8)
+        PIL.Image.fromarray(source).save(directory / f"source_{i}.png")
+        PIL.Image.fromarray(target).save(directory / f"target_{i}.png")
+        rows.append(
+            {
+                "file_name": f"target_{i}.png",
+                "text": caption,
+                "source_image": str(directory / f"source_{i}.png"),
+            }
+        )
+    (directory / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return directory
+
+
+def kv_copy(source: str | Path, directory: str | Path) -> Path:
+    """A built pipeline as diffusers saves it as a ``Flux2KleinKVPipeline`` (the same
+    components: ``Flux2KleinKVPipeline.from_pretrained(source).save_pretrained(directory)``);
+    its model_index.json names that class and, as that class writes it, no ``is_distilled``
+    (the loading folder's ``_name_or_path`` dropped, as in a released folder)."""
+    from diffusers import Flux2KleinKVPipeline
+
+    directory = Path(directory)
+    Flux2KleinKVPipeline.from_pretrained(source).save_pretrained(directory)
+    index_path = directory / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index.pop("_name_or_path", None)
+    index_path.write_text(json.dumps(index, indent=2))
+    return directory
