@@ -497,9 +497,12 @@ class Flux2Family(Family):
         transformer at ``timestep / 1000``, keep the noise tokens' outputs, unpack. The KV
         render's references join every layer's keys instead: their cached K/V (``kv_cache``,
         :meth:`loop_conditioning`), or, given their latents (``kv_reference_<i>``), K/V the
-        call computes itself (the same function, uncached)."""
-        if run_stack is not None:
-            raise FamilyError("step caching is not supported for the flux2 family yet")
+        call computes itself (the same function, uncached).
+
+        ``run_stack`` (step caching, :mod:`jaxcore.step_cache`): the block stack runs through it
+        on the streams (image [+ reference tokens], text) and the result is ``(latents,
+        extra)``; the cached residuals cover the reference tokens of the non-KV render too, as
+        diffusers' hooks (whose first stream is the transformer's ``hidden_states``) keep them."""
         _, _, h, w = latents.shape
         text = conditioning[TEXT]
         tokens = flux2_vae.pack_latents(latents.astype(module.dtype))
@@ -518,8 +521,12 @@ class Flux2Family(Family):
             text_ids(text.shape[1]),
             conditioning.get(GUIDANCE),  # FLUX.2 [dev]'s embedded guidance [B] (flux2_dev)
             **_kv_arguments(conditioning, module.dtype),
+            run_stack=run_stack,
         )
-        return flux2_vae.unpack_latents(out[:, : h * w], h, w)
+        if run_stack is None:
+            return flux2_vae.unpack_latents(out[:, : h * w], h, w)
+        out, extra = out
+        return flux2_vae.unpack_latents(out[:, : h * w], h, w), extra
 
     def loop_conditioning(self, module, params, conditioning):
         """The KV render's reference latents -> every layer's reference K/V (``kv_cache``),

@@ -581,8 +581,12 @@ class Flux2Transformer(nn.Module):
         reference_tokens=None,
         reference_ids=None,
         ref_timestep: float = 0.0,
+        run_stack=None,
     ):
-        """The prediction for ``hidden_states`` (see the class docstring)."""
+        """The prediction for ``hidden_states`` (see the class docstring); with ``run_stack``
+        (step caching, :mod:`jaxcore.step_cache`), ``(prediction, extra)`` where the stack of
+        double then single blocks ran as ``run_stack((image, text), run_blocks, num_blocks) ->
+        ((image, text), extra)`` (see :meth:`_block_stack`)."""
         timestep = jnp.asarray(timestep)
         guidance = None if guidance is None else jnp.asarray(guidance)
         check_inputs(self.config, hidden_states, encoder_hidden_states, timestep, guidance)
@@ -608,19 +612,35 @@ class Flux2Transformer(nn.Module):
             ("txt_ids", txt_ids, encoder_hidden_states.shape[1]),
             ("img_ids", img_ids, hidden_states.shape[1]),
         )
-        x = self._run_blocks(x, c, temb, rope, reference_kv)
+        run_blocks = self._block_stack(temb, rope, reference_kv, text_len=c.shape[1])
+        num_blocks = self.config.num_layers + self.config.num_single_layers
+        extra = None
+        if run_stack is None:
+            x, _ = run_blocks((x, c), 0, num_blocks)
+        else:
+            (x, _), extra = run_stack((x, c), run_blocks, num_blocks)
         scale, shift = self.norm_out(temb)  # AdaLayerNormContinuous: scale first
         out = self.proj_out(_modulate(x, shift, scale, self.config.eps, self.dtype))
-        return sharding.constrain(out, _IMAGE_EMBED)
+        out = sharding.constrain(out, _IMAGE_EMBED)
+        return out if run_stack is None else (out, extra)
 
-    def _run_blocks(self, x, c, temb, rope, reference_kv):
-        """Double then single blocks; returns the image stream [B, L, D]."""
+    def _block_stack(self, temb, rope, reference_kv, text_len: int):
+        """``run_blocks(streams, start, stop)``: blocks ``start..stop-1`` of the stack of double
+        then single blocks on ``streams = (image, text)`` ([B, L, D], [B, T, D]; the image
+        stream holds the non-KV render's reference tokens after the latents' too).
+
+        The single blocks run on the joint [text; image] sequence, as diffusers' do; a run
+        that reaches them concatenates the streams once before them and splits the result
+        after them (concatenation and slicing are exact), so a stack run in pieces (step
+        caching's first block, then the rest) equals one run. This is what diffusers' cache
+        hooks see: the first double block's ``hidden_states`` is the image stream (the
+        "first stream" whose residual First-Block-Cache compares and MagCache keeps), and the
+        last single block returns the joint sequence whose image tokens sit at the end."""
+        cfg = self.config
         mod_img = self.double_stream_modulation_img(temb)
         mod_txt = self.double_stream_modulation_txt(temb)
         mod_single = self.single_stream_modulation(temb)
-        kv = reference_kv or ReferenceKV(
-            (None,) * self.config.num_layers, (None,) * self.config.num_single_layers
-        )
+        kv = reference_kv or ReferenceKV((None,) * cfg.num_layers, (None,) * cfg.num_single_layers)
         scan = self.scan_layers and reference_kv is None  # per-layer caches: the plain loop
         kw = self._block_kw()
 
@@ -630,22 +650,41 @@ class Flux2Transformer(nn.Module):
         def one_single(block, joint, layer_kv=None):
             return block(joint, mod_single, *rope, layer_kv)
 
-        if scan:
-            template = DoubleStreamBlock(**kw, parent=None)
-            x, c = compute.run_blocks(self, self.transformer_blocks, (x, c), one_double, template)
-        else:
-            for block, layer_kv in zip(self.transformer_blocks, kv.double, strict=True):
-                x, c = one_double(block, (x, c), layer_kv)
-        joint = sharding.constrain(jnp.concatenate([c, x], axis=1), _IMAGE_EMBED)
-        if scan:
-            template = SingleStreamBlock(**kw, parent=None)
-            joint = compute.run_blocks(
-                self, self.single_transformer_blocks, joint, one_single, template
-            )
-        else:
-            for block, layer_kv in zip(self.single_transformer_blocks, kv.single, strict=True):
-                joint = one_single(block, joint, layer_kv)
-        return sharding.constrain(joint[:, c.shape[1] :], _IMAGE_EMBED)
+        def run(blocks, carry, one, layer_kvs, template_cls):
+            if scan:
+                return compute.run_blocks(self, blocks, carry, one, template_cls(**kw, parent=None))
+            for block, layer_kv in zip(blocks, layer_kvs, strict=True):
+                carry = one(block, carry, layer_kv)
+            return carry
+
+        def run_blocks(streams, start, stop):
+            x, c = streams
+            last_double = min(stop, cfg.num_layers)
+            if start < last_double:
+                chosen = slice(start, last_double)
+                x, c = run(
+                    self.transformer_blocks[chosen],
+                    (x, c),
+                    one_double,
+                    kv.double[chosen],
+                    DoubleStreamBlock,
+                )
+            first, last = max(start, cfg.num_layers) - cfg.num_layers, stop - cfg.num_layers
+            if first < last:
+                chosen = slice(first, last)
+                joint = sharding.constrain(jnp.concatenate([c, x], axis=1), _IMAGE_EMBED)
+                joint = run(
+                    self.single_transformer_blocks[chosen],
+                    joint,
+                    one_single,
+                    kv.single[chosen],
+                    SingleStreamBlock,
+                )
+                c = sharding.constrain(joint[:, :text_len], _TEXT_EMBED)
+                x = sharding.constrain(joint[:, text_len:], _IMAGE_EMBED)
+            return x, c
+
+        return run_blocks
 
     def reference_kv(
         self, reference_tokens, reference_ids, guidance=None, ref_timestep: float = 0.0
