@@ -57,6 +57,17 @@ def initial_latents(seed: int, shape: Sequence[int]) -> np.ndarray:
     return np.random.Generator(np.random.PCG64(seed)).standard_normal(shape, np.float32)
 
 
+def initial_latent_parts(seed: int, shapes: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """Standard-normal float32 noise of each of ``shapes``, drawn in turn from one generator
+    seeded by ``seed`` (the first part is :func:`initial_latents` of its shape): the noise of a
+    render whose latents hold several arrays (video and audio), each a function of the seed
+    alone whether or not the prompt gives the others."""
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    generator = np.random.Generator(np.random.PCG64(seed))
+    return [generator.standard_normal(tuple(shape), np.float32) for shape in shapes]
+
+
 def to_uint8(video: np.ndarray) -> np.ndarray:
     """[0, 1] float frames -> uint8 (round to nearest, as diffusers' ``numpy_to_pil``)."""
     return np.clip(np.round(np.asarray(video) * 255.0), 0, 255).astype(np.uint8)

@@ -75,6 +75,8 @@ from jaxcore.family_types import (  # noqa: F401 - the interface's names, re-exp
 )
 from jaxcore.pipeline import Pipeline
 
+LATENTS_FIELD = "latents"  # the prompt-file field of a render's initial latents (a .npy)
+
 
 class Encoders(abc.ABC):
     """The encoders convert runs: media -> normalised latents, captions -> named tensors.
@@ -338,6 +340,28 @@ class Family(abc.ABC):
     @abc.abstractmethod
     def latent_shape(self, configs: Mapping[str, Any], height, width, num_frames) -> tuple:
         """Per-example latent shape for a ``num_frames x height x width`` clip."""
+
+    def latent_inputs(self, configs: Mapping[str, Any], shape) -> dict[str, tuple[int, ...]]:
+        """The arrays a prompt may give as its initial latents, by prompt-file field, each with
+        its per-example shape (``shape``: :meth:`latent_shape`'s). Default: ``latents`` of
+        that shape alone; a family whose latents join several arrays names each (LTX-2: the
+        video's ``latents`` and the ``audio_latents``)."""
+        del configs
+        return {LATENTS_FIELD: tuple(int(n) for n in shape)}
+
+    def initial_latents(
+        self, configs: Mapping[str, Any], shape, seed: int, given: Mapping[str, np.ndarray]
+    ) -> np.ndarray:
+        """One prompt's initial latents of per-example ``shape`` (float32): the arrays it gives
+        (``given``: some of :meth:`latent_inputs`, shapes already checked), the rest drawn from
+        its ``seed`` alone (numpy's PCG64, :mod:`jaxcore.sampling`). Default: the prompt's
+        ``latents``, else :func:`jaxcore.sampling.initial_latents` of ``shape``."""
+        from jaxcore.sampling import initial_latents
+
+        del configs
+        if LATENTS_FIELD in given:
+            return np.asarray(given[LATENTS_FIELD], np.float32)
+        return initial_latents(seed, shape)
 
     def record_features(
         self, directory, height: int, width: int, num_frames: int, max_sequence_length: int

@@ -31,8 +31,11 @@ so the Euler step and CFG keep them. :func:`joint_latents` / :func:`split_latent
 Why this layout: it needs no change to the loop or the pipeline (every hook sees one array),
 and the one thing :meth:`LTX2Family.make_schedule` gets, the latents' shape, still says the
 video's token count; one token array ``[F' H' W' + L, D]`` would need equal packed widths and
-would hide where the video ends. The cost is small: the released model at 121 frames of
-768 x 512 has 6144 video tokens and 126 x 128 audio values, K = 3 channels beside 128.
+would hide where the video ends. A prompt's initial latents
+(:meth:`LTX2Family.initial_latents`) are its ``latents`` and ``audio_latents`` files where it
+gives them, else noise from its seed (video first, then audio, from one generator). The cost
+is small: the released model at 121 frames of 768 x 512 has 6144 video tokens and 126 x 128
+audio values, K = 3 channels beside 128.
 
 Guidance (diffusers' delta formula on x0 predictions, ``x0 = x - sigma v``, per modality):
 ``x0_c + (g - 1)(x0_c - x0_u) + (m - 1)(x0_c - x0_i)`` with ``guidance_scale`` /
@@ -79,6 +82,7 @@ import numpy as np
 from jaxcore import sharding
 from jaxcore.families import flow_match
 from jaxcore.families.base import (
+    LATENTS_FIELD,
     TEXT_FEATURE,
     DenoiserModel,
     Family,
@@ -102,6 +106,8 @@ from jaxcore.models import (
 TEXT = TEXT_FEATURE  # [L, D]: the video connector's captions
 AUDIO_TEXT = "audio_encoder_hidden_states"  # [L, Da]: the audio connector's captions
 TEXT_MASK = "encoder_attention_mask"  # [L]: the connectors' mask (both modalities)
+LATENTS = LATENTS_FIELD  # a prompt's video latents [C, F', H', W'] (normalised)
+AUDIO_LATENTS = "audio_latents"  # a prompt's audio latents [C_a, L, M'] (normalised)
 DECODE_TIMESTEP = "decode_timestep"  # []
 DECODE_NOISE_SCALE = "decode_noise_scale"  # []
 DECODE_SEED = "decode_seed"  # [2] uint32: the prompt's seed, low and high words
@@ -576,13 +582,39 @@ class LTX2Family(Family):
         t, s = vae.temporal_compression_ratio, vae.spatial_compression_ratio
         return layout(configs, ((num_frames - 1) // t + 1, height // s, width // s)).shape
 
+    def latent_inputs(self, configs, shape) -> dict[str, tuple[int, ...]]:
+        """A prompt's two initial arrays: the video's ``latents`` ``[C, F', H', W']`` and the
+        ``audio_latents`` ``[C_a, L, M']`` (normalised, the audio VAE's [channels, time, mel]
+        layout), both as :func:`joint_latents` joins them."""
+        joint = layout(configs, shape[1:])
+        audio_vae = configs["audio_vae"]
+        mel_bins = joint.audio_width // audio_vae.latent_channels
+        return {
+            LATENTS: (joint.channels, *joint.grid),
+            AUDIO_LATENTS: (audio_vae.latent_channels, joint.audio_frames, mel_bins),
+        }
+
+    def initial_latents(self, configs, shape, seed, given):
+        """The loop's latents of one prompt: its video and audio arrays where it gives them,
+        else drawn from its seed, video first then audio, from one generator
+        (:func:`jaxcore.sampling.initial_latent_parts`: the video noise is every other
+        family's noise of its shape, the audio noise the same whether or not a video is
+        given), joined by :func:`joint_latents`."""
+        from jaxcore.sampling import initial_latent_parts
+
+        shapes = self.latent_inputs(configs, shape)
+        drawn = dict(zip(shapes, initial_latent_parts(seed, list(shapes.values())), strict=True))
+        parts = [np.asarray(given.get(name, drawn[name]), np.float32)[None] for name in shapes]
+        return joint_latents(*parts, layout(configs, shape[1:]))[0]
+
     def load_encoders(self, directory, compute, max_sequence_length, batch_size):
         raise FamilyError("convert (training records) is not built for LTX-2")
 
     # --- inference --------------------------------------------------------------------------
     def load_components(self, directory, configs, compute, mesh, rules, denoiser):
-        """The video VAE (on the mesh), the audio VAE, the vocoder, Gemma-3, its tokenizer and
-        the connectors (replicated), and the joint layout's inputs in ``configs``."""
+        """The video VAE, the audio VAE and the vocoder (on the mesh: they decode the loop's
+        latents), Gemma-3, its tokenizer and the connectors (replicated), and the joint
+        layout's inputs in ``configs``."""
         from jaxcore.text import load_tokenizer
 
         directory = Path(directory)
@@ -601,12 +633,16 @@ class LTX2Family(Family):
                 directory / "audio_vae",
                 (ltx2_audio_vae.LTX2AudioVAEConfigError,),
                 dtype=dtype,
+                mesh=mesh,  # decode_audio runs in the mesh's context, on the loop's latents
+                rules=rules,
             ),
             "vocoder": _loaded(
                 ltx2_vocoder.load_ltx2_vocoder,
                 directory / "vocoder",
                 (ltx2_vocoder.LTX2VocoderConfigError,),
                 dtype=dtype,
+                mesh=mesh,
+                rules=rules,
             ),
             "text_encoder": _loaded(
                 gemma3.load_gemma3,
@@ -706,6 +742,12 @@ class LTX2Family(Family):
             "frame_rate": FRAME_RATE,
             "decode_timestep": 0.0,
             "decode_noise_scale": None,
+            "use_cross_timestep": True,
+            # named (at their off values) so a prompt setting one reaches check_settings,
+            # which refuses it by name (diffusers' own defaults switch STG on)
+            "stg_scale": 0.0,
+            "audio_stg_scale": None,
+            "noise_scale": 0.0,
             "max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH,
         }
 

@@ -63,6 +63,11 @@ class ModelSource:
     def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:
         return tuple(self.family.latent_shape(self.configs, height, width, num_frames))
 
+    def latent_inputs(self, height: int, width: int, num_frames: int) -> dict[str, tuple]:
+        """The initial arrays a prompt may give (field -> shape), the family's."""
+        shape = self.latent_shape(height, width, num_frames)
+        return self.family.latent_inputs(self.configs, shape)
+
     @property
     def image_inputs(self) -> families.ImageInputs:
         return self.family.image_inputs(self.configs)

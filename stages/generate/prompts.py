@@ -14,8 +14,15 @@ Formats (local path or ``gs://``):
   ``expert`` ``low`` for a two-expert model's ``transformer_2``: the LoRAs of this prompt
   instead of the config's ``model.loras``; prompts are grouped by LoRA set), and the render
   settings only some families take (:data:`FAMILY_SETTINGS`: LTX-Video's ``frame_rate``,
-  ``decode_timestep``, ``decode_noise_scale`` and ``image_cond_noise_scale``; a model whose
-  family has no default for one refuses it, naming the line), and ``conditions`` (a list of
+  ``decode_timestep``, ``decode_noise_scale`` and ``image_cond_noise_scale``; the audio's and
+  the modalities' guidance of a family that renders sound, ``audio_guidance_scale``,
+  ``audio_guidance_rescale``, ``modality_scale``, ``audio_modality_scale``,
+  ``use_cross_timestep`` (a bool), and the options such a family may refuse by name,
+  ``stg_scale``, ``audio_stg_scale``, ``noise_scale``; a model whose family has no default for
+  one refuses it, naming the line), ``audio_latents`` (a ``.npy`` of the initial audio
+  latents beside ``latents``, for a family whose latents hold sound; paths as for
+  ``latents``; the family says which arrays it takes and their shapes, another family
+  refuses it naming the line), and ``conditions`` (a list of
   ``{"image" | "video": path, "frame_index": int, "strength": number}``, LTXConditionPipeline
   only: a ``video`` is a ``.npy`` of frames ``[F, H, W, 3]`` in [0, 1] or a video file imageio
   reads; paths as for ``latents``), and ``timesteps`` (a custom timestep list, as diffusers'
@@ -54,7 +61,23 @@ FIELDS_INT = ("seed", "height", "width", "num_frames", "num_inference_steps")
 # family takes one exactly when its sampling_defaults name it. They reach the family with the
 # size conditioning (PromptSpec.micro_conditioning), together with the prompt's seed (the
 # decode noise is drawn from it).
-FAMILY_SETTINGS = ("frame_rate", "decode_timestep", "decode_noise_scale", "image_cond_noise_scale")
+FAMILY_NUMBERS = (
+    "frame_rate",
+    "decode_timestep",
+    "decode_noise_scale",
+    "image_cond_noise_scale",
+    # the guidance of a family that renders sound (per modality, and its modality guidance)
+    "audio_guidance_scale",
+    "audio_guidance_rescale",
+    "modality_scale",
+    "audio_modality_scale",
+    # options a family names (at their off values) only to refuse them by name when set
+    "stg_scale",
+    "audio_stg_scale",
+    "noise_scale",
+)
+FAMILY_BOOLS = ("use_cross_timestep",)
+FAMILY_SETTINGS = (*FAMILY_NUMBERS, *FAMILY_BOOLS)
 # Frame conditions (LTXConditionPipeline): taken by a model whose defaults name this setting
 CONDITIONS_SETTING = "image_cond_noise_scale"
 FIELDS_FLOAT = (
@@ -63,9 +86,13 @@ FIELDS_FLOAT = (
     "true_cfg_scale",
     "flow_shift",
     "guidance_rescale",
-    *FAMILY_SETTINGS,
+    *FAMILY_NUMBERS,
 )
-FIELDS_STR = ("id", "prompt", "negative_prompt", "latents", "image", "last_image")
+FIELDS_BOOL = FAMILY_BOOLS
+# .npy files of a line's initial latents: which ones a model takes is its family's
+# (Family.latent_inputs); the loop's latents are made from them by Family.initial_latents
+LATENT_FILES = ("latents", "audio_latents")
+FIELDS_STR = ("id", "prompt", "negative_prompt", *LATENT_FILES, "image", "last_image")
 FIELDS_LIST = ("loras", "conditions")
 # A custom timestep list (diffusers' timesteps=), taken by a model whose defaults name it
 TIMESTEPS = "timesteps"
@@ -75,6 +102,7 @@ KNOWN_FIELDS = frozenset(
     (
         *FIELDS_INT,
         *FIELDS_FLOAT,
+        *FIELDS_BOOL,
         *FIELDS_STR,
         *FIELDS_LIST,
         *FIELDS_PAIR,
@@ -147,6 +175,14 @@ class PromptSpec:
     # (width, height) of each reference image, set (after the files are read) only for a model
     # that takes several: a batch shares its references' token layout; None: not grouped by it
     image_sizes: tuple[tuple[int, int], ...] | None = None
+    # URI of a .npy of the initial audio latents (a family whose latents hold sound), or None
+    audio_latents: str | None = None
+
+    @property
+    def latent_files(self) -> dict[str, str]:
+        """The line's initial-latent files by field (:data:`LATENT_FILES`), those it gives."""
+        uris = {"latents": self.latents, "audio_latents": self.audio_latents}
+        return {name: uri for name, uri in uris.items() if uri is not None}
 
     @property
     def image_uris(self) -> tuple[str, ...]:
@@ -199,6 +235,8 @@ class PromptSpec:
         }
         if self.guidance_rescale:
             out["guidance_rescale"] = self.guidance_rescale
+        if self.audio_latents is not None:
+            out["audio_latents"] = self.audio_latents
         if self.conditions:
             out["conditions"] = [condition_entry(*c) for c in self.conditions]
         if self.timesteps is not None:
@@ -394,6 +432,10 @@ def _check_type(value, field: str, where: str):
         if isinstance(value, bool) or not isinstance(value, int):
             raise StageInputError(f"{where}: {field} must be an integer, got {value!r}")
         return value
+    if field in FIELDS_BOOL:
+        if not isinstance(value, bool):
+            raise StageInputError(f"{where}: {field} must be true or false, got {value!r}")
+        return value
     if field in FIELDS_FLOAT:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise StageInputError(f"{where}: {field} must be a number, got {value!r}")
@@ -430,6 +472,19 @@ def _resolve_path(path: str, prompt_file: str) -> str:
         return path
     folder = prompt_file.rsplit("/", 1)[0] if "/" in prompt_file else "."
     return storage.join(folder, path)
+
+
+def _resolve_latent_files(given: dict, prompt_file: str, where: str) -> dict[str, str]:
+    """The line's :data:`LATENT_FILES`, each a ``.npy`` path resolved as ``latents``'s."""
+    out = {}
+    for field in LATENT_FILES:
+        path = given.get(field)
+        if path is None:
+            continue
+        if not path.endswith(".npy"):
+            raise StageInputError(f"{where}: {field} must name a .npy file, got {path!r}")
+        out[field] = _resolve_path(path, prompt_file)
+    return out
 
 
 def _resolve_image(given: str | list | None, prompt_file: str) -> str | tuple | None:
@@ -620,11 +675,7 @@ def resolve_prompts(
         for key in ("image", "last_image"):
             fields[key] = _resolve_image(given.get(key), uri)
         _check_values(fields, where, geometry, image_inputs)
-        latents = given.get("latents")
-        if latents is not None:
-            if not latents.endswith(".npy"):
-                raise StageInputError(f"{where}: latents must name a .npy file, got {latents!r}")
-            latents = _resolve_path(latents, uri)
+        latent_files = _resolve_latent_files(given, uri, where)
         own = _resolve_loras(given["loras"], uri) if "loras" in given else tuple(loras)
         micro = [(key, given[key]) for key in FIELDS_PAIR if key in given]
         micro += _family_settings(given, base, model_defaults, fields["seed"], where)
@@ -641,7 +692,8 @@ def resolve_prompts(
                 line=number,
                 id=prompt_id,
                 name=name,
-                latents=latents,
+                latents=latent_files.get("latents"),
+                audio_latents=latent_files.get("audio_latents"),
                 loras=own,
                 micro_conditioning=tuple(sorted(micro)),
                 conditions=conditions,

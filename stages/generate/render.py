@@ -7,8 +7,9 @@
   mesh's batch ways.
 - Each process renders the rows of every batch that land on its own devices (a disjoint share
   of the list, ``jax.process_index``), and writes only those.
-- Initial noise comes from each prompt's own seed (or its ``latents`` .npy), so a prompt's
-  output never depends on the batch it was in, the batch size or the device count.
+- Initial noise comes from each prompt's own seed (or its ``latents`` / ``audio_latents``
+  .npy files; the family joins them, :meth:`Family.initial_latents`), so a prompt's output
+  never depends on the batch it was in, the batch size or the device count.
 - The device work of batch k+1 is dispatched before the host waits for batch k, and encoding /
   uploading runs in a writer thread pool, so host and device work overlap.
 - The prompts of the next batches are text-encoded together, up to
@@ -34,7 +35,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from jaxcore import storage
-from jaxcore.sampling import initial_latents
 from stages.common.errors import StageInputError
 from stages.generate.images import read_image
 from stages.generate.prompts import PromptSpec
@@ -91,32 +91,48 @@ def plan_batches(
     return batches
 
 
-def read_latents(spec: PromptSpec, shape: Sequence[int]) -> np.ndarray:
-    """The prompt's ``latents`` .npy, checked against the expected per-sample shape."""
+def read_latents(spec: PromptSpec, shape: Sequence[int], field: str = "latents") -> np.ndarray:
+    """The prompt's ``field`` .npy (``latents``, ``audio_latents``), checked against the
+    expected per-sample shape."""
     where = f"line {spec.line} (id {spec.id!r})"
+    uri = spec.latent_files[field]
     try:
-        array = np.load(io.BytesIO(storage.read_bytes(spec.latents)), allow_pickle=False)
+        array = np.load(io.BytesIO(storage.read_bytes(uri)), allow_pickle=False)
     except storage.StorageError:
-        raise StageInputError(f"{where}: latents file {spec.latents} does not exist") from None
+        raise StageInputError(f"{where}: {field} file {uri} does not exist") from None
     except ValueError as err:
-        raise StageInputError(
-            f"{where}: latents file {spec.latents} is not a .npy: {err}"
-        ) from None
+        raise StageInputError(f"{where}: {field} file {uri} is not a .npy: {err}") from None
     if array.ndim == len(shape) + 1 and array.shape[0] == 1:
         array = array[0]  # a [1, C, F, H, W] dump of a single-prompt run
     if tuple(array.shape) != tuple(shape):
         raise StageInputError(
-            f"{where}: latents {spec.latents} has shape {tuple(array.shape)}, but "
+            f"{where}: {field} {uri} has shape {tuple(array.shape)}, but "
             f"{spec.height}x{spec.width} with {spec.num_frames} frame(s) needs {tuple(shape)}"
         )
     return array.astype(np.float32)
 
 
-def check_latent_files(specs: Sequence[PromptSpec], latent_shape: Callable) -> None:
-    """Before rendering: every ``latents`` file exists and has the right shape."""
+def read_latent_files(spec: PromptSpec, inputs: dict[str, tuple[int, ...]]) -> dict:
+    """The prompt's initial-latent arrays by field, each checked against ``inputs`` (the
+    model's :meth:`Family.latent_inputs`); a file the model takes no array for is an error
+    naming the line and the field."""
+    given = {}
+    for field in spec.latent_files:
+        if field not in inputs:
+            raise StageInputError(
+                f"line {spec.line} (id {spec.id!r}): {field} is not an initial array of this "
+                f"model's renders (its family takes {sorted(inputs)}); leave it out"
+            )
+        given[field] = read_latents(spec, inputs[field], field)
+    return given
+
+
+def check_latent_files(specs: Sequence[PromptSpec], latent_inputs: Callable) -> None:
+    """Before rendering: every initial-latent file is one the model takes, exists and has the
+    right shape (``latent_inputs(height, width, num_frames)``: field -> shape)."""
     for spec in specs:
-        if spec.latents is not None:
-            read_latents(spec, latent_shape(spec.height, spec.width, spec.num_frames))
+        if spec.latent_files:
+            read_latent_files(spec, latent_inputs(spec.height, spec.width, spec.num_frames))
 
 
 def available_host_bytes() -> int | None:
@@ -276,11 +292,12 @@ def _controls(rows: Sequence[PromptSpec]) -> list | None:
     return [control_inputs.to_input(s) for s in rows]
 
 
-def initial_noise(spec: PromptSpec, shape: Sequence[int]) -> np.ndarray:
-    """The prompt's own initial latents: its .npy, or noise from its seed alone."""
-    if spec.latents is not None:
-        return read_latents(spec, shape)
-    return initial_latents(spec.seed, shape)
+def initial_noise(pipe, spec: PromptSpec, shape: Sequence[int]) -> np.ndarray:
+    """The prompt's own initial latents: its .npy files, the rest noise from its seed alone
+    (the family joins them: :meth:`Family.initial_latents`)."""
+    family, configs = pipe.family, pipe.configs
+    given = read_latent_files(spec, family.latent_inputs(configs, shape))
+    return family.initial_latents(configs, shape, spec.seed, given)
 
 
 @dataclasses.dataclass
@@ -380,7 +397,7 @@ def _dispatch(
     pipe.apply_loras(first.loras, strict=lora_strict)
     shape = pipe.latent_shape(first.height, first.width, first.num_frames)
     rows = [batch.row_spec(r) for r in batch.local_rows]
-    latents = np.stack([initial_noise(s, shape) for s in rows])
+    latents = np.stack([initial_noise(pipe, s, shape) for s in rows])
     guidances = _guidances(pipe, rows)
     cond, uncond, scales = pipe.conditioning(
         [s.prompt for s in rows],

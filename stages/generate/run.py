@@ -103,7 +103,7 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
         log.info("generate: %s is already finished (same config and prompts)", done.uri)
         return done
 
-    render.check_latent_files(specs, source.latent_shape)  # also before any rendering
+    render.check_latent_files(specs, source.latent_inputs)  # also before any rendering
     render.check_memory(specs, source.latent_shape, config.prompt_file)
     image_sha = render.check_image_files(specs)
     control_inputs.check_files(specs, image_sha)
