@@ -166,16 +166,25 @@ def run_reference_perturbed(scheduler, num_steps: int, **kwargs):
     return run_reference(fresh, num_steps, x_init=nudged, **kwargs)
 
 
+# Zero-SNR rescaling takes float32 square roots of alphas a few ulp apart, and PyTorch's CPU
+# sqrt / cumprod round differently by vector unit (bit-equal to ours on the Intel machines these
+# tests were written on; on an AMD EPYC with AVX-512 the sigmas drift 1.8e-6, the timesteps
+# interpolated through their logs 9.7e-6, the cumulative alphas near zero 7.4e-5 relative)
+ZERO_SNR_RTOL = 3e-5
+
+
 def assert_schedule_equal(state, reference):
-    """Timesteps and sigmas as diffusers' (integers exact, floats to 1e-6 relative)."""
+    """Timesteps and sigmas as diffusers' (integers exact, floats to 1e-6 relative; to
+    ZERO_SNR_RTOL with zero-SNR rescaling)."""
+    rtol = ZERO_SNR_RTOL if getattr(reference.config, "rescale_betas_zero_snr", False) else 1e-6
     want_t = reference.timesteps.numpy()
     got_t = np.asarray(state.timesteps)
     if want_t.dtype.kind == "i":
         np.testing.assert_array_equal(got_t, want_t)
     else:
-        np.testing.assert_allclose(got_t, want_t, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got_t, want_t, rtol=rtol, atol=1e-6)
     if hasattr(state, "sigmas"):
-        np.testing.assert_allclose(np.asarray(state.sigmas), reference.sigmas.numpy(), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(state.sigmas), reference.sigmas.numpy(), rtol=rtol)
 
 
 def step_noise_for(num_steps: int) -> np.ndarray:
@@ -674,13 +683,16 @@ def test_trained_betas_match_diffusers():
 @pytest.mark.parametrize("schedule", ["scaled_linear", "linear", "squaredcos_cap_v2"])
 def test_noise_schedule_matches_diffusers(schedule, rescale):
     """Bit for bit, except that zero-SNR rescaling takes square roots, which PyTorch's float32
-    CPU ``sqrt`` (MKL) rounds differently from IEEE for a few values (alphas a few ulp apart)."""
+    CPU ``sqrt`` rounds differently from IEEE for a few values (alphas a few ulp apart), by
+    vector unit (see ZERO_SNR_RTOL: 2.9e-6 absolute on the betas on an AMD EPYC)."""
     reference = DDPMScheduler(beta_schedule=schedule, rescale_betas_zero_snr=rescale)
     config = classic.NoiseScheduleConfig(beta_schedule=schedule, rescale_betas_zero_snr=rescale)
     got_betas, got_cumprod = classic.betas(config), classic.alphas_cumprod(config)
     if rescale:
-        np.testing.assert_allclose(got_betas, reference.betas.numpy(), rtol=0, atol=5e-7)
-        np.testing.assert_allclose(got_cumprod, reference.alphas_cumprod.numpy(), rtol=1e-6)
+        np.testing.assert_allclose(got_betas, reference.betas.numpy(), rtol=0, atol=5e-6)
+        np.testing.assert_allclose(
+            got_cumprod, reference.alphas_cumprod.numpy(), rtol=10 * ZERO_SNR_RTOL
+        )
         assert got_cumprod[-1] == 0 == reference.alphas_cumprod[-1]
     else:
         np.testing.assert_array_equal(got_betas, reference.betas.numpy())
