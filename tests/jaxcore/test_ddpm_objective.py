@@ -48,8 +48,10 @@ def test_snr_matches_compute_snr(name):
     assert ours.dtype == np.float32
     if ours_config.rescale_betas_zero_snr:
         assert ours[-1] == expected[-1] == 0.0
-    np.testing.assert_allclose(ours, expected, rtol=1e-6, atol=0)
-    assert np.mean(ours == expected) > 0.75  # mostly bit for bit
+    # compute_snr takes float32 square roots in PyTorch, whose CPU rounding depends on the
+    # vector unit: mostly bit for bit on Intel, 1.4e-5 relative at worst on an AMD EPYC
+    # (AVX-512); ours computes the same formula in float32 with IEEE square roots
+    np.testing.assert_allclose(ours, expected, rtol=3e-5, atol=0)
 
 
 @pytest.mark.parametrize("kind", ddpm.KINDS)
