@@ -40,6 +40,13 @@ SLOW_TIER: dict[str, tuple[str, ...]] = {
     ),
     # the LoRA conversions stay in the default tier (tests/jaxcore/test_lora_flux2.py); these
     # run generate and train's LoRA mode end to end (20-40 s each)
+    # the Klein prompt file through generate stays (the same stage path as dev's); the LTX-2
+    # generate test writes sound end to end, so the stand-in audio family's run moves
+    "generate variants of the new families": (
+        "tests/stages/test_flux2_dev_generate.py::test_dev_prompt_file_renders_as_the_library_does",
+        "tests/stages/test_generate_audio.py::test_generate_writes_each_prompts_sound",
+        "tests/jaxcore/test_ltx2_configs.py::test_yamls_count_like_diffusers[ltx2_19b]",
+    ),
     "Flux.2 LoRA through the stages": (
         "tests/stages/test_flux2_lora.py::test_generate_with_flux2_loras_matches_diffusers",
         "tests/stages/test_flux2_lora.py::test_lora_training_on_text_to_image_records",
