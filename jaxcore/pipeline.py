@@ -401,9 +401,11 @@ class Pipeline:
         true_cfg_scale: float = 1.0,
         guidance_scale_2: float | None = None,
         guidance_rescale: float = 0.0,
+        settings: Mapping | None = None,
     ) -> Guidance:
         """The family's :class:`Guidance` for these settings; ``guidance_rescale`` (diffusers'
-        SD / SDXL option, 0 = off) is refused by families whose pipelines lack it."""
+        SD / SDXL option, 0 = off) is refused by families whose pipelines lack it; ``settings``:
+        the prompt's family settings (micro-conditioning), which may switch CFG on."""
         guidance = self.family.guidance(
             self.configs,
             guidance_scale=guidance_scale,
@@ -412,6 +414,8 @@ class Pipeline:
         )
         if guidance_rescale:
             guidance = self.family.with_guidance_rescale(self.configs, guidance, guidance_rescale)
+        if settings:
+            guidance = self.family.with_settings_guidance(self.configs, guidance, settings)
         return guidance
 
     def encode_prompts(self, prompts: Sequence[str], max_sequence_length: int) -> dict:

@@ -608,6 +608,13 @@ class Family(abc.ABC):
         """The user's guidance settings -> this family's :class:`Guidance` for a pipeline with
         these component configs; a setting the family does not have is an error naming it."""
 
+    def with_settings_guidance(self, configs, guidance: Guidance, settings: Mapping) -> Guidance:
+        """``guidance`` for a prompt whose family settings (its micro-conditioning) are
+        ``settings``; the default: unchanged. A family whose settings can switch CFG on (LTX-2:
+        an audio guidance scale > 1 with the video's at 1, as diffusers) says so here."""
+        del configs, settings
+        return guidance
+
     def with_guidance_rescale(self, configs, guidance: Guidance, guidance_rescale: float):
         """``guidance`` with diffusers' ``guidance_rescale`` (not 0). The default refuses it:
         the family's diffusers pipelines have no such option."""

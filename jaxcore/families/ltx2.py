@@ -38,11 +38,17 @@ is small: the released model at 121 frames of 768 x 512 has 6144 video tokens an
 audio values, K = 3 channels beside 128.
 
 Guidance (diffusers' delta formula on x0 predictions, ``x0 = x - sigma v``, per modality):
-``x0_c + (g - 1)(x0_c - x0_u) + (m - 1)(x0_c - x0_i)`` with ``guidance_scale`` /
-``modality_scale`` for the video and ``audio_guidance_scale`` / ``audio_modality_scale`` for
-the audio (per-prompt settings; 0 or None: the video's, as diffusers' ``or``), ``x0_i`` the
-prediction of a second transformer pass with the cross-modal attention off (modality guidance,
-run where a row of the batch has a modality scale > 1), then ``guidance_rescale`` /
+``x0_c + (g - 1)(x0_c - x0_u) + s (x0_c - x0_p) + (m - 1)(x0_c - x0_i)`` with
+``guidance_scale`` / ``stg_scale`` / ``modality_scale`` for the video and
+``audio_guidance_scale`` / ``audio_stg_scale`` / ``audio_modality_scale`` for the audio
+(per-prompt settings; 0 or None: the video's, as diffusers' ``or``), ``x0_p`` the prediction
+of a transformer pass whose ``spatio_temporal_guidance_blocks`` (diffusers' default [28]) return
+their self-attentions' value projections (STG; the blocks reach the transformer as per-row,
+per-block weights, :func:`stg_layer_weights`, so a batch may mix block lists; run where a row
+perturbs a block the model has and the model has ``perturbed_attn``: otherwise diffusers' pass
+equals the conditional one and its delta is 0), ``x0_i`` the prediction of a pass with the
+cross-modal attention off (modality guidance, run where a row of the batch has a modality
+scale > 1), then ``guidance_rescale`` /
 ``audio_guidance_rescale`` (``rescale_noise_cfg`` over each modality's own x0), back to a
 velocity for the Euler step. The shared loop runs CFG by the video's scale, with both branches
 in one denoiser call (``batched_cfg``, its default); :meth:`LTX2Family.apply` sees the pair
@@ -52,15 +58,13 @@ velocity, so the loop's ``n + g (p - n)`` returns it unchanged and its own resca
 without CFG the conditional rows get the modality guidance and the rescale alone. With
 unbatched CFG the loop's velocity-space CFG is diffusers' formula rewritten (x0 is affine in v)
 as long as the audio uses the video's scale and nothing else guides; otherwise such a render is
-NaN (loud, never silently different). As in diffusers CFG runs when ``guidance_scale > 1``
-(diffusers also when only ``audio_guidance_scale > 1``: not here). The modality pass runs on
-all rows of the call, the negative ones included (diffusers: the conditional ones only).
+NaN (loud, never silently different). As in diffusers CFG runs when ``guidance_scale > 1`` or
+``audio_guidance_scale > 1`` (:meth:`LTX2Family.with_settings_guidance`). The modality and STG passes run on all rows of the call, the negative ones included (diffusers:
+the conditional ones only; the cost of not splitting the batched branches).
 
-Not built, and refused by name when set to anything but "off": STG (``stg_scale``,
-``audio_stg_scale``: the perturbed blocks are a static list the conditioning cannot carry),
-``noise_scale``, ``motion_speed`` and a ``frame_rate`` other than
-:data:`FRAME_RATE` (the audio length is part of the latents' shape). diffusers' own defaults
-switch STG on; pass ``stg_scale=0, audio_stg_scale=0`` to render what this family renders.
+Not built, and refused by name when set to anything but "off": ``noise_scale``,
+``motion_speed`` and a ``frame_rate`` other than :data:`FRAME_RATE` (the audio length is part
+of the latents' shape).
 
 Decode settings (``decode_timestep``, ``decode_noise_scale``, a timestep-conditioned VAE only):
 the noise is drawn from the prompt's seed as LTX-Video's family draws it
@@ -120,6 +124,12 @@ CFG_BRANCH = "cfg_branch"  # []: 0 in the conditional branch, 1 in the negative 
 # only where a row of the batch has modality guidance on (its extra transformer pass)
 MODALITY_SCALE = "modality_scale"  # []: 1 = off
 AUDIO_MODALITY_SCALE = "audio_modality_scale"  # []: the audio's (diffusers' `or` resolved)
+# only where a row of the batch has spatio-temporal guidance that perturbs something
+STG_SCALE = "stg_scale"  # []: 0 = off
+AUDIO_STG_SCALE = "audio_stg_scale"  # []: the audio's (diffusers' `or` resolved)
+STG_LAYERS = "stg_layer_weights"  # [num_layers]: the STG pass's lerp weights, 0 = perturbed
+STG_BLOCKS = "spatio_temporal_guidance_blocks"
+DEFAULT_STG_BLOCKS = (28,)  # LTX2Pipeline.__call__'s default block list
 
 PIPELINE_CLASS = "LTX2Pipeline"
 NUM_TRAIN_TIMESTEPS = 1000  # the transformer's timestep t = 1000 sigma
@@ -143,13 +153,14 @@ SETTINGS = (
     AUDIO_GUIDANCE_RESCALE,
     MODALITY_SCALE,
     AUDIO_MODALITY_SCALE,
+    STG_SCALE,
+    AUDIO_STG_SCALE,
+    STG_BLOCKS,
     # both modalities denoise at one timestep here, so each one's cross-modal timestep is its
     # own and the flag changes nothing (diffusers renders the same either way)
     "use_cross_timestep",
 )
 OFF_SETTINGS = {
-    "stg_scale": (0.0,),
-    "audio_stg_scale": (None, 0.0),
     "noise_scale": (0.0,),
     "motion_speed": (1.0,),
 }
@@ -251,11 +262,19 @@ class RowSettings:
     audio_guidance_rescale: float = 0.0
     modality_scale: float = 1.0
     audio_modality_scale: float = 1.0
+    stg_scale: float = 0.0
+    audio_stg_scale: float = 0.0
+    stg_blocks: tuple[int, ...] = ()
 
     @property
     def modality_guidance(self) -> bool:
         """diffusers runs the isolated pass when either modality's scale is > 1."""
         return self.modality_scale > 1 or self.audio_modality_scale > 1
+
+    @property
+    def spatio_temporal_guidance(self) -> bool:
+        """diffusers runs the perturbed pass when either modality's STG scale is > 0."""
+        return self.stg_scale > 0 or self.audio_stg_scale > 0
 
 
 def _number(values: Mapping, key: str, default: float) -> float:
@@ -301,6 +320,16 @@ def check_settings(values: Mapping) -> RowSettings:
     audio_modality = _number(values, AUDIO_MODALITY_SCALE, 0.0) or modality  # diffusers' `or`
     if not (modality > 1 or audio_modality > 1):  # diffusers: no isolated pass, no delta
         modality = audio_modality = 1.0
+    stg = _number(values, STG_SCALE, 0.0)
+    audio_stg = _number(values, AUDIO_STG_SCALE, 0.0) or stg  # diffusers' `or`
+    blocks = _stg_blocks(values.get(STG_BLOCKS))
+    if stg < 0 or audio_stg < 0:
+        raise FamilyError(f"{STG_SCALE}={stg}, {AUDIO_STG_SCALE}={audio_stg}: must be >= 0")
+    if (stg > 0 or audio_stg > 0) and not blocks:  # diffusers' check_inputs
+        raise FamilyError(
+            f"{STG_SCALE}={stg}, {AUDIO_STG_SCALE}={audio_stg} with no {STG_BLOCKS}: name the "
+            "blocks spatio-temporal guidance perturbs, or set both scales to 0"
+        )
     if not isinstance(values.get("use_cross_timestep", True), bool):
         raise FamilyError(f"use_cross_timestep={values['use_cross_timestep']!r}: expected a bool")
     seed = values.get("seed", 0)
@@ -314,7 +343,32 @@ def check_settings(values: Mapping) -> RowSettings:
         audio_rescale,
         modality,
         audio_modality,
+        stg,
+        audio_stg,
+        blocks,
     )
+
+
+def _stg_blocks(value) -> tuple[int, ...]:
+    """A block list (None: none); indices past the model's blocks perturb nothing, as in
+    diffusers (whose default [28] names a block a small model does not have)."""
+    if value is None:
+        return ()
+    items = list(value) if isinstance(value, list | tuple) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+        raise FamilyError(f"{STG_BLOCKS}={value!r}: expected a list of block indices >= 0")
+    return tuple(sorted(set(items)))
+
+
+def stg_layer_weights(rows: Sequence[RowSettings], num_layers: int) -> np.ndarray | None:
+    """The STG pass's per-row, per-block lerp weights ``[B, num_layers]`` (0 at the blocks a
+    row with STG on perturbs, 1 elsewhere), or None when no row perturbs a block the model
+    has: then the pass would equal the conditional one and its delta is 0."""
+    weights = np.ones((len(rows), num_layers), np.float32)
+    for row, settings in enumerate(rows):
+        if settings.spatio_temporal_guidance:
+            weights[row, [b for b in settings.stg_blocks if b < num_layers]] = 0.0
+    return weights if np.any(weights == 0) else None
 
 
 def _per_row(x: jax.Array, like: jax.Array) -> jax.Array:
@@ -322,12 +376,14 @@ def _per_row(x: jax.Array, like: jax.Array) -> jax.Array:
     return x.reshape((-1,) + (1,) * (like.ndim - 1))
 
 
-def x0_guided(x, cond, sigma, scales: Mapping, negative=None, isolated=None):
+def x0_guided(x, cond, sigma, scales: Mapping, negative=None, isolated=None, perturbed=None):
     """diffusers' LTX-2 guidance of one modality for the conditional rows (velocities ``cond``
     at latents ``x``; per row ``sigma`` and the ``scales`` ``scale`` / ``rescale`` /
-    ``modality``), in x0 space (``x0 = x - sigma v``): ``x0_c`` plus the CFG delta
-    ``(scale - 1)(x0_c - x0_u)`` (with the ``negative`` velocities) plus the modality delta
-    ``(modality - 1)(x0_c - x0_i)`` (with the ``isolated`` ones), then ``rescale_noise_cfg``
+    ``modality`` / ``stg``), in x0 space (``x0 = x - sigma v``): ``x0_c`` plus the CFG delta
+    ``(scale - 1)(x0_c - x0_u)`` (with the ``negative`` velocities) plus the STG delta
+    ``stg (x0_c - x0_p)`` (with the ``perturbed`` ones; no ``- 1``, as diffusers) plus the
+    modality delta ``(modality - 1)(x0_c - x0_i)`` (with the ``isolated`` ones), then
+    ``rescale_noise_cfg``
     (Lin et al., arXiv 2305.08891, 3.4) of that against ``x0_c`` where ``rescale > 0``, back to
     a velocity ``(x - x0) / sigma``."""
     from jaxcore.sampling import rescale_guidance
@@ -337,6 +393,8 @@ def x0_guided(x, cond, sigma, scales: Mapping, negative=None, isolated=None):
     guided = x0_cond
     if negative is not None:
         guided = guided + _per_row(scales["scale"] - 1, x) * (x0_cond - (x - sigma * negative))
+    if perturbed is not None:
+        guided = guided + _per_row(scales["stg"], x) * (x0_cond - (x - sigma * perturbed))
     if isolated is not None:
         guided = guided + _per_row(scales["modality"] - 1, x) * (x0_cond - (x - sigma * isolated))
     rescale = _per_row(scales["rescale"], x)
@@ -345,8 +403,9 @@ def x0_guided(x, cond, sigma, scales: Mapping, negative=None, isolated=None):
 
 
 def modality_scales(conditioning: Mapping) -> dict[str, dict[str, jax.Array]]:
-    """Per modality its rows' ``scale``, ``rescale`` and ``modality`` scales (the audio's 0:
-    the video's, diffusers' ``or``; ``modality`` 1 without modality guidance)."""
+    """Per modality its rows' ``scale``, ``rescale``, ``modality`` and ``stg`` scales (the
+    audio's 0: the video's, diffusers' ``or``; ``modality`` 1 without modality guidance,
+    ``stg`` 0 without spatio-temporal guidance)."""
 
     def audio(name: str, video: jax.Array) -> jax.Array:
         return jnp.where(conditioning[name] > 0, conditioning[name], video)
@@ -356,6 +415,7 @@ def modality_scales(conditioning: Mapping) -> dict[str, dict[str, jax.Array]]:
         "scale": conditioning[GUIDANCE_SCALE],
         "rescale": conditioning[GUIDANCE_RESCALE],
         "modality": conditioning.get(MODALITY_SCALE, ones),
+        "stg": conditioning.get(STG_SCALE, 0 * ones),
     }
     return {
         "video": video,
@@ -363,15 +423,17 @@ def modality_scales(conditioning: Mapping) -> dict[str, dict[str, jax.Array]]:
             "scale": audio(AUDIO_GUIDANCE_SCALE, video["scale"]),
             "rescale": audio(AUDIO_GUIDANCE_RESCALE, video["rescale"]),
             "modality": conditioning.get(AUDIO_MODALITY_SCALE, video["modality"]),
+            "stg": conditioning.get(AUDIO_STG_SCALE, video["stg"]),
         },
     }
 
 
-def guided_predictions(latents, predictions, isolated, timestep, conditioning):
+def guided_predictions(latents, predictions, isolated, timestep, conditioning, perturbed=None):
     """Both modalities' predictions of one denoiser call, guided as diffusers guides them.
 
     ``latents`` and ``predictions``: ``(video, audio)`` of the call's rows; ``isolated``: the
-    predictions with the cross-modal attention off (modality guidance), or None. A call that
+    predictions with the cross-modal attention off (modality guidance), or None;
+    ``perturbed``: those of the STG pass (the listed blocks' self-attention off), or None. A call that
     holds both CFG branches (``[cond; negative]``, :data:`CFG_BRANCH` 0 then 1: the loop's
     batched CFG) gives every row of a pair the guided velocity, so the loop's
     ``n + g (p - n)`` returns it whatever ``g``; a call of conditional rows alone (no CFG) gets
@@ -387,6 +449,8 @@ def guided_predictions(latents, predictions, isolated, timestep, conditioning):
         | (audio["rescale"] > 0)
         | (video["modality"] != 1)
         | (audio["modality"] != 1)
+        | (video["stg"] != 0)
+        | (audio["stg"] != 0)
     )
     unguidable = (branch == 1) & per_modality
     sigma = timestep / NUM_TRAIN_TIMESTEPS
@@ -399,7 +463,8 @@ def guided_predictions(latents, predictions, isolated, timestep, conditioning):
     for index, name in enumerate(("video", "audio")):
         x, prediction = latents[index], predictions[index]
         iso = None if isolated is None else isolated[index]
-        alone = x0_guided(x, prediction, sigma, scales[name], isolated=iso)
+        per = None if perturbed is None else perturbed[index]
+        alone = x0_guided(x, prediction, sigma, scales[name], isolated=iso, perturbed=per)
         guided = jnp.where(_per_row(branch == 0, x), alone, prediction)
         if rows % 2 == 0:
             first = {k: v[:half] for k, v in scales[name].items()}
@@ -410,6 +475,7 @@ def guided_predictions(latents, predictions, isolated, timestep, conditioning):
                 first,
                 negative=prediction[half:],
                 isolated=None if iso is None else iso[:half],
+                perturbed=None if per is None else per[:half],
             )
             guided = jnp.where(paired, jnp.concatenate([pair, pair]), guided)
         out.append(jnp.where(_per_row(unguidable & ~paired, x), jnp.float32(jnp.nan), guided))
@@ -524,13 +590,20 @@ class LTX2Family(Family):
         video, audio = split_latents(latents, joint)
         t = timestep.astype(jnp.float32)
 
-        def predict(isolate: bool):
-            return _transformer(module, params, video, audio, t, conditioning, joint, isolate)
+        def predict(isolate: bool, layer_perturbation=None):
+            return _transformer(
+                module, params, video, audio, t, conditioning, joint, isolate, layer_perturbation
+            )
 
         predictions = predict(False)
         if CFG_BRANCH in conditioning:  # a render (training conditioning has no branches)
             isolated = predict(True) if MODALITY_SCALE in conditioning else None
-            predictions = guided_predictions((video, audio), predictions, isolated, t, conditioning)
+            perturbed = None
+            if STG_LAYERS in conditioning:
+                perturbed = predict(False, conditioning[STG_LAYERS])
+            predictions = guided_predictions(
+                (video, audio), predictions, isolated, t, conditioning, perturbed
+            )
         return joined_prediction(*predictions, joint)
 
     def flops_per_forward(self, config, batch, latent_shape, conditioning_shapes):
@@ -668,8 +741,9 @@ class LTX2Family(Family):
         """Per row the decode settings, the seed and the audio's guidance settings (both
         branches), and which CFG branch a row is in (:data:`CFG_BRANCH`); the diffusers options
         not built are refused unless off (:func:`check_settings`)."""
-        del configs, height, width
+        del height, width
         rows = [check_settings(values) for values in micro]
+        transformer = configs["transformer"]
 
         def column(name, dtype=np.float32):
             return np.asarray([getattr(r, name) for r in rows], dtype)
@@ -685,6 +759,13 @@ class LTX2Family(Family):
         if any(r.modality_guidance for r in rows):  # the extra pass only where it is needed
             cond[MODALITY_SCALE] = column("modality_scale")
             cond[AUDIO_MODALITY_SCALE] = column("audio_modality_scale")
+        # the STG pass only where it perturbs a block: without perturbed_attn (every released
+        # LTX-2.0) or past the model's blocks diffusers' pass equals the conditional one
+        weights = stg_layer_weights(rows, transformer.num_layers)
+        if weights is not None and transformer.perturbed_attn:
+            cond[STG_SCALE] = column("stg_scale")
+            cond[AUDIO_STG_SCALE] = column("audio_stg_scale")
+            cond[STG_LAYERS] = weights
         return cond, {**cond, CFG_BRANCH: np.ones((len(rows),), np.float32)}
 
     def decode(self, pipe, latents, conditioning=None):
@@ -727,7 +808,7 @@ class LTX2Family(Family):
 
     def sampling_defaults(self, configs) -> dict:
         # LTX2Pipeline.__call__'s defaults (num_frames: its fallback without a duration head),
-        # the guidance it builds too; its default STG (stg_scale 1 at block 28) is not built
+        # its guidance too (STG at scale 1 on block 28)
         return {
             "height": 512,
             "width": 768,
@@ -736,17 +817,18 @@ class LTX2Family(Family):
             "guidance_scale": 3.0,
             "guidance_rescale": 0.7,
             AUDIO_GUIDANCE_SCALE: 7.0,
-            AUDIO_GUIDANCE_RESCALE: None,
+            AUDIO_GUIDANCE_RESCALE: 0.7,
             MODALITY_SCALE: 3.0,
-            AUDIO_MODALITY_SCALE: None,
+            AUDIO_MODALITY_SCALE: 3.0,
             "frame_rate": FRAME_RATE,
             "decode_timestep": 0.0,
             "decode_noise_scale": None,
             "use_cross_timestep": True,
-            # named (at their off values) so a prompt setting one reaches check_settings,
-            # which refuses it by name (diffusers' own defaults switch STG on)
-            "stg_scale": 0.0,
-            "audio_stg_scale": None,
+            STG_SCALE: 1.0,
+            AUDIO_STG_SCALE: 1.0,
+            STG_BLOCKS: DEFAULT_STG_BLOCKS,
+            # named (at its off value) so a prompt setting it reaches check_settings, which
+            # refuses it by name
             "noise_scale": 0.0,
             "max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH,
         }
@@ -801,6 +883,17 @@ class LTX2Family(Family):
         # the loop's CFG runs by the video's scale; the family guides (apply) with both
         return Guidance(cfg_scale=scale, embedded={GUIDANCE_SCALE: scale, GUIDANCE_RESCALE: 0.0})
 
+    def with_settings_guidance(self, configs, guidance, settings):
+        """CFG on when the audio's scale is > 1 though the video's is not (diffusers'
+        ``do_classifier_free_guidance``): the loop then runs both branches and :meth:`apply`
+        guides each modality by its own scale (the video's delta is 0 at scale 1; the loop's
+        ``n + g (p - n)`` returns apply's result whatever ``g``)."""
+        del configs
+        audio = _number(settings, AUDIO_GUIDANCE_SCALE, 0.0)
+        if guidance.uses_cfg or not audio > 1.0:
+            return guidance
+        return dataclasses.replace(guidance, cfg_scale=audio)
+
     def with_guidance_rescale(self, configs, guidance, guidance_rescale):
         """diffusers' ``guidance_rescale`` for the video (and the audio, unless a row sets
         ``audio_guidance_rescale``), applied by :meth:`apply` to each modality's x0; the
@@ -812,9 +905,12 @@ class LTX2Family(Family):
         return dataclasses.replace(guidance, embedded=embedded, guidance_rescale=0.0)
 
 
-def _transformer(module, params, video, audio, t, conditioning, joint: JointLayout, isolate):
+def _transformer(
+    module, params, video, audio, t, conditioning, joint: JointLayout, isolate, perturb=None
+):
     """One transformer call as ``LTX2Pipeline`` makes it: (video velocity ``[B, C, F', H',
-    W']``, audio velocity ``[B, L, C_a M']``) float32; ``isolate``: no cross-modal attention."""
+    W']``, audio velocity ``[B, L, C_a M']``) float32; ``isolate``: no cross-modal attention;
+    ``perturb``: the STG pass's per-row, per-block lerp weights (``layer_perturbation``)."""
     f, h, w = joint.grid
     dtype = module.dtype
     mask = conditioning[TEXT_MASK]
@@ -835,6 +931,7 @@ def _transformer(module, params, video, audio, t, conditioning, joint: JointLayo
         audio_num_frames=joint.audio_frames,
         isolate_modalities=isolate,
         use_cross_timestep=True,
+        layer_perturbation=perturb,
     )
     video_out = ltx_transformer.unpack_latents(video_out, f, h, w)
     return video_out.astype(jnp.float32), audio_out.astype(jnp.float32)

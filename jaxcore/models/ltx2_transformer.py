@@ -970,7 +970,7 @@ class LTX2VideoTransformer(nn.Module):
          cross_attn_mod models and use_cross_timestep), encoder_attention_mask /
          audio_encoder_attention_mask [B, S] (1 = attend), positions (below),
          isolate_modalities, spatio_temporal_guidance_blocks, perturbation_mask [B] | [B, 1, 1],
-         use_cross_timestep, video_keyframes_mask [B, Lv, 1])
+         use_cross_timestep, video_keyframes_mask [B, Lv, 1], layer_perturbation [B, layers])
         -> (video prediction [B, Lv, out_channels], audio prediction [B, La, audio_out_channels])
 
     Positions: ``video_coords`` [B, 3, Lv, 2] and ``audio_coords`` [B, 1, La, 2] as the
@@ -978,6 +978,12 @@ class LTX2VideoTransformer(nn.Module):
     ``num_frames`` / ``height`` / ``width`` / ``fps`` and ``audio_num_frames`` (Python values,
     static under jit). Numpy coordinates (close over them under jit) give host RoPE tables;
     traced ones are computed in the graph. Flags and block lists are Python values.
+
+    ``layer_perturbation`` (not in diffusers; what a render's STG pass needs when its block list
+    comes from data): per row and block the self-attentions' ``lerp`` weight, 0 = perturbed (the
+    value projection), 1 = the attention, traced, so one compiled pass serves any block set
+    (diffusers' ``spatio_temporal_guidance_blocks=S`` equals a row of 0 at S, 1 elsewhere: the
+    two-sided lerp is exact at both ends). Ignored without ``perturbed_attn``, as diffusers.
     """
 
     config: LTX2VideoTransformerConfig
@@ -1083,6 +1089,18 @@ class LTX2VideoTransformer(nn.Module):
                 f"video_keyframes_mask must be [B, Lv, 1]=[{batch}, {video_len}, 1], "
                 f"got shape {tuple(jnp.shape(keyframes))}"
             )
+
+    def _check_layer_perturbation(self, batch, stg_blocks, layer_perturbation) -> None:
+        if layer_perturbation is None:
+            return
+        expected = (batch, self.config.num_layers)
+        if tuple(jnp.shape(layer_perturbation)) != expected:
+            raise ValueError(
+                f"layer_perturbation must be [B, num_layers]={list(expected)}, "
+                f"got shape {tuple(jnp.shape(layer_perturbation))}"
+            )
+        if stg_blocks:
+            raise ValueError("give spatio_temporal_guidance_blocks or layer_perturbation, not both")
 
     def _positions(self, batch, grid, fps, audio_frames, coords):
         """(video coords, audio coords): the given ones, or built as the model's RoPE would."""
@@ -1208,9 +1226,11 @@ class LTX2VideoTransformer(nn.Module):
 
     # -- blocks --------------------------------------------------------------------------------
 
-    def _run_blocks(self, streams, video, audio, modes, weight, cross_modal):
+    def _run_blocks(self, streams, video, audio, modes, weight, cross_modal, layer_weights=None):
         """Both streams through the blocks: each run of blocks with the same STG mode as one
-        :func:`jaxcore.compute.run_blocks` call (one scan with ``scan_layers``)."""
+        :func:`jaxcore.compute.run_blocks` call (one scan with ``scan_layers``). With
+        ``layer_weights`` [B, num_layers] (every block ``PERTURB_BY_MASK``) the blocks carry
+        their index beside the streams and each takes its own column as its weight."""
         block_cls = remat_block(LTX2Block, self.remat_policy)
         common = (self.config, self.dtype, self.param_dtype, self.attention, self.mesh)
         blocks = [
@@ -1219,15 +1239,22 @@ class LTX2VideoTransformer(nn.Module):
         ]
 
         def one_block(block, carry):
+            if layer_weights is not None:
+                *pair, index = carry
+                column = jax.lax.dynamic_index_in_dim(layer_weights, index, 1, keepdims=False)
+                return (*block(*pair, video, audio, column.reshape(-1, 1, 1)), index + 1)
             block_weight = weight if block.perturb == PERTURB_BY_MASK else None
             return block(*carry, video, audio, block_weight)
+
+        if layer_weights is not None:
+            streams = (*streams, jnp.zeros((), jnp.int32))
 
         for start, stop, mode in _segments(modes):
             template = (
                 block_cls(*common, mode, cross_modal, parent=None) if self.scan_layers else None
             )
             streams = compute.run_blocks(self, blocks[start:stop], streams, one_block, template)
-        return streams
+        return streams[:2]
 
     @nn.compact
     def __call__(
@@ -1254,6 +1281,7 @@ class LTX2VideoTransformer(nn.Module):
         perturbation_mask=None,
         use_cross_timestep: bool = False,
         video_keyframes_mask=None,
+        layer_perturbation=None,
     ):
         cfg = self.config
         timestep = jnp.asarray(timestep)
@@ -1280,6 +1308,7 @@ class LTX2VideoTransformer(nn.Module):
         )
         self._check_positions(shapes, grid, fps, audio_num_frames, coords)
         self._check_guidance(batch, stg_blocks, perturbation_mask, video_keyframes_mask, video_len)
+        self._check_layer_perturbation(batch, stg_blocks, layer_perturbation)
         if self.mesh is not None:  # both streams' heads split over the tensor axis
             sharding.check_divisible(self.mesh, batch=batch, heads=cfg.num_attention_heads)
             sharding.check_divisible(self.mesh, heads=cfg.audio_num_attention_heads)
@@ -1309,6 +1338,10 @@ class LTX2VideoTransformer(nn.Module):
         a = self._embed_tokens(cfg.audio, audio_hidden_states)
         mode, weight = _perturbation(cfg, stg_blocks, perturbation_mask)
         modes = [mode if i in stg_blocks else NO_PERTURBATION for i in range(cfg.num_layers)]
+        layer_weights = None
+        if layer_perturbation is not None and cfg.perturbed_attn:  # diffusers: no STG without
+            modes = [PERTURB_BY_MASK] * cfg.num_layers
+            layer_weights = jnp.asarray(layer_perturbation, jnp.float32)
         x, a = self._run_blocks(
             (x, a),
             conditioning["video"],
@@ -1316,6 +1349,7 @@ class LTX2VideoTransformer(nn.Module):
             modes,
             weight,
             not isolate_modalities,
+            layer_weights,
         )
         video_out = self._output(cfg.video, x, times["video"][1])
         audio_out = self._output(cfg.audio, a, times["audio"][1])

@@ -44,8 +44,9 @@ class SamplingSection:
     # SchedulerClass.from_config(config, **scheduler_config) takes them (SDXL-Lightning:
     # timestep_spacing=trailing); each scheduler checks its keys and values
     scheduler_config: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # SD / SDXL: diffusers' guidance_rescale (0 = off); other families refuse a nonzero value
-    guidance_rescale: float = 0.0
+    # diffusers' guidance_rescale (0 = off; SD / SDXL, LTX-2): None: the pipeline's own (LTX-2's
+    # 0.7, else 0); families without it refuse a nonzero value
+    guidance_rescale: float | None = None
     # LTX-Video's render settings (families without them refuse a value): the frame rate its
     # RoPE is scaled for, the timestep its VAE decodes at and the share of noise mixed into the
     # latents before (a fraction in [0, 1]); None: the pipeline's own (25; 0; decode_timestep)
@@ -75,7 +76,7 @@ class SamplingSection:
             raise ValueError(
                 f"scheduler must be one of {list(ALL_SCHEDULERS)} (or null), got {self.scheduler!r}"
             )
-        if not 0.0 <= self.guidance_rescale <= 1.0:
+        if self.guidance_rescale is not None and not 0.0 <= self.guidance_rescale <= 1.0:
             raise ValueError(f"guidance_rescale must be in [0, 1], got {self.guidance_rescale}")
         if self.frame_rate is not None and not self.frame_rate > 0:
             raise ValueError(f"frame_rate must be > 0, got {self.frame_rate}")

@@ -17,9 +17,10 @@ Formats (local path or ``gs://``):
   ``decode_timestep``, ``decode_noise_scale`` and ``image_cond_noise_scale``; the audio's and
   the modalities' guidance of a family that renders sound, ``audio_guidance_scale``,
   ``audio_guidance_rescale``, ``modality_scale``, ``audio_modality_scale``,
-  ``use_cross_timestep`` (a bool), and the options such a family may refuse by name,
-  ``stg_scale``, ``audio_stg_scale``, ``noise_scale``; a model whose family has no default for
-  one refuses it, naming the line), ``audio_latents`` (a ``.npy`` of the initial audio
+  ``use_cross_timestep`` (a bool), its spatio-temporal guidance ``stg_scale``,
+  ``audio_stg_scale`` and ``spatio_temporal_guidance_blocks`` (a list of block indices), and
+  the options such a family may refuse by name, ``noise_scale``; a model whose family has no
+  default for one refuses it, naming the line), ``audio_latents`` (a ``.npy`` of the initial audio
   latents beside ``latents``, for a family whose latents hold sound; paths as for
   ``latents``; the family says which arrays it takes and their shapes, another family
   refuses it naming the line), and ``conditions`` (a list of
@@ -71,13 +72,16 @@ FAMILY_NUMBERS = (
     "audio_guidance_rescale",
     "modality_scale",
     "audio_modality_scale",
-    # options a family names (at their off values) only to refuse them by name when set
+    # spatio-temporal guidance (LTX-2: a pass with the listed blocks' self-attention off)
     "stg_scale",
     "audio_stg_scale",
+    # options a family names (at their off values) only to refuse them by name when set
     "noise_scale",
 )
 FAMILY_BOOLS = ("use_cross_timestep",)
-FAMILY_SETTINGS = (*FAMILY_NUMBERS, *FAMILY_BOOLS)
+# integer lists: the blocks a family's spatio-temporal guidance perturbs (LTX-2)
+FAMILY_INDEX_LISTS = ("spatio_temporal_guidance_blocks",)
+FAMILY_SETTINGS = (*FAMILY_NUMBERS, *FAMILY_BOOLS, *FAMILY_INDEX_LISTS)
 # Frame conditions (LTXConditionPipeline): taken by a model whose defaults name this setting
 CONDITIONS_SETTING = "image_cond_noise_scale"
 FIELDS_FLOAT = (
@@ -106,6 +110,7 @@ KNOWN_FIELDS = frozenset(
         *FIELDS_STR,
         *FIELDS_LIST,
         *FIELDS_PAIR,
+        *FAMILY_INDEX_LISTS,
         TIMESTEPS,
         *control_inputs.FIELDS,
     )
@@ -192,6 +197,13 @@ class PromptSpec:
         return self.image if isinstance(self.image, tuple) else (self.image,)
 
     @property
+    def uses_cfg(self) -> bool:
+        """Whether the render runs classifier-free guidance: its guidance scale > 1, or (a
+        family that renders sound, as diffusers' LTX-2 pipelines) its audio's."""
+        audio = dict(self.micro_conditioning).get("audio_guidance_scale") or 0.0
+        return self.guidance_scale > 1.0 or audio > 1.0
+
+    @property
     def group_key(self) -> tuple:
         """Prompts with the same key share one compiled program (shape, steps, CFG on/off)."""
         return (
@@ -199,7 +211,7 @@ class PromptSpec:
             self.width,
             self.num_frames,
             self.num_inference_steps,
-            self.guidance_scale > 1.0,
+            self.uses_cfg,
             self.true_cfg_scale > 1.0,
             self.flow_shift,
             self.loras,
@@ -421,6 +433,15 @@ def _check_type(value, field: str, where: str):
         return _check_conditions(value, where)
     if field in FIELDS_LIST:
         return _check_loras(value, where)
+    if field in FAMILY_INDEX_LISTS:
+        ok = isinstance(value, list) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        )
+        if not ok:
+            raise StageInputError(
+                f"{where}: {field} must be a list of block indices (integers >= 0), got {value!r}"
+            )
+        return tuple(value)
     if field in FIELDS_PAIR:
         pair_ok = isinstance(value, list) and len(value) == 2
         if not pair_ok or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
@@ -671,6 +692,8 @@ def resolve_prompts(
         }
         for key in PER_PROMPT_DEFAULTS:
             fields[key] = given.get(key, base[key])
+        if fields["guidance_rescale"] is None:  # neither given nor a pipeline default: off
+            fields["guidance_rescale"] = 0.0
         timesteps = _resolve_timesteps(given, fields, where, model_defaults)
         for key in ("image", "last_image"):
             fields[key] = _resolve_image(given.get(key), uri)

@@ -337,7 +337,13 @@ def _sample(
 
 def _guidances(pipe, rows: Sequence[PromptSpec]) -> list:
     return [
-        pipe.guidance(s.guidance_scale, s.true_cfg_scale, s.guidance_scale_2, s.guidance_rescale)
+        pipe.guidance(
+            s.guidance_scale,
+            s.true_cfg_scale,
+            s.guidance_scale_2,
+            s.guidance_rescale,
+            dict(s.micro_conditioning),
+        )
         for s in rows
     ]
 

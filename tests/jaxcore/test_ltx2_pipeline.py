@@ -28,7 +28,8 @@ STEPS = 3
 MAX_SEQUENCE_LENGTH = 16  # a multiple of the connectors' 8 registers
 PROMPTS = ["a red fox in the snow", "a cat on a mat"]
 NEGATIVES = ["", "a long prompt"]
-# STG (not built here) switched off in diffusers
+# diffusers' default STG (scale 1 at block 28) switched off where a test compares guidance
+# without it (the tiny model has 2 blocks: block 28 would perturb nothing anyway)
 OFF = dict(stg_scale=0.0, audio_stg_scale=0.0)
 GUIDANCE_KEYS = (
     "guidance_scale",
@@ -47,9 +48,11 @@ GUIDANCE = {
     "cfg_audio_scale_both_rescales": (2.5, 0.6, 5.0, 0.3, 1.0, None),
     "no_cfg_modality_rescale": (1.0, 0.5, None, None, 3.0, None),
     "cfg_both_modality_scales": (3.0, 0.7, 7.0, None, 2.0, 4.0),
+    # the video unguided, the audio guided: diffusers' CFG runs for the audio's scale alone
+    "audio_cfg_only": (1.0, 0.0, 7.0, 0.7, 1.0, None),
 }
 # the default tier: without and with CFG, and everything built at once; the rest is `slow`
-FAST = ("no_cfg", "cfg", "cfg_both_modality_scales")
+FAST = ("no_cfg", "cfg", "cfg_both_modality_scales", "audio_cfg_only")
 
 
 def _both(directory):
@@ -123,9 +126,7 @@ def _reference(theirs, video, audio, guidance, **options):
             max_sequence_length=MAX_SEQUENCE_LENGTH,
             output_type="np",
             return_dict=False,
-            **OFF,
-            **dict(zip(GUIDANCE_KEYS, guidance, strict=True)),
-            **options,
+            **{**OFF, **dict(zip(GUIDANCE_KEYS, guidance, strict=True)), **options},
         )
     frames, wave = out
     return np.asarray(frames, np.float32), wave.float().numpy()
@@ -134,7 +135,7 @@ def _reference(theirs, video, audio, guidance, **options):
 def _ours(pipe, video, audio, joint, guidance, batched_cfg: bool = True, **settings):
     scale, rescale, *per_prompt = guidance
     settings = {**dict(zip(GUIDANCE_KEYS[2:], per_prompt, strict=True)), **settings}
-    row = pipe.guidance(scale, guidance_rescale=rescale)
+    row = pipe.guidance(scale, guidance_rescale=rescale, settings=settings)
     cond, uncond, scales = pipe.conditioning(
         PROMPTS,
         NEGATIVES,
@@ -253,8 +254,9 @@ def test_joint_latents_round_trip_and_layout(pipelines):
 @pytest.mark.parametrize(
     "setting, value",
     [
-        ("stg_scale", 1.0),
-        ("audio_stg_scale", 1.0),
+        ("stg_scale", -1.0),
+        ("audio_stg_scale", float("inf")),
+        ("spatio_temporal_guidance_blocks", [1, -1]),
         ("modality_scale", float("nan")),
         ("audio_guidance_scale", -1.0),
         ("noise_scale", 0.1),
@@ -300,3 +302,80 @@ def test_unbatched_cfg_equals_batched_or_fails_loudly(pipelines):
     assert np.abs(batched[1] - unbatched[1]).max() < 1e-5
     frames, wave, _ = _ours(pipe, video, audio, joint, GUIDANCE["cfg_rescale"], batched_cfg=False)
     assert np.isnan(frames).all() and np.isnan(wave).all()
+
+
+# --- spatio-temporal guidance (a transformer with perturbed_attn) ----------------------------
+
+# name -> (GUIDANCE name, STG settings as LTX2Pipeline.__call__ takes them)
+STG = {
+    "stg_cfg": ("cfg", dict(stg_scale=1.0, spatio_temporal_guidance_blocks=[1])),
+    "stg_no_cfg_audio_scale": (
+        "no_cfg",
+        dict(stg_scale=0.5, audio_stg_scale=2.0, spatio_temporal_guidance_blocks=[0]),
+    ),
+    "stg_everything": (
+        "cfg_both_modality_scales",
+        dict(stg_scale=1.5, audio_stg_scale=0.7, spatio_temporal_guidance_blocks=[0, 1]),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def perturbed_pipelines(tmp_path_factory):
+    directory = tiny_ltx2.build_ltx2_pipeline(
+        tmp_path_factory.mktemp("ltx2_stg"), seed=5, transformer=dict(perturbed_attn=True)
+    )
+    return _both(directory)
+
+
+@pytest.mark.parametrize(
+    "name", [n if n == "stg_everything" else pytest.param(n, marks=pytest.mark.slow) for n in STG]
+)
+def test_spatio_temporal_guidance_equals_diffusers(perturbed_pipelines, name):
+    """STG on a transformer with ``perturbed_attn``: the family's perturbed pass (per-row,
+    per-block weights) and delta ``stg (x0_c - x0_p)`` per modality against diffusers' render
+    with the same scales and block list, within the pixel / waveform tolerances; and the STG
+    changes diffusers' render (so a family that ignored it would fail)."""
+    theirs, pipe = perturbed_pipelines
+    guidance, stg = STG[name]
+    video, audio, joint = _initial_latents(pipe, seed=4)
+    want_frames, want_wave = _reference(theirs, video, audio, GUIDANCE[guidance], **stg)
+    settings = {k: tuple(v) if isinstance(v, list) else v for k, v in stg.items()}
+    frames, wave, _ = _ours(pipe, video, audio, joint, GUIDANCE[guidance], **settings)
+    pixel_error = np.abs(frames - want_frames).max()
+    wave_error = np.abs(wave - want_wave).max()
+    print(f"{name}: pixels {pixel_error:.2e}, waveform {wave_error:.2e}")
+    assert pixel_error < PIXEL_TOLERANCE and wave_error < WAVE_TOLERANCE
+    plain_frames, plain_wave = _reference(theirs, video, audio, GUIDANCE[guidance])
+    changed = max(np.abs(want_frames - plain_frames).max(), np.abs(want_wave - plain_wave).max())
+    print(f"{name}: STG changes diffusers' render by {changed:.2e}")
+    assert changed > 10 * max(PIXEL_TOLERANCE, WAVE_TOLERANCE)
+
+
+def test_stg_pass_runs_only_where_it_perturbs(pipelines, perturbed_pipelines):
+    """The STG pass's inputs exist only for a model with perturbed_attn and a row perturbing
+    one of its blocks (diffusers' default block 28 on a 2-block model, or a model without
+    perturbed_attn: diffusers' pass equals the conditional one); a batch may mix block lists
+    (per-row weights, 0 at a row's blocks); scales without blocks are refused as diffusers'
+    check_inputs refuses them."""
+    _, plain = pipelines
+    _, perturbed = perturbed_pipelines
+    default = dict(stg_scale=1.0, spatio_temporal_guidance_blocks=ltx2.DEFAULT_STG_BLOCKS)
+    for pipe in (plain, perturbed):
+        cond, _ = pipe.family.size_conditioning(pipe.configs, HEIGHT, WIDTH, [default])
+        assert ltx2.STG_LAYERS not in cond
+    on_block_1 = dict(stg_scale=1.0, spatio_temporal_guidance_blocks=(1,))
+    cond, _ = plain.family.size_conditioning(plain.configs, HEIGHT, WIDTH, [on_block_1])
+    assert ltx2.STG_LAYERS not in cond
+    rows = [
+        on_block_1,
+        dict(stg_scale=0.0),
+        dict(audio_stg_scale=2.0, stg_scale=0.0, **{"spatio_temporal_guidance_blocks": (0, 1, 28)}),
+    ]
+    cond, uncond = perturbed.family.size_conditioning(perturbed.configs, HEIGHT, WIDTH, rows)
+    np.testing.assert_array_equal(cond[ltx2.STG_LAYERS], [[1, 0], [1, 1], [0, 0]])
+    np.testing.assert_array_equal(cond[ltx2.STG_SCALE], [1.0, 0.0, 0.0])
+    np.testing.assert_array_equal(cond[ltx2.AUDIO_STG_SCALE], [1.0, 0.0, 2.0])
+    np.testing.assert_array_equal(uncond[ltx2.STG_LAYERS], cond[ltx2.STG_LAYERS])
+    with pytest.raises(FamilyError, match="spatio_temporal_guidance_blocks"):
+        perturbed.family.size_conditioning(perturbed.configs, HEIGHT, WIDTH, [{"stg_scale": 1.0}])

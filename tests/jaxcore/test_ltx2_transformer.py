@@ -277,6 +277,38 @@ def test_scan_and_remat_equal_the_loop(checkpoints):
         np.testing.assert_allclose(g, e, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_layer_perturbation_equals_diffusers_stg_blocks(checkpoints, scan_layers):
+    """``layer_perturbation`` (per row and block, traced) against diffusers' static STG blocks:
+    row 0 perturbed at block 1 (diffusers' blocks [1] with perturbation_mask [0, 1]), row 1 at
+    none, within 1e-5 as the other variants, looped and scanned; and a row of 0 at blocks
+    {0, 2} equals diffusers' blocks [0, 2] (every row perturbed)."""
+    directory, model = checkpoints["split_options"]
+    arrays, _, _ = _inputs(SPLIT_OPTIONS, "plain")
+    layers = SPLIT_OPTIONS["num_layers"]
+    module, params = l2.load_ltx2_transformer(directory, scan_layers=scan_layers)
+    weights = np.ones((BATCH, layers), np.float32)
+    weights[0, 1] = 0.0
+    expected = _reference(
+        model,
+        dict(arrays, perturbation_mask=np.array([0.0, 1.0], np.float32)),
+        {"spatio_temporal_guidance_blocks": [1]},
+    )
+    got = _ours(
+        module, params, dict(arrays, layer_perturbation=weights), {}, ("layer_perturbation",)
+    )
+    _assert_close(got, expected)
+    plain = _reference(model, arrays, {})
+    assert _relative_error(expected[0][:1], plain[0][:1]) > 1e-3  # row 0 perturbed
+    np.testing.assert_allclose(got[0][1:], plain[0][1:], rtol=0, atol=1e-5)  # row 1 not
+
+    both = np.ones((BATCH, layers), np.float32)
+    both[:, [0, 2]] = 0.0
+    expected = _reference(model, arrays, {"spatio_temporal_guidance_blocks": [0, 2]})
+    got = _ours(module, params, dict(arrays, layer_perturbation=both), {}, ("layer_perturbation",))
+    _assert_close(got, expected)
+
+
 def test_loads_onto_a_mesh(tmp_path):
     """A checkpoint loaded onto a fsdp x context x tensor = 2 x 2 x 2 mesh: parameters land on
     the shardings their logical names ask for, and the sharded model (both streams' heads split

@@ -60,6 +60,10 @@ def test_jsonl_fields_override_defaults():
         ('{"prompt": "x", "target_size": [8, -1]}', "target_size must not be negative"),
         ('{"prompt": "x", "guidance_scale": NaN}', "guidance_scale must be a finite number"),
         ('{"prompt": "x", "flow_shift": -Infinity}', "flow_shift must be a finite number"),
+        (
+            '{"prompt": "x", "spatio_temporal_guidance_blocks": [28, 1.5]}',
+            "spatio_temporal_guidance_blocks must be a list of block indices",
+        ),
     ],
 )
 def test_bad_line_is_named_before_rendering(bad_line, message):
@@ -77,6 +81,21 @@ def test_model_defaults_fill_what_the_config_leaves_open():
     assert (spec.num_inference_steps, spec.guidance_scale, spec.flow_shift) == (50, 5.0, 3.0)
     with pytest.raises(StageInputError, match="p.txt line 1: no height"):
         parse_prompts("p.txt", ["x"], SamplingSection())
+
+
+def test_family_block_lists_reach_the_family_as_tuples():
+    """A line's ``spatio_temporal_guidance_blocks`` (else the model's default) lands in its
+    micro-conditioning as a tuple beside the seed; a model whose family has no such default
+    refuses it naming the line."""
+    model_defaults = {"height": 32, "width": 32, "num_frames": 9, "num_inference_steps": 2}
+    model_defaults |= {"guidance_scale": 3.0, "spatio_temporal_guidance_blocks": (28,)}
+    lines = _jsonl({"prompt": "x", "spatio_temporal_guidance_blocks": [3, 1]}, {"prompt": "y"})
+    given, default = parse_prompts("p.jsonl", lines, SamplingSection(), model_defaults)
+    assert dict(given.micro_conditioning)["spatio_temporal_guidance_blocks"] == (3, 1)
+    assert dict(default.micro_conditioning)["spatio_temporal_guidance_blocks"] == (28,)
+    del model_defaults["spatio_temporal_guidance_blocks"]
+    with pytest.raises(StageInputError, match="p.jsonl line 1: spatio_temporal_guidance_blocks"):
+        parse_prompts("p.jsonl", lines, SamplingSection(), model_defaults)
 
 
 def test_images_only_geometry_refuses_frames():

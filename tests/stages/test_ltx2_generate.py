@@ -2,8 +2,9 @@
 
 One prompt file, rendered once on the CPU's 8 virtual devices with ``save_arrays``:
 
-- ``seeded``: a seed alone, no CFG (the config's ``guidance_scale=1``), the family's default
-  modality guidance (``modality_scale`` 3); its video and audio noise are drawn from the seed,
+- ``seeded``: a seed alone, the video unguided (the config's ``guidance_scale=1``), everything
+  else LTX2Pipeline's defaults (the audio's CFG at 7, so CFG runs; rescale 0.7; modality
+  guidance 3); its video and audio noise are drawn from the seed,
   video first then audio, from one PCG64 generator (spelled out here, not taken from the
   family);
 - ``given``: the line's ``latents`` [C, F', H', W'] and ``audio_latents`` [C_a, L, M'] .npy
@@ -12,7 +13,7 @@ One prompt file, rendered once on the CPU's 8 virtual devices with ``save_arrays
 Each line's frames (.npy) and waveform (.audio.npy) equal the library's render of the same
 latents and settings (the Pipeline API, as tests/jaxcore/test_ltx2_pipeline.py renders; that
 one is proven against diffusers) within :data:`TOLERANCE`; each MP4 holds one video and one
-audio stream. A line with ``stg_scale`` fails naming it and the line; ``audio_latents`` on a
+audio stream. A line with ``noise_scale`` (not built) fails naming it and the line; ``audio_latents`` on a
 Wan model fails naming the line.
 """
 
@@ -53,11 +54,24 @@ GIVEN = {
     "audio_latents": "noise/audio.npy",
     "seed": 7,
 }
-# what each line renders with, by the library's names: (guidance scale, rescale, settings)
+# what each line renders with, by the library's names: (guidance scale, rescale, settings);
+# what a line leaves out is LTX2Pipeline.__call__'s default (STG's block 28 is past the tiny
+# model's 2 blocks, so its pass would change nothing and does not run)
+DEFAULTS = {
+    "audio_guidance_scale": 7.0,
+    "audio_guidance_rescale": 0.7,
+    "modality_scale": 3.0,
+    "audio_modality_scale": 3.0,
+}
 SETTINGS = {
-    # the family's defaults: modality guidance 3 (the audio's: the video's)
-    "seeded": (1.0, 0.0, {"seed": 5, "modality_scale": 3.0}),
-    "given": (3.0, 0.0, {"seed": 7, "audio_guidance_scale": 6.0, "modality_scale": 1.0}),
+    # the video unguided (the config's guidance_scale=1), the audio guided at its default 7:
+    # CFG runs, as diffusers' do_classifier_free_guidance
+    "seeded": (1.0, 0.7, {"seed": 5, **DEFAULTS}),
+    "given": (
+        3.0,
+        0.7,
+        {"seed": 7, **DEFAULTS, "audio_guidance_scale": 6.0, "modality_scale": 1.0},
+    ),
 }
 
 
@@ -140,7 +154,8 @@ def rendered(model_dir, pipe, tmp_path_factory):
 def _library_render(pipe, line: dict, video, audio):
     """The Pipeline API's render of one line: (frames [F, H, W, 3], waveform [C, S])."""
     scale, rescale, settings = SETTINGS[line["id"]]
-    row = pipe.guidance(scale, guidance_rescale=rescale)
+    row = pipe.guidance(scale, guidance_rescale=rescale, settings=settings)
+    assert row.uses_cfg  # both lines: the seeded one by its audio scale alone
     cond, uncond, scales = pipe.conditioning(
         [line["prompt"]],
         [line.get("negative_prompt", "")],
@@ -221,10 +236,10 @@ def test_the_audio_latents_decide_the_sound(pipe, rendered):
 
 
 def test_an_unbuilt_setting_is_refused_naming_it(model_dir, tmp_path, capsys):
-    prompts = _write_prompts(tmp_path, [SEEDED, {"prompt": "x", "stg_scale": 1.0}])
+    prompts = _write_prompts(tmp_path, [SEEDED, {"prompt": "x", "noise_scale": 0.1}])
     assert _generate(model_dir, prompts, tmp_path / "out") == 2
     err = capsys.readouterr().err
-    assert "line 2" in err and "stg_scale=1.0" in err, err
+    assert "line 2" in err and "noise_scale=0.1" in err, err
     assert not (tmp_path / "out/outputs").exists()
 
 
