@@ -379,3 +379,40 @@ def test_stg_pass_runs_only_where_it_perturbs(pipelines, perturbed_pipelines):
     np.testing.assert_array_equal(uncond[ltx2.STG_LAYERS], cond[ltx2.STG_LAYERS])
     with pytest.raises(FamilyError, match="spatio_temporal_guidance_blocks"):
         perturbed.family.size_conditioning(perturbed.configs, HEIGHT, WIDTH, [{"stg_scale": 1.0}])
+
+
+# --- an LTX-2.3-style pipeline ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ltx23_pipelines(tmp_path_factory):
+    return _both(tiny_ltx2.build_ltx23_pipeline(tmp_path_factory.mktemp("ltx23"), seed=6))
+
+
+@pytest.mark.parametrize(
+    "name, guidance, options",
+    [
+        ("no_cfg", "no_cfg", {}),
+        pytest.param(
+            "everything",
+            "cfg_both_modality_scales",
+            dict(stg_scale=1.0, audio_stg_scale=0.5, spatio_temporal_guidance_blocks=[1]),
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_an_ltx23_pipeline_renders_as_diffusers(ltx23_pipelines, name, guidance, options):
+    """LTX-2.3's pieces in one LTX2Pipeline (gated attention, prompt modulation, captions at
+    the attention widths from per-modality connectors, STG-capable blocks, the bandwidth-
+    extending vocoder at 48 kHz): pixels and waveform within the tolerances of diffusers'."""
+    theirs, pipe = ltx23_pipelines
+    video, audio, joint = _initial_latents(pipe, seed=7)
+    want_frames, want_wave = _reference(theirs, video, audio, GUIDANCE[guidance], **options)
+    settings = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    frames, wave, rate = _ours(pipe, video, audio, joint, GUIDANCE[guidance], **settings)
+    assert rate == tiny_ltx2.PIPELINE_VOCODER_BWE["output_sampling_rate"]
+    assert wave.shape == want_wave.shape and want_wave.std() > 1e-3
+    pixel_error = np.abs(frames - want_frames).max()
+    wave_error = np.abs(wave - want_wave).max()
+    print(f"ltx23 {name}: pixels {pixel_error:.2e}, waveform {wave_error:.2e}")
+    assert pixel_error < PIXEL_TOLERANCE and wave_error < WAVE_TOLERANCE

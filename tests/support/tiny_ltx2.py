@@ -329,3 +329,89 @@ def build_ltx2_pipeline(
     )
     pipe.save_pretrained(directory)
     return directory
+
+
+# --- an LTX-2.3-style LTX2Pipeline (tests/jaxcore/test_ltx2_pipeline.py) -------------------------
+
+# The transformer with LTX-2.3's options: gated attention, prompt modulation from sigma,
+# captions at the attention widths (no caption projection), STG switchable, no FFN biases.
+PIPELINE_TRANSFORMER_LTX23 = dict(
+    gated_attn=True,
+    audio_gated_attn=True,
+    cross_attn_mod=True,
+    audio_cross_attn_mod=True,
+    use_prompt_embeddings=False,
+    perturbed_attn=True,
+    ff_bias=False,
+)
+# LTX-2.3's connectors (per-modality biased projections of RMS-normed features, gated
+# attention) fed by the tiny Gemma-3, writing the transformer's cross-attention widths.
+CONNECTORS_LTX23_FOR_TINY_GEMMA3 = dict(
+    CONNECTORS_LTX23,
+    caption_channels=GEMMA3_TEXT["hidden_size"],
+    text_proj_in_factor=GEMMA3_TEXT["num_hidden_layers"] + 1,
+    video_connector_num_attention_heads=4,
+    video_connector_attention_head_dim=4,
+    video_connector_num_learnable_registers=8,
+    audio_connector_num_attention_heads=2,
+    audio_connector_attention_head_dim=6,
+    audio_connector_num_learnable_registers=8,
+    video_hidden_dim=PIPELINE_TRANSFORMER["cross_attention_dim"],
+    audio_hidden_dim=PIPELINE_TRANSFORMER["audio_cross_attention_dim"],
+    connector_rope_base_seq_len=64,
+)
+# LTX2VocoderWithBWE (LTX-2.3's): the audio VAE's 2 x 16 mel channels into stage 1, its
+# 2 channels x 6 mels into the extender (hop 10 = prod(stage-1 factors), 16 -> 48 kHz:
+# prod(bwe factors) = 3 x 10; tests/jaxcore/test_ltx2_vocoder.py's shrunk invariants).
+PIPELINE_VOCODER_BWE = dict(
+    in_channels=32,
+    hidden_channels=16,
+    out_channels=2,
+    upsample_kernel_sizes=(11, 5),
+    upsample_factors=(5, 2),
+    resnet_kernel_sizes=(3, 5),
+    resnet_dilations=((1, 3), (1, 2)),
+    antialias_kernel_size=8,
+    bwe_in_channels=12,
+    bwe_hidden_channels=8,
+    bwe_out_channels=2,
+    bwe_upsample_kernel_sizes=(11, 7, 4),
+    bwe_upsample_factors=(5, 3, 2),
+    bwe_resnet_kernel_sizes=(3,),
+    bwe_resnet_dilations=((1, 2),),
+    filter_length=32,
+    hop_length=10,
+    window_length=32,
+    num_mel_channels=6,
+    input_sampling_rate=16000,
+    output_sampling_rate=48000,
+)
+
+
+def build_ltx23_pipeline(directory: str | Path, *, seed: int = 0) -> Path:
+    """:func:`build_ltx2_pipeline` with LTX-2.3's transformer options, connectors and
+    bandwidth-extending vocoder (every parameter perturbed); returns ``directory``."""
+    import torch
+    from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
+
+    directory = Path(directory)
+    build_ltx2_pipeline(directory / "base", seed=seed)
+    base = LTX2Pipeline.from_pretrained(directory / "base", dtype=torch.float32)
+    torch.manual_seed(seed + 20)
+    transformer = LTX2VideoTransformer3DModel(
+        **{**PIPELINE_TRANSFORMER, **PIPELINE_TRANSFORMER_LTX23}
+    )
+    pipe = LTX2Pipeline(
+        scheduler=base.scheduler,
+        vae=base.vae,
+        audio_vae=base.audio_vae,
+        text_encoder=base.text_encoder,
+        tokenizer=base.tokenizer,
+        connectors=_perturb(LTX2TextConnectors(**CONNECTORS_LTX23_FOR_TINY_GEMMA3), seed + 21),
+        transformer=_perturb(transformer, seed + 22),
+        vocoder=_perturb(LTX2VocoderWithBWE(**PIPELINE_VOCODER_BWE), seed + 23),
+    )
+    pipe.save_pretrained(directory / "ltx23")
+    return directory / "ltx23"
