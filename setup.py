@@ -24,6 +24,9 @@ BASE = [
     "pillow",
     "imageio",
     "imageio-ffmpeg",
+    # PyAV: LTX-2 image-to-video re-compresses its conditioning image as one H.264 frame
+    # (libx264 at CRF 33, as diffusers' LTX2ImageToVideoPipeline; jaxcore/families/ltx2_image.py)
+    "av",
     "tqdm",
     "pyyaml",
     "matplotlib",

@@ -689,6 +689,8 @@ def generate_program(
     shift: float | None = None,
     batched_cfg: bool = True,
     rules=None,
+    guidance_rescale: float = 0.0,
+    settings: Mapping[str, Any] | None = None,
 ) -> Program:
     """The denoising loop generate runs (:func:`jaxcore.sampling.denoise_fn`, one jitted call
     over every step) for ``batch`` prompts of one size, with abstract weights and inputs.
@@ -697,7 +699,9 @@ def generate_program(
     and after the loop, in programs of their own. A two-expert model's second expert is on
     the devices (``idle_expert=device``). The conditioning is the family's tensors and its size
     conditioning at the pipeline's defaults (SDXL's ``time_ids``, LTX-Video's RoPE scale and
-    decode settings).
+    decode settings), or at ``settings``: every prompt's family settings (the micro-
+    conditioning generate resolves: LTX-2's modality guidance adds a pass, its audio scale may
+    switch CFG on).
     """
     from jaxcore.pipeline import Pipeline
 
@@ -707,7 +711,8 @@ def generate_program(
     params = quantization.abstract_quantized(params, compute.quantization)
     pipe = Pipeline(family, module, params, {}, dict(configs), dict(scheduler_config), mesh, rules)
     shape = _checked_latent_shape(pipe, family, module, mesh, batch, height, width, num_frames)
-    guidance = pipe.guidance(guidance_scale, true_cfg_scale)
+    settings = dict(settings or {})
+    guidance = pipe.guidance(guidance_scale, true_cfg_scale, None, guidance_rescale, settings)
     state, step_fn = family.make_seeded_schedule(
         pipe,
         scheduler or pipe.default_scheduler,
@@ -719,7 +724,7 @@ def generate_program(
     cond = _abstract_conditioning(
         family, module, configs, guidance, mesh, batch, text_length, shape, rules
     )
-    sized, _ = family.size_conditioning(configs, height, width, [{}] * batch)
+    sized, _ = family.size_conditioning(configs, height, width, [settings] * batch)
     for key, value in sized.items():  # what depends on the size and the render settings
         cond.setdefault(key, batch_array(mesh, np.shape(value), np.asarray(value).dtype, rules))
     second_module, second = _abstract_second_expert(family, configs, compute, mesh, batch, rules)

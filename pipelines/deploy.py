@@ -645,9 +645,20 @@ def generate_program(config, model: FitModel, mesh):
 
     from jaxcore import aot, sharding
     from stages.generate.config import DEFAULT_MAX_SEQUENCE_LENGTH
+    from stages.generate.prompts import FAMILY_SETTINGS
 
     s = config.sampling
     defaults = model.family.sampling_defaults(model.configs)
+    given = {key: getattr(s, key, None) for key in FAMILY_SETTINGS}
+    # a line's family settings as generate resolves them (the config's, else the pipeline's):
+    # they may add passes (LTX-2's modality guidance) or switch CFG on
+    settings = {
+        key: defaults[key] if given[key] is None else given[key]
+        for key in FAMILY_SETTINGS
+        if given[key] is not None or defaults.get(key) is not None
+    }
+    if settings:  # with the prompt's seed, as generate passes it (decode noise draws from it)
+        settings["seed"] = s.seed
     ways = sharding.batch_axis_size(mesh)
     batch = math.ceil(max(1, round(config.per_device_batch_size * ways)) / ways) * ways
     return aot.generate_program(
@@ -663,6 +674,10 @@ def generate_program(config, model: FitModel, mesh):
         num_inference_steps=s.num_inference_steps or defaults["num_inference_steps"],
         guidance_scale=defaults["guidance_scale"] if s.guidance_scale is None else s.guidance_scale,
         true_cfg_scale=s.true_cfg_scale,
+        guidance_rescale=defaults.get("guidance_rescale", 0.0)
+        if s.guidance_rescale is None
+        else s.guidance_rescale,
+        settings=settings,
         text_length=s.max_sequence_length
         or defaults.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH),
         scheduler=s.scheduler,

@@ -704,6 +704,14 @@ class Family(abc.ABC):
         del latents_shape, conditioning
         return None
 
+    def loss_weights(self, latents_shape, conditioning: Mapping[str, Any]):
+        """Training: per-element weights broadcastable to ``latents_shape`` whose weighted sum
+        of squared errors *is* the per-sample loss (no mean taken after; LTX-2: each modality's
+        mean, summed, as ltx-trainer sums them), or None (the default): :meth:`loss_mask`'s
+        mean. Jittable."""
+        del latents_shape, conditioning
+        return None
+
 
 # --- helpers ----------------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""LTX-2 as a family: the twin of diffusers' ``LTX2Pipeline`` (text to video with audio).
+"""LTX-2 as a family: the twin of diffusers' ``LTX2Pipeline`` (text to video with audio) and
+``LTX2ImageToVideoPipeline`` (what image-to-video adds: :mod:`jaxcore.families.ltx2_image`).
 
 Reference: ``diffusers/pipelines/ltx2/pipeline_ltx2.py`` (diffusers 0.42):
 
@@ -66,6 +67,12 @@ Not built, and refused by name when set to anything but "off": ``noise_scale``,
 ``motion_speed`` and a ``frame_rate`` other than :data:`FRAME_RATE` (the audio length is part
 of the latents' shape).
 
+Training records (convert, :class:`LTX2Encoders`) hold the same joint latents, the clip's
+sound encoded by the audio VAE beside its frames, and :data:`JOINT_SIZES` per record, from
+which :meth:`LTX2Family.loss_weights` weights the video's and the audio's values so the loss
+is the sum of the two modalities' mean squared errors, as ltx-trainer's
+(:func:`joint_loss_weights`; the padding left out). Both modalities train at one sigma, as ltx-trainer does.
+
 Decode settings (``decode_timestep``, ``decode_noise_scale``, a timestep-conditioned VAE only):
 the noise is drawn from the prompt's seed as LTX-Video's family draws it
 (:func:`jaxcore.families.ltx.decode_noise`); diffusers draws it with torch, so pixels agree only
@@ -84,23 +91,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcore import sharding
-from jaxcore.families import flow_match
+from jaxcore.families import flow_match, ltx2_image
 from jaxcore.families.base import (
     LATENTS_FIELD,
     TEXT_FEATURE,
     DenoiserModel,
+    Encoders,
     Family,
     FamilyError,
     Geometry,
     Guidance,
+    ImageInputs,
     TensorSpec,
     decoded_frames,
+    read_model_index,
 )
 from jaxcore.families.ltx import decode_noise, seed_words
 from jaxcore.models import (
     gemma3,
     ltx2_audio_vae,
     ltx2_connectors,
+    ltx2_mel,
     ltx2_transformer,
     ltx2_vae,
     ltx2_vocoder,
@@ -547,10 +558,177 @@ def _loaded(load, directory: Path, errors: tuple, **kwargs):
         raise FamilyError(f"{directory}: {err}") from None
 
 
+# --- training records (convert) and their loss ----------------------------------------------
+
+# A record's [2]: (video latent channels C, audio values L C_a M') of its joint latents, so the
+# loss can tell the two modalities and the zero padding apart (loss_mask sees no config).
+JOINT_SIZES = "joint_sizes"
+
+
+def clip_seconds(num_frames: int) -> float:
+    """The duration of ``num_frames`` video frames at :data:`FRAME_RATE`: the span of sound a
+    record of that clip holds (the audio length follows the frame count at that rate)."""
+    return num_frames / FRAME_RATE
+
+
+def joint_loss_weights(latents_shape, sizes):
+    """Per-element weights ``[B, C + K, F', H', W']`` of the loss over joint latents whose
+    ``sizes`` ``[B, 2]`` are :data:`JOINT_SIZES`: ``1 / (video values)`` on the video,
+    ``1 / (audio values)`` on the audio, 0 on the padding. The loop's masked mean
+    ``sum(w e)`` is then ``mean_video + mean_audio``: ltx-trainer's ``video_loss +
+    audio_loss`` (each a mean over its own values, text_to_video.py ``compute_loss``).
+    Jittable."""
+    _, channels, *grid = latents_shape
+    tokens = math.prod(grid)
+    sizes = jnp.round(jnp.asarray(sizes, jnp.float32)).astype(jnp.int32)  # exact integers
+    shape = (-1, 1) + (1,) * len(grid)
+    video = (sizes[:, 0] * tokens).reshape(shape)
+    audio = sizes[:, 1].reshape(shape)
+    index = jnp.arange(channels * tokens, dtype=jnp.int32).reshape(1, channels, *grid)
+    in_video = index < video
+    in_audio = (index >= video) & (index < video + audio)
+    weights = jnp.where(in_audio, 1.0 / audio.astype(jnp.float32), 0.0)
+    return jnp.where(in_video, 1.0 / video.astype(jnp.float32), weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sound:
+    """One clip's sound as convert hands it over: ``waveform`` ``[channels, samples]`` float32
+    at ``sample_rate`` Hz, already the clip's span (``num_frames / fps`` seconds). The
+    encoders read these two attributes alone, so convert's own sound type serves as well."""
+
+    waveform: np.ndarray
+    sample_rate: int
+
+
+class LTX2Encoders(Encoders):
+    """The video VAE's and the audio VAE's encoders, Gemma-3, its tokenizer and the connectors
+    of an LTX-2 pipeline directory (convert).
+
+    A clip ``[3, F, H, W]`` with its sound -> the loop's joint latents ``[C + K, F', H', W']``
+    (:func:`joint_latents`): the video VAE's posterior mean normalised as ``LTX2Pipeline``
+    denormalises before decoding (``(z - latents_mean) * scaling_factor / latents_std``), and
+    the sound as ltx-trainer's ``process_videos.py`` encodes it (:mod:`jaxcore.models.
+    ltx2_mel`: stereo, resampled, log-mel) through the audio VAE's posterior mean, its first
+    ``L`` latent frames (:func:`jaxcore.models.ltx2_audio_vae.audio_latent_length`; a clip's
+    ``1 + samples // hop`` mel frames give ``ceil(. / 4) >= L``, the causal encoder's first
+    ``L`` see only the clip's start), packed and normalised as ``LTX2Pipeline`` packs and
+    normalises audio latents. Both use the posterior mean, as ltx-core's encoders return it.
+    Captions -> the connectors' captions and mask exactly as :func:`encode_text` (generate)
+    makes them.
+    """
+
+    def __init__(self, directory: Path, compute, max_sequence_length: int, batch_size: int):
+        from jaxcore.text import load_tokenizer
+
+        self.batch_size = batch_size
+        self.max_sequence_length = max_sequence_length
+        dtype = compute.dtype
+        self.vae, self.vae_params = _loaded(
+            ltx2_vae.load_ltx2_vae,
+            directory / "vae",
+            (ltx2_vae.LTX2VideoVAEConfigError,),
+            dtype=dtype,
+            encoder_only=True,
+        )
+        self.audio_vae, self.audio_params = _loaded(
+            ltx2_audio_vae.load_ltx2_audio_vae,
+            directory / "audio_vae",
+            (ltx2_audio_vae.LTX2AudioVAEConfigError,),
+            dtype=dtype,
+            encoder_only=True,
+        )
+        self.text = {
+            "text_encoder": _loaded(
+                gemma3.load_gemma3,
+                directory / "text_encoder",
+                (gemma3.Gemma3ConfigError,),
+                dtype=dtype,
+                param_dtype=compute.param_dtype,
+            ),
+            "connectors": _loaded(
+                ltx2_connectors.load_ltx2_connectors,
+                directory / "connectors",
+                (ltx2_connectors.LTX2ConnectorsConfigError,),
+                dtype=dtype,
+            ),
+            "tokenizer": load_tokenizer(directory / "tokenizer"),
+        }
+        self.configs = {"vae": self.vae.config, "audio_vae": self.audio_vae.config}
+        self.mel = ltx2_mel.MelSettings.of_audio_vae(self.audio_vae.config)
+
+    def encode_media(self, videos: np.ndarray) -> np.ndarray:
+        raise FamilyError(
+            "LTX-2 records hold each clip's sound beside its frames: set dataset.audio_column "
+            "(a column of sounds, or the video column itself for the videos' own sound tracks)"
+        )
+
+    def encode_media_with_sound(self, videos: np.ndarray, sounds: Sequence[Sound]) -> np.ndarray:
+        """Clips ``[B, 3, F, H, W]`` in [-1, 1] and their sounds -> joint latents
+        ``[B, C + K, F', H', W']`` float32."""
+        videos = np.asarray(videos, np.float32)
+        padded, count = self._padded(list(videos), "videos")
+        if len(sounds) != count:
+            raise ValueError(f"{len(sounds)} sounds for {count} videos")
+        posterior = ltx2_vae.encode(self.vae, self.vae_params, jnp.asarray(np.stack(padded)))
+        video = ltx2_vae.normalize_latents(
+            posterior.mean.astype(jnp.float32), self.vae_params, self.vae.config.scaling_factor
+        )
+        joint = layout(self.configs, video.shape[2:])
+        audio = self.encode_sounds(sounds, videos.shape[2], joint.audio_frames)
+        return joint_latents(np.asarray(video)[:count], audio, joint)
+
+    def encode_sounds(self, sounds: Sequence[Sound], num_frames: int, frames: int) -> np.ndarray:
+        """Sounds of ``num_frames``-frame clips -> normalised audio latents ``[B, C_a, L, M']``
+        (``L = frames``), the layout a prompt's ``audio_latents`` file holds."""
+        seconds = clip_seconds(num_frames)
+        mels = []
+        for index, sound in enumerate(sounds):
+            expected = int(seconds * sound.sample_rate)
+            if sound.waveform.ndim != 2 or abs(sound.waveform.shape[1] - expected) > 1:
+                raise FamilyError(
+                    f"sound {index}: waveform {list(sound.waveform.shape)} at "
+                    f"{sound.sample_rate} Hz is not [channels, {expected}]: LTX-2 records pair "
+                    f"{num_frames} frames with {seconds:.4f} s of sound ({FRAME_RATE:g} fps, "
+                    "the rate its audio length follows); set media.fps to it"
+                )
+            mels.append(
+                ltx2_mel.clip_spectrogram(sound.waveform, sound.sample_rate, seconds, self.mel)
+            )
+        padded, count = self._padded(mels, "sounds")
+        posterior = ltx2_audio_vae.encode(self.audio_vae, self.audio_params, np.stack(padded))
+        mean = posterior.mean.astype(jnp.float32)
+        if mean.shape[2] < frames:
+            raise FamilyError(
+                f"the audio VAE encodes {seconds:.4f} s to {mean.shape[2]} latent frames, "
+                f"fewer than the {frames} LTX2Pipeline renders for {num_frames} frames"
+            )
+        packed = ltx2_audio_vae.pack_audio_latents(mean[:, :, :frames])
+        normalised = ltx2_audio_vae.normalize_audio_latents(packed, self.audio_params)
+        unpacked = ltx2_audio_vae.unpack_audio_latents(normalised, mean.shape[3])
+        return np.asarray(unpacked, np.float32)[:count]
+
+    def encode_media_conditioning(self, videos: np.ndarray) -> dict[str, np.ndarray]:
+        """Per clip its :data:`JOINT_SIZES` (what the loss tells apart)."""
+        count = self._check_batch(len(videos), "videos")
+        vae = self.vae.config
+        frames = (np.asarray(videos).shape[2] - 1) // vae.temporal_compression_ratio + 1
+        joint = layout(self.configs, (frames, 1, 1))
+        sizes = np.asarray([joint.channels, joint.audio_size], np.float32)
+        return {JOINT_SIZES: np.tile(sizes[None], (count, 1))}
+
+    def encode_text(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
+        padded, count = self._padded(list(captions), "captions")
+        encoded = encode_text(self.text, padded, self.max_sequence_length)
+        return {name: value[:count] for name, value in encoded.items()}
+
+
 class LTX2Family(Family):
     name = "ltx2"
-    description = "LTX-2 text-to-video with audio (LTX2Pipeline)"
-    pipeline_classes = (PIPELINE_CLASS,)
+    description = (
+        "LTX-2 text- and image-to-video with audio (LTX2Pipeline, LTX2ImageToVideoPipeline)"
+    )
+    pipeline_classes = (PIPELINE_CLASS, ltx2_image.I2V_PIPELINE)
     denoiser_classes = ("LTX2VideoTransformer3DModel",)
     denoiser_component = "transformer"
     objective = "flow_matching"
@@ -583,16 +761,34 @@ class LTX2Family(Family):
         """Split the loop's latents into video and audio tokens, run the transformer on both
         (timestep and sigma ``t``, coordinates from the grid at :data:`FRAME_RATE`; again with
         the cross-modal attention off for modality guidance), guide (a render's conditioning:
-        :func:`guided_predictions`) and join the two velocities into the loop's layout."""
+        :func:`guided_predictions`) and join the two velocities into the loop's layout.
+        Image-to-video (:data:`jaxcore.families.ltx2_image.IMAGE_LATENTS` in the
+        conditioning): the image's latent frame first, the video's per-token timesteps 0 on
+        it, and its guided velocity 0 there (the step keeps it; :mod:`~jaxcore.families.
+        ltx2_image`)."""
         if run_stack is not None:
             raise FamilyError("step caching is not built for LTX-2")
         joint = _layout_of(module.config, latents.shape)
         video, audio = split_latents(latents, joint)
         t = timestep.astype(jnp.float32)
+        image = conditioning.get(ltx2_image.IMAGE_LATENTS)
+        video_t = None
+        if image is not None:
+            video = ltx2_image.with_first_frame(video, image)
+            video_t = ltx2_image.video_timesteps(t, joint.grid)
 
         def predict(isolate: bool, layer_perturbation=None):
             return _transformer(
-                module, params, video, audio, t, conditioning, joint, isolate, layer_perturbation
+                module,
+                params,
+                video,
+                audio,
+                t,
+                conditioning,
+                joint,
+                isolate,
+                layer_perturbation,
+                video_t=video_t,
             )
 
         predictions = predict(False)
@@ -604,10 +800,43 @@ class LTX2Family(Family):
             predictions = guided_predictions(
                 (video, audio), predictions, isolated, t, conditioning, perturbed
             )
+        if image is not None:
+            predictions = (ltx2_image.frozen_first_frame(predictions[0]), predictions[1])
         return joined_prediction(*predictions, joint)
 
     def flops_per_forward(self, config, batch, latent_shape, conditioning_shapes):
-        raise FamilyError("FLOPs are not counted for LTX-2 yet")
+        """Matmul FLOPs of one denoiser call (:meth:`apply`) over ``batch`` rows: one
+        transformer pass (:func:`jaxcore.models.ltx2_transformer.flops_per_forward`: video
+        tokens ``F' H' W'``, audio tokens of the joint layout, the captions' lengths from the
+        conditioning), plus the passes guidance adds to a render (every row of the call runs
+        them): the isolated pass (no cross-modal attention) where the conditioning carries
+        :data:`MODALITY_SCALE`, and the STG pass (a whole pass: its blocks compute the
+        attention and ``lerp`` it with the values) where it carries :data:`STG_LAYERS`. CFG's
+        negative rows are counted by the caller, in ``batch``, as for every family."""
+        passes = self._transformer_passes(config, latent_shape, conditioning_shapes)
+        return sum(ltx2_transformer.flops_per_forward(config, batch, *p) for p in passes)
+
+    def attention_flops_per_forward(self, config, batch, latent_shape, conditioning_shapes):
+        """The scores and values of every attention of :meth:`flops_per_forward` (self, text
+        and cross-modal: all run through the attention backend, the splash kernel on TPU)."""
+        passes = self._transformer_passes(config, latent_shape, conditioning_shapes)
+        return sum(ltx2_transformer.attention_flops_per_forward(config, batch, *p) for p in passes)
+
+    @staticmethod
+    def _transformer_passes(config, latent_shape, conditioning_shapes) -> list[tuple]:
+        """Per transformer pass of one :meth:`apply`: (video tokens, audio tokens, caption
+        tokens, audio caption tokens, cross-modal attention on)."""
+        joint = _layout_of(config, (1, *latent_shape))
+        text = conditioning_shapes[TEXT][0]
+        audio_text = conditioning_shapes.get(AUDIO_TEXT, (text,))[0]
+        tokens = (joint.video_tokens, joint.audio_frames, text, audio_text)
+        passes = [(*tokens, True)]
+        if CFG_BRANCH in conditioning_shapes:  # a render: the guidance passes apply runs
+            if MODALITY_SCALE in conditioning_shapes:
+                passes.append((*tokens, False))  # modality guidance's isolated pass
+            if STG_LAYERS in conditioning_shapes:
+                passes.append((*tokens, True))  # the STG pass
+        return passes
 
     def tokens_per_example(self, config, latent_shape):
         """Video tokens plus audio tokens (the two streams the transformer runs)."""
@@ -627,9 +856,10 @@ class LTX2Family(Family):
 
     # --- conditioning and latents -----------------------------------------------------------
     def conditioning_specs(self, denoiser_config, text_length, latent_shape, image_tokens=None):
-        """The connectors' video and audio captions and their mask (what generate makes;
-        LTX-2 records for training are not built): ``caption_channels`` wide where the
-        transformer projects them (LTX-2.0), else at its attention widths (LTX-2.3)."""
+        """The connectors' video and audio captions and their mask (what generate makes, and
+        what records hold beside their latents and :data:`JOINT_SIZES`): ``caption_channels``
+        wide where the transformer projects them (LTX-2.0), else at its attention widths
+        (LTX-2.3)."""
         del latent_shape, image_tokens
         config = denoiser_config
         widths = (config.caption_channels, config.caption_channels)
@@ -680,8 +910,121 @@ class LTX2Family(Family):
         parts = [np.asarray(given.get(name, drawn[name]), np.float32)[None] for name in shapes]
         return joint_latents(*parts, layout(configs, shape[1:]))[0]
 
+    # --- image-to-video (LTX2ImageToVideoPipeline, jaxcore/families/ltx2_image.py) ----------
+    def optional_config_classes(self) -> dict[str, type]:
+        return {"pipeline": ltx2_image.LTX2PipelineOptions}
+
+    def check_model_index(self, index: Mapping, where: str) -> None:
+        try:
+            ltx2_image.LTX2PipelineOptions.from_index(index)
+        except ValueError as err:
+            raise FamilyError(f"{where}: {err}") from None
+
+    def component_configs(self, directory) -> dict:
+        """The components' configs and the pipeline class as ``pipeline``
+        (:class:`jaxcore.families.ltx2_image.LTX2PipelineOptions`)."""
+        index = read_model_index(directory)
+        self.check_model_index(index, str(Path(directory) / "model_index.json"))
+        configs = super().component_configs(directory)
+        configs["pipeline"] = ltx2_image.LTX2PipelineOptions.from_index(index)
+        return configs
+
+    def image_inputs(self, configs) -> ImageInputs:
+        """An image-to-video pipeline takes one image per prompt (required); the text-to-video
+        one none."""
+        return ImageInputs("required" if ltx2_image.options(configs).image_to_video else "none")
+
+    def encode_images(self, pipe, images, height, width, num_frames):
+        """Image-to-video: per row the image's latent frame ``[C, 1, H', W']``
+        (:func:`jaxcore.families.ltx2_image.image_latents`, re-compressed at the pipeline
+        option ``image_crf``) as :data:`jaxcore.families.ltx2_image.IMAGE_LATENTS`."""
+        del num_frames
+        inputs = self.image_inputs(pipe.configs)
+        for row, (image, last) in enumerate(images):
+            try:
+                inputs.check(image is not None, last is not None, f"row {row}")
+            except ValueError as err:
+                raise FamilyError(str(err)) from None
+        if inputs.image == "none":
+            return {}
+        if not height:
+            raise FamilyError("LTX-2 image conditioning needs the render size")
+        vae, params = pipe.components["vae"]
+        crf = ltx2_image.options(pipe.configs).crf
+        rows = [image for image, _ in images]
+        latents = ltx2_image.image_latents(vae, params, rows, height, width, crf)
+        return {ltx2_image.IMAGE_LATENTS: latents}
+
+    def start_latents(self, latents, conditioning):
+        """Image-to-video: the video's first latent frame is the image's (the audio and the
+        other frames: the prompt's noise)."""
+        if ltx2_image.IMAGE_LATENTS not in conditioning:
+            return latents
+        image = conditioning[ltx2_image.IMAGE_LATENTS]
+        return np.asarray(ltx2_image.with_first_frame(jnp.asarray(latents), image))
+
+    def finish_latents(self, latents, conditioning):
+        """Image-to-video: the first latent frame is the image's (the loop kept it: its
+        velocity is 0; set again so the decode never depends on that)."""
+        if ltx2_image.IMAGE_LATENTS not in conditioning:
+            return latents
+        return ltx2_image.with_first_frame(latents, conditioning[ltx2_image.IMAGE_LATENTS])
+
     def load_encoders(self, directory, compute, max_sequence_length, batch_size):
-        raise FamilyError("convert (training records) is not built for LTX-2")
+        """:class:`LTX2Encoders` (convert: clips with their sound, captions)."""
+        return LTX2Encoders(Path(directory), compute, max_sequence_length, batch_size)
+
+    def records_sound(self) -> bool:
+        """Convert pairs every clip with its sound (``dataset.audio_column``)."""
+        return True
+
+    def record_features(self, directory, height, width, num_frames, max_sequence_length):
+        """The base records (joint latents ``[C + K, F', H', W']``, the connectors' captions and
+        mask) and :data:`JOINT_SIZES` ``[2]``."""
+        features = super().record_features(
+            directory, height, width, num_frames, max_sequence_length
+        )
+        return (*features, TensorSpec(JOINT_SIZES, (2,)))
+
+    def check_features(self, denoiser_config, features, where):
+        """Records must hold the joint latents the transformer's config lays out for their
+        video grid (the audio length and width from its audio settings), then what every
+        family checks (the conditioning, the video channels)."""
+        latents = features.get(LATENTS)
+        if latents is None:
+            return super().check_features(denoiser_config, features, where)
+        joint = _layout_of(denoiser_config, (1, *latents.shape))
+        if tuple(latents.shape) != joint.shape:
+            raise FamilyError(
+                f"{where}: records do not fit the {self.name} model: 'latents' "
+                f"{list(latents.shape)}, the transformer takes {list(joint.shape)} for that "
+                f"grid ({joint.channels} video channels, then {joint.audio_frames} audio tokens "
+                f"of {joint.audio_width} in {joint.extra} more channels)"
+            )
+        video = TensorSpec(LATENTS, (joint.channels, *joint.grid))
+        return super().check_features(denoiser_config, {**features, LATENTS: video}, where)
+
+    def loss_weights(self, latents_shape, conditioning):
+        """Records with :data:`JOINT_SIZES`: the video and the audio each weighted by its own
+        size, the padding left out (:func:`joint_loss_weights`; the loss is the sum of the two
+        means); else None (the mean over every value)."""
+        if JOINT_SIZES not in conditioning:
+            return None
+        return joint_loss_weights(latents_shape, conditioning[JOINT_SIZES])
+
+    def latent_normalization(self, configs) -> dict:
+        vae, audio_vae = configs["vae"], configs["audio_vae"]
+        mel = ltx2_mel.MelSettings.of_audio_vae(audio_vae)
+        return {
+            "latent_sampling": "mean",
+            "formula": "(z - latents_mean) * scaling_factor / latents_std",
+            "scaling_factor": vae.scaling_factor,
+            "audio_formula": "(packed z - latents_mean) / latents_std (audio_vae's buffers)",
+            "layout": "[C + K, F', H', W']: video channels, then the packed audio tokens [L, "
+            "C_a M'] flattened and zero-padded (jaxcore/families/ltx2.py)",
+            "frame_rate": FRAME_RATE,
+            "audio": dataclasses.asdict(mel),
+        }
 
     # --- inference --------------------------------------------------------------------------
     def load_components(self, directory, configs, compute, mesh, rules, denoiser):
@@ -744,6 +1087,14 @@ class LTX2Family(Family):
         del height, width
         rows = [check_settings(values) for values in micro]
         transformer = configs["transformer"]
+        # image-to-video: the video's per-token timesteps differ from the audio's, so
+        # diffusers' cross-modal attention renders otherwise without the cross timestep
+        cross_off = any(values.get("use_cross_timestep") is False for values in micro)
+        if cross_off and ltx2_image.options(configs).image_to_video:
+            raise FamilyError(
+                "use_cross_timestep=False: not built for LTX-2 image-to-video (its "
+                "first frame's timesteps differ from the audio's, so it changes the render)"
+            )
 
         def column(name, dtype=np.float32):
             return np.asarray([getattr(r, name) for r in rows], dtype)
@@ -906,11 +1257,22 @@ class LTX2Family(Family):
 
 
 def _transformer(
-    module, params, video, audio, t, conditioning, joint: JointLayout, isolate, perturb=None
+    module,
+    params,
+    video,
+    audio,
+    t,
+    conditioning,
+    joint: JointLayout,
+    isolate,
+    perturb=None,
+    video_t=None,
 ):
     """One transformer call as ``LTX2Pipeline`` makes it: (video velocity ``[B, C, F', H',
     W']``, audio velocity ``[B, L, C_a M']``) float32; ``isolate``: no cross-modal attention;
-    ``perturb``: the STG pass's per-row, per-block lerp weights (``layer_perturbation``)."""
+    ``perturb``: the STG pass's per-row, per-block lerp weights (``layer_perturbation``);
+    ``video_t``: the video's per-token timesteps ``[B, F' H' W']`` (image-to-video), else
+    ``t`` for both modalities (the audio's timestep and ``sigma`` are always ``t``)."""
     f, h, w = joint.grid
     dtype = module.dtype
     mask = conditioning[TEXT_MASK]
@@ -920,7 +1282,8 @@ def _transformer(
         audio.astype(dtype),
         conditioning[TEXT].astype(dtype),
         conditioning[AUDIO_TEXT].astype(dtype),
-        t,
+        t if video_t is None else video_t,
+        audio_timestep=t,
         sigma=t,
         encoder_attention_mask=mask,
         audio_encoder_attention_mask=mask,

@@ -1516,3 +1516,130 @@ abstract_params = KIND.abstract_params
 load_ltx2_transformer = KIND.load  # a diffusers LTX2VideoTransformer3DModel directory
 init_ltx2_transformer = KIND.init
 count_params = KIND.count_params
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOPs (MFU, difforge fit)
+# ----------------------------------------------------------------------------------------------
+
+
+class AttentionMatmuls(NamedTuple):
+    """One attention of a block as its matmuls see it: ``queries`` tokens at ``query_width``
+    attend to ``keys`` tokens at ``key_width`` through ``inner`` = heads x head dim, written
+    back at ``out_width``; ``gate_heads`` per-head gate logits from the queries (0: none)."""
+
+    queries: int
+    keys: int
+    query_width: int
+    key_width: int
+    inner: int
+    out_width: int
+    gate_heads: int
+
+    @property
+    def projections(self) -> int:
+        """q, k, v, the output projection and the gate logits: 2 x tokens x in x out each."""
+        q = self.queries * self.query_width * self.inner
+        kv = 2 * self.keys * self.key_width * self.inner
+        out = self.queries * self.inner * self.out_width
+        gates = self.queries * self.query_width * self.gate_heads
+        return 2 * (q + kv + out + gates)
+
+    @property
+    def scores_and_values(self) -> int:
+        """QK^T and PV: 2 x 2 x queries x keys x inner (what a fused kernel runs)."""
+        return 2 * 2 * self.queries * self.keys * self.inner
+
+
+def block_attentions(
+    config: LTX2VideoTransformerConfig,
+    video_tokens: int,
+    audio_tokens: int,
+    text_tokens: int,
+    audio_text_tokens: int,
+    cross_modal: bool = True,
+) -> list[AttentionMatmuls]:
+    """The attentions of one :class:`LTX2Block`, in its order: video and audio
+    self-attention, video and audio text cross-attention (keys: the captions at the text
+    attention's width, ``context_dim``, where the caption projection or LTX-2.3's connectors
+    put them), then with ``cross_modal`` audio->video (video queries, audio keys, the audio's
+    heads, written at the video width) and video->audio (audio queries, video keys). A
+    stream's ``gated_attn`` gates every attention that writes into it, one logit per head of
+    that attention."""
+    video, audio = config.video, config.audio
+
+    def gates(stream: Stream, heads: Stream) -> int:
+        return heads.heads if stream.gated_attn else 0
+
+    s, a = video_tokens, audio_tokens
+    d, da = video.dim, audio.dim
+    attentions = [
+        AttentionMatmuls(s, s, d, d, d, d, gates(video, video)),
+        AttentionMatmuls(a, a, da, da, da, da, gates(audio, audio)),
+        AttentionMatmuls(s, text_tokens, d, video.context_dim, d, d, gates(video, video)),
+        AttentionMatmuls(a, audio_text_tokens, da, audio.context_dim, da, da, gates(audio, audio)),
+    ]
+    if cross_modal:
+        attentions += [
+            AttentionMatmuls(s, a, d, da, da, d, gates(video, audio)),
+            AttentionMatmuls(a, s, da, d, da, da, gates(audio, audio)),
+        ]
+    return attentions
+
+
+def flops_per_forward(
+    config: LTX2VideoTransformerConfig,
+    batch: int,
+    video_tokens: int,
+    audio_tokens: int,
+    text_tokens: int,
+    audio_text_tokens: int | None = None,
+    cross_modal: bool = True,
+) -> int:
+    """Matmul FLOPs of one forward pass of the blocks (one transformer call), for MFU.
+
+    Per block (``num_layers`` of them), with s video and a audio tokens, L / L_a caption tokens
+    (``audio_text_tokens`` default: ``text_tokens``, the pipeline gives both modalities one
+    length), D / D_a the video / audio widths, each attention of :func:`block_attentions`:
+    projections (q from its queries, k and v from its keys, the output, LTX-2.3's gate
+    logits) 2 x tokens x in x out each, scores + values 2 x 2 x queries x keys x inner; and
+    both FFNs 2 x 2 x tokens x D x 4D. ``cross_modal=False`` is ``isolate_modalities`` (no
+    audio<->video attention). STG's perturbed blocks are not counted (no family runs them).
+
+    Left out (each small beside the blocks at a render's size): ``proj_in`` / ``proj_out``,
+    the caption projections (2 x L x (caption_channels x D + D^2) per stream), the timestep
+    embeddings (per row, not per token), norms, RoPE and every other elementwise op; the
+    Gemma-3 encoder and the text connectors run outside the denoiser. Guidance passes
+    (CFG's negative rows, modality guidance's isolated pass) are further forwards: whoever
+    counts forwards counts them. Training = 3x this.
+    """
+    text = text_tokens
+    audio_text = text_tokens if audio_text_tokens is None else audio_text_tokens
+    attentions = block_attentions(config, video_tokens, audio_tokens, text, audio_text, cross_modal)
+    attention = sum(att.projections + att.scores_and_values for att in attentions)
+    ffn = (
+        2
+        * 2
+        * MLP_RATIO
+        * (video_tokens * config.hidden_dim**2 + audio_tokens * config.audio_hidden_dim**2)
+    )
+    return batch * config.num_layers * (attention + ffn)
+
+
+def attention_flops_per_forward(
+    config: LTX2VideoTransformerConfig,
+    batch: int,
+    video_tokens: int,
+    audio_tokens: int,
+    text_tokens: int,
+    audio_text_tokens: int | None = None,
+    cross_modal: bool = True,
+) -> int:
+    """The scores and values of every attention of :func:`flops_per_forward` (self, text and
+    cross-modal: all of them run through the attention backend, so the splash kernel on TPU,
+    where the compiler's cost model does not see)."""
+    audio_text = text_tokens if audio_text_tokens is None else audio_text_tokens
+    attentions = block_attentions(
+        config, video_tokens, audio_tokens, text_tokens, audio_text, cross_modal
+    )
+    return batch * config.num_layers * sum(att.scores_and_values for att in attentions)

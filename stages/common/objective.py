@@ -299,10 +299,16 @@ def split_batch(
 
 def loss_at(family, module, params, latents, conditioning, t, noise) -> jax.Array:
     """Per-sample flow-matching MSE of ``latents`` at times ``t`` [B] with ``noise``, over the
-    elements the family's :meth:`~jaxcore.families.Family.loss_mask` counts (all by default)."""
+    elements the family's :meth:`~jaxcore.families.Family.loss_mask` counts (all by default),
+    or the family's :meth:`~jaxcore.families.Family.loss_weights` sum where it gives one."""
     x_t = noisy_input(latents, noise, t)
     prediction = family.apply(module, params, x_t, t * NUM_TRAIN_TIMESTEPS, conditioning)
     target = velocity_target(latents, noise)
+    weights = family.loss_weights(latents.shape, conditioning)
+    if weights is not None:  # the family's own weighted sum (LTX-2: video mean + audio mean)
+        error = (prediction.astype(jnp.float32) - target.astype(jnp.float32)) ** 2
+        weights = jnp.broadcast_to(jnp.asarray(weights, jnp.float32), error.shape)
+        return jnp.sum(error * weights, axis=tuple(range(1, error.ndim)))
     loss_mask = getattr(family, "loss_mask", None)  # optional, as noise_schedule
     mask = None if loss_mask is None else loss_mask(latents.shape, conditioning)
     if mask is None:

@@ -25,6 +25,8 @@ from stages.common.records import DEFAULT_TIMESTEPS_LIST
 # the item keys of a row's extra images (DatasetConfig.image_columns)
 CONTROL_ITEM = "control"
 REFERENCE_ITEM = "reference"
+# the item key of a row's sound (DatasetConfig.audio_column)
+SOUND_ITEM = "sound"
 
 RUNNERS = (
     "DirectRunner",
@@ -69,6 +71,12 @@ class DatasetConfig:
     # image is, then encoded by the family as its pipelines encode a reference image (the
     # records' reference latents); refused for a family whose pipelines take none. None: none
     reference_image_column: str | None = None
+    # a column of each clip's sound, for a family whose records hold it (LTX-2: video with
+    # audio): a Hugging Face Audio feature ({"array", "sampling_rate"} or a file's bytes /
+    # path: WAV, or anything ffmpeg decodes), or the media column itself (the videos' own sound
+    # tracks). The clip's span (num_frames / fps seconds from its start) is kept, zero-padded
+    # where the sound is shorter. Required by such a family, refused by the others. None: none
+    audio_column: str | None = None
 
     def __post_init__(self):
         if not self.source:
@@ -76,7 +84,7 @@ class DatasetConfig:
         for key in ("media_column", "caption_column"):
             if not getattr(self, key):
                 raise ValueError(f"{key} must be a column name")
-        for key in ("conditioning_image_column", "reference_image_column"):
+        for key in ("conditioning_image_column", "reference_image_column", "audio_column"):
             if getattr(self, key) is not None and not getattr(self, key):
                 raise ValueError(f"{key} must be a column name or null")
         if self.max_items is not None and self.max_items < 1:

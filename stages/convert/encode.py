@@ -28,7 +28,7 @@ from jaxcore.compute import ComputeConfig
 from jaxcore.families import Encoders, TensorSpec
 from jaxcore.pipeline import resolve_pipeline_dir
 from stages.common import records
-from stages.convert.config import CONTROL_ITEM, REFERENCE_ITEM, EncoderConfig
+from stages.convert.config import CONTROL_ITEM, REFERENCE_ITEM, SOUND_ITEM, EncoderConfig
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class EncoderHandler:
     ) -> Iterable[dict]:
         count = len(batch)
         videos = np.stack([item["video"] for item in batch])
-        tensors = {records.LATENTS: model.encode_media(videos)}
+        tensors = {records.LATENTS: _encode_media(batch, videos, model)}
         tensors.update(model.encode_media_conditioning(videos))
         tensors.update(_encode_references(batch, model))
         # full batches of captions too: the text encoder's results are sliced per call, and a
@@ -161,6 +161,23 @@ class EncoderHandler:
 
     def get_metrics_namespace(self) -> str:
         return "convert_encoder"
+
+
+def _encode_media(batch: Sequence[dict], videos: np.ndarray, model: Encoders) -> np.ndarray:
+    """The latents of a batch: of the videos alone, or of the videos with their sounds (items
+    with a ``sound``, ``DatasetConfig.audio_column``) by the family's
+    ``encode_media_with_sound``. The empty-prompt item of a ``large_model`` job has no sound:
+    it borrows a row's (only its text is kept)."""
+    sounds = [item.get(SOUND_ITEM) for item in batch]
+    given = [sound for sound in sounds if sound is not None]
+    if not given:
+        return model.encode_media(videos)
+    encode = getattr(model, "encode_media_with_sound", None)
+    if encode is None:
+        raise ValueError(
+            f"{type(model).__name__} encodes no sound: unset dataset.audio_column for this model"
+        )
+    return encode(videos, [given[0] if s is None else s for s in sounds])
 
 
 def _encode_references(batch: Sequence[dict], model: Encoders) -> dict[str, np.ndarray]:

@@ -25,7 +25,17 @@ UNDECODABLE_MEDIA = "undecodable_media"
 TOO_FEW_FRAMES = "too_few_frames"
 EMPTY_CAPTION = "empty_caption"
 TOO_SMALL = "media_too_small"
-DROP_REASONS = (MISSING_MEDIA, UNDECODABLE_MEDIA, TOO_FEW_FRAMES, EMPTY_CAPTION, TOO_SMALL)
+MISSING_SOUND = "missing_sound"
+UNDECODABLE_SOUND = "undecodable_sound"
+DROP_REASONS = (
+    MISSING_MEDIA,
+    UNDECODABLE_MEDIA,
+    TOO_FEW_FRAMES,
+    EMPTY_CAPTION,
+    TOO_SMALL,
+    MISSING_SOUND,
+    UNDECODABLE_SOUND,
+)
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".avi", ".mkv", ".gif", ".m4v")
 
@@ -214,3 +224,105 @@ def clean_caption(value: Any) -> str:
     if not caption:
         raise DropItem(EMPTY_CAPTION, "the caption is empty")
     return caption
+
+
+# --- sound (a family whose records hold each clip's sound: DatasetConfig.audio_column) -------
+
+
+@dataclass(frozen=True)
+class Sound:
+    """A clip's sound: ``waveform`` float32 ``[channels, samples]`` at ``sample_rate`` Hz."""
+
+    waveform: np.ndarray
+    sample_rate: int
+
+
+def _sound_array(value: Mapping) -> Sound:
+    """A decoded cell, ``{"array": [samples] or [channels, samples], "sampling_rate": Hz}``
+    (a decoded Hugging Face ``Audio`` feature, or a plain struct column)."""
+    rate = value.get("sampling_rate")
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0:
+        raise DropItem(UNDECODABLE_SOUND, f"sampling_rate={rate!r}: expected Hz > 0")
+    try:
+        array = np.asarray(value["array"], np.float32)
+    except (TypeError, ValueError) as err:
+        raise DropItem(UNDECODABLE_SOUND, f"array: not numbers ({err})") from None
+    if array.ndim == 1:
+        array = array[None]
+    if array.ndim != 2 or 0 in array.shape or not np.isfinite(array).all():
+        raise DropItem(
+            UNDECODABLE_SOUND,
+            f"array of shape {list(array.shape)}: expected finite [samples] or [channels, samples]",
+        )
+    return Sound(array, int(rate))
+
+
+def _wav(data: bytes) -> Sound | None:
+    """A WAV file's samples in [-1, 1] (integer PCM scaled by its full range), else None."""
+    from scipy.io import wavfile
+
+    try:
+        rate, samples = wavfile.read(io.BytesIO(data))
+    except (ValueError, EOFError, OSError):
+        return None
+    samples = np.asarray(samples)
+    if np.issubdtype(samples.dtype, np.integer):
+        info = np.iinfo(samples.dtype)
+        middle = (int(info.max) + int(info.min) + 1) / 2  # 0, or 128 for unsigned 8-bit
+        samples = (samples.astype(np.float64) - middle) / (info.max - middle + 1)
+    samples = samples.astype(np.float32)
+    return Sound(samples.T if samples.ndim == 2 else samples[None], int(rate))
+
+
+def _ffmpeg_wav(data: bytes, name: str) -> bytes:
+    """Any file ffmpeg reads (a video's sound track, mp3, flac, ...) -> float WAV bytes."""
+    import subprocess
+
+    import imageio_ffmpeg
+
+    allow_fork_exec_under_jax()
+    suffix = os.path.splitext(name)[1] or ".bin"
+    with tempfile.TemporaryDirectory() as folder:
+        source, wav = os.path.join(folder, f"in{suffix}"), os.path.join(folder, "out.wav")
+        with open(source, "wb") as f:
+            f.write(data)
+        command = [imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-i", source, "-vn"]
+        done = subprocess.run([*command, "-acodec", "pcm_f32le", wav], capture_output=True)
+        if done.returncode == 0 and os.path.exists(wav):
+            with open(wav, "rb") as f:
+                return f.read()
+    detail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no sound"]
+    what = name or "the cell"
+    raise DropItem(UNDECODABLE_SOUND, f"cannot decode the sound of {what}: {detail[0]}")
+
+
+def decode_sound(value: Any) -> Sound:
+    """A dataset sound cell -> :class:`Sound`: ``{"array", "sampling_rate"}``, or the bytes /
+    path of a WAV file or of any file with a sound track ffmpeg decodes (a video's own)."""
+    if value is None:
+        raise DropItem(MISSING_SOUND, "the sound cell is empty")
+    if isinstance(value, Mapping) and "array" in value:
+        return _sound_array(value)
+    try:
+        data, name = media_bytes(value)
+    except DropItem as drop:
+        reason = MISSING_SOUND if drop.reason == MISSING_MEDIA else UNDECODABLE_SOUND
+        raise DropItem(reason, f"sound: {drop.detail}") from None
+    sound = _wav(data)
+    if sound is None:
+        sound = _wav(_ffmpeg_wav(data, name))
+    if sound is None or 0 in sound.waveform.shape:
+        raise DropItem(UNDECODABLE_SOUND, f"no samples in the sound of {name or 'the cell'}")
+    return sound
+
+
+def prepare_sound(value: Any, *, seconds: float) -> Sound:
+    """A dataset sound cell -> the clip's span of it: the first ``int(seconds * rate)`` samples,
+    zeros appended where the sound is shorter (the span of the clip's ``num_frames / fps``
+    seconds, as LTX-2's trainer pairs sound with frames)."""
+    sound = decode_sound(value)
+    target = int(seconds * sound.sample_rate)
+    waveform = sound.waveform[:, :target]
+    if waveform.shape[1] < target:
+        waveform = np.pad(waveform, ((0, 0), (0, target - waveform.shape[1])))
+    return Sound(np.ascontiguousarray(waveform, np.float32), sound.sample_rate)

@@ -43,6 +43,7 @@ from stages.convert import media, split, tfrecord
 from stages.convert.config import (
     CONTROL_ITEM,
     REFERENCE_ITEM,
+    SOUND_ITEM,
     BeamConfig,
     DatasetConfig,
     MediaConfig,
@@ -153,8 +154,11 @@ class ReadRows(beam.DoFn):
             sid = row_id(self._id_kind, index, row, cfg, self._root)
             self._rows_read.inc()
             media_cell, caption = chunk[cfg.media_column][offset], chunk[cfg.caption_column][offset]
-            # a ControlNet's or an edit pair's data set: the row's other images go along
+            # a ControlNet's or an edit pair's data set: the row's other images go along; a
+            # video-with-sound data set: the row's sound
             images = {key: chunk[column][offset] for key, column in cfg.image_columns.items()}
+            if cfg.audio_column is not None:
+                images[SOUND_ITEM] = chunk[cfg.audio_column][offset]
             if images:
                 yield sid, media_cell, caption, images
             else:
@@ -163,8 +167,9 @@ class ReadRows(beam.DoFn):
 
 class PrepareItem(beam.DoFn):
     """A row -> ``{"source_id", "caption", "video"}`` (and per extra image of the row,
-    ``"control"`` / ``"reference"`` uint8 [H, W, 3], see ``DatasetConfig.image_columns``), or
-    a ``dropped`` side output + counter."""
+    ``"control"`` / ``"reference"`` uint8 [H, W, 3], see ``DatasetConfig.image_columns``; with
+    ``DatasetConfig.audio_column``, ``"sound"``: the clip's span of its sound,
+    :func:`stages.convert.media.prepare_sound`), or a ``dropped`` side output + counter."""
 
     def __init__(self, media_config: MediaConfig):
         self._media = media_config
@@ -181,7 +186,10 @@ class PrepareItem(beam.DoFn):
             item["video"] = media.prepare_video(
                 cell, height=cfg.height, width=cfg.width, num_frames=cfg.num_frames, fps=cfg.fps
             )
-            images = row[3] if len(row) > 3 else {}
+            images = dict(row[3]) if len(row) > 3 else {}
+            if SOUND_ITEM in images:  # a bad one drops the row as a bad video does
+                seconds = cfg.num_frames / cfg.fps
+                item[SOUND_ITEM] = media.prepare_sound(images.pop(SOUND_ITEM), seconds=seconds)
             for key, cell in images.items():  # a bad one drops the row as a bad image does
                 item[key] = media.prepare_conditioning_image(
                     cell, height=cfg.height, width=cfg.width, what=IMAGE_WHAT[key]

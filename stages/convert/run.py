@@ -141,6 +141,7 @@ def _encoder_plan(config: ConvertConfig):
         )
     except EncoderLoadError as err:
         raise StageInputError(str(err)) from None
+    _check_sound(config, plan)
     size = (config.media.height, config.media.width)
     column = config.dataset.reference_image_column
     if column:  # edit pairs: the reference's latents join every record, at the record's size
@@ -153,6 +154,26 @@ def _encoder_plan(config: ConvertConfig):
     # the conditioning images' pixels join the encoders' tensors in every record
     pixels = TensorSpec(records.CONDITIONING_PIXELS, (*size, 3))
     return dataclasses.replace(plan, features=(*plan.features, pixels))
+
+
+def _check_sound(config: ConvertConfig, plan) -> None:
+    """A family whose records hold each clip's sound needs ``dataset.audio_column``; the others
+    refuse it (it would be read and dropped)."""
+    from jaxcore import families
+
+    records_sound = getattr(families.get(plan.family), "records_sound", None)
+    needs = bool(records_sound and records_sound())
+    column = config.dataset.audio_column
+    if needs and column is None:
+        raise StageInputError(
+            f"the {plan.family} family's records hold each clip's sound: set "
+            "dataset.audio_column (a column of sounds, or the media column for the videos' own "
+            "sound tracks)"
+        )
+    if column is not None and not needs:
+        raise StageInputError(
+            f"dataset.audio_column={column}: the {plan.family} family's records hold no sound"
+        )
 
 
 def _split_ids(config: ConvertConfig, new_ids) -> dict[str, list]:
@@ -358,6 +379,7 @@ def _summary(
             "id_column": config.dataset.id_column,
             "id_source": id_source,
             "image_columns": config.dataset.image_columns,
+            "audio_column": config.dataset.audio_column,
         },
         "encoder": {
             "pretrained_model_name_or_path": config.encoder.pretrained_model_name_or_path,

@@ -143,13 +143,15 @@ def load_source(config: DatasetConfig):
         dataset = dataset.select(range(config.max_items))
     for column in config.image_columns.values():  # bytes and paths too, decoded as the media are
         dataset = _undecoded(dataset, column)
+    if config.audio_column is not None:
+        dataset = _undecoded(dataset, config.audio_column)
     return _undecoded(dataset, config.media_column)
 
 
 def _check_columns(dataset, config: DatasetConfig) -> None:
     columns = list(dataset.column_names)
     keys = ("media_column", "caption_column", "id_column")
-    for key in (*keys, "conditioning_image_column", "reference_image_column"):
+    for key in (*keys, "conditioning_image_column", "reference_image_column", "audio_column"):
         name = getattr(config, key)
         if key == "id_column" and name == AUTO:
             continue
@@ -162,11 +164,13 @@ def _check_columns(dataset, config: DatasetConfig) -> None:
 
 
 def _undecoded(dataset, column: str):
-    """Cast an Image/Video column to ``decode=False`` so rows carry bytes and paths."""
+    """Cast an Image/Video/Audio column to ``decode=False`` so rows carry bytes and paths
+    (an Audio column's decoding needs torchcodec; :func:`stages.convert.media.decode_sound`
+    decodes the bytes instead)."""
     import datasets
 
     feature = dataset.features[column]
-    for kind in ("Image", "Video"):
+    for kind in ("Image", "Video", "Audio"):
         cls = getattr(datasets, kind, None)
         if cls is not None and isinstance(feature, cls) and feature.decode:
             return dataset.cast_column(column, cls(decode=False))
