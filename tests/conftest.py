@@ -74,6 +74,21 @@ def pytest_sessionstart(session):
     cpu_gemm.prepare()
 
 
+# One pytest process runs the whole suite, thousands of compiled programs; JAX's caches keep
+# every one (and the constants they closed over) for the life of the process. Twice on
+# 2026-12-07 the full default run died near its end inside XLA's CPU compiler
+# (backend_compile_and_load: an abort at 96%, a segfault at 98%, in unrelated tests that pass
+# alone), where the suite had passed before with fewer programs. So each module's compiled
+# programs are dropped when the module ends (a later module compiles what it needs again).
+@pytest.fixture(autouse=True, scope="module")
+def _programs_freed_per_module():
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture
 def xla_dots(monkeypatch):
     """The dense layers' products as XLA's dots, MKL's GEMM switched off

@@ -123,6 +123,12 @@ class Encoders(abc.ABC):
         (a family whose :meth:`Family.reference_features` gives any)."""
         raise NotImplementedError(f"{type(self).__name__} encodes no reference images")
 
+    def encode_media_with_sound(self, videos: np.ndarray, sounds: Sequence) -> np.ndarray:
+        """Clips with their sounds (convert's ``dataset.audio_column``; each sound has
+        ``waveform`` ``[channels, samples]`` and ``sample_rate``) -> latents, as
+        :meth:`encode_media` (a family whose :meth:`Family.records_sound` is True)."""
+        raise NotImplementedError(f"{type(self).__name__} encodes no sound")
+
     def encode_media_conditioning(self, videos: np.ndarray) -> dict[str, np.ndarray]:
         """``[B, 3, F, H, W]`` in [-1, 1] -> the conditioning a record takes from its own
         media (image-to-video: the first frame), ``{name: [B, *shape]}``. Default: none."""
@@ -377,6 +383,11 @@ class Family(abc.ABC):
             denoiser, max_sequence_length, latents.shape, self.image_tokens(configs)
         )
         return (latents, *conditioning)
+
+    def records_sound(self) -> bool:
+        """Whether convert pairs every clip with its sound (``dataset.audio_column``; its
+        Encoders then implement ``encode_media_with_sound``). Default: no."""
+        return False
 
     def reference_features(self, directory, height: int, width: int) -> tuple[TensorSpec, ...]:
         """Edit pairs: the reference latents one reference image of ``height x width`` adds to

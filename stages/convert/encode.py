@@ -172,12 +172,7 @@ def _encode_media(batch: Sequence[dict], videos: np.ndarray, model: Encoders) ->
     given = [sound for sound in sounds if sound is not None]
     if not given:
         return model.encode_media(videos)
-    encode = getattr(model, "encode_media_with_sound", None)
-    if encode is None:
-        raise ValueError(
-            f"{type(model).__name__} encodes no sound: unset dataset.audio_column for this model"
-        )
-    return encode(videos, [given[0] if s is None else s for s in sounds])
+    return model.encode_media_with_sound(videos, [given[0] if s is None else s for s in sounds])
 
 
 def _encode_references(batch: Sequence[dict], model: Encoders) -> dict[str, np.ndarray]:

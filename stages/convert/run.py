@@ -161,8 +161,7 @@ def _check_sound(config: ConvertConfig, plan) -> None:
     refuse it (it would be read and dropped)."""
     from jaxcore import families
 
-    records_sound = getattr(families.get(plan.family), "records_sound", None)
-    needs = bool(records_sound and records_sound())
+    needs = families.get(plan.family).records_sound()
     column = config.dataset.audio_column
     if needs and column is None:
         raise StageInputError(
