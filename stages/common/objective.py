@@ -304,7 +304,8 @@ def loss_at(family, module, params, latents, conditioning, t, noise) -> jax.Arra
     x_t = noisy_input(latents, noise, t)
     prediction = family.apply(module, params, x_t, t * NUM_TRAIN_TIMESTEPS, conditioning)
     target = velocity_target(latents, noise)
-    weights = family.loss_weights(latents.shape, conditioning)
+    loss_weights = getattr(family, "loss_weights", None)  # optional, as loss_mask
+    weights = None if loss_weights is None else loss_weights(latents.shape, conditioning)
     if weights is not None:  # the family's own weighted sum (LTX-2: video mean + audio mean)
         error = (prediction.astype(jnp.float32) - target.astype(jnp.float32)) ** 2
         weights = jnp.broadcast_to(jnp.asarray(weights, jnp.float32), error.shape)
