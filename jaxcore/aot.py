@@ -710,8 +710,9 @@ def generate_program(
     module, params = abstract_denoiser(family, configs[name], compute, mesh, rules)
     params = quantization.abstract_quantized(params, compute.quantization)
     pipe = Pipeline(family, module, params, {}, dict(configs), dict(scheduler_config), mesh, rules)
-    shape = _checked_latent_shape(pipe, family, module, mesh, batch, height, width, num_frames)
     settings = dict(settings or {})
+    size = (height, width, num_frames)
+    shape = _checked_latent_shape(pipe, family, module, mesh, batch, size, settings)
     guidance = pipe.guidance(guidance_scale, true_cfg_scale, None, guidance_rescale, settings)
     state, step_fn = family.make_seeded_schedule(
         pipe,
@@ -724,7 +725,7 @@ def generate_program(
     cond = _abstract_conditioning(
         family, module, configs, guidance, mesh, batch, text_length, shape, rules
     )
-    sized, _ = family.size_conditioning(configs, height, width, [settings] * batch)
+    sized, _ = family.size_conditioning(configs, height, width, [settings] * batch, num_frames)
     for key, value in sized.items():  # what depends on the size and the render settings
         cond.setdefault(key, batch_array(mesh, np.shape(value), np.asarray(value).dtype, rules))
     second_module, second = _abstract_second_expert(family, configs, compute, mesh, batch, rules)
@@ -741,7 +742,6 @@ def generate_program(
     args = _loop_args(mesh, rules, params, (batch, *shape), cond, state, second)
     rows = batch * (2 if guidance.uses_cfg else 1)
     forward, attention = _forward_flops(family, module.config, rows, shape, cond)
-    size = (height, width, num_frames)
     details = _loop_details(compute, batch, size, shape, num_inference_steps, guidance, text_length)
     return Program(
         "generate_loop",
@@ -756,12 +756,12 @@ def generate_program(
     )
 
 
-def _checked_latent_shape(pipe, family, module, mesh: Mesh, batch, height, width, num_frames):
-    """The latents' shape (batch axis left out) of one prompt of this size, after checking
-    that the size suits the model, the batch splits over the mesh's batch ways and the
-    attention heads over its tensor axis."""
-    pipe.geometry.check(height, width, num_frames, where="generate_program")
-    shape = pipe.latent_shape(height, width, num_frames)
+def _checked_latent_shape(pipe, family, module, mesh: Mesh, batch, size, settings):
+    """The latents' shape (batch axis left out) of one prompt of this ``size`` (height, width,
+    frames) and family ``settings``, after checking that the size suits the model, the batch
+    splits over the mesh's batch ways and the attention heads over its tensor axis."""
+    pipe.geometry.check(*size, where="generate_program")
+    shape = pipe.latent_shape(*size, settings)
     ways = pipe.batch_ways
     if batch % ways:
         raise sharding.ShardingError(

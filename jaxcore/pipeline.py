@@ -232,9 +232,15 @@ class Pipeline:
     def geometry(self) -> Geometry:
         return self.family.geometry(self.configs)
 
-    def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:
-        """Per-sample latent shape for a render of ``num_frames`` x ``height`` x ``width``."""
-        return tuple(self.family.latent_shape(self.configs, height, width, num_frames))
+    def latent_shape(
+        self, height: int, width: int, num_frames: int, settings: Mapping | None = None
+    ) -> tuple[int, ...]:
+        """Per-sample latent shape for a render of ``num_frames`` x ``height`` x ``width``
+        (with a prompt's family ``settings``: LTX-2's ``frame_rate`` sets its sound's length)."""
+        shape = self.family.render_latent_shape(
+            self.configs, height, width, num_frames, dict(settings or {})
+        )
+        return tuple(shape)
 
     @property
     def default_shift(self) -> float:
@@ -515,7 +521,10 @@ class Pipeline:
         micro = list(micro_conditioning) if micro_conditioning is not None else [{}] * len(prompts)
         if len(micro) != len(prompts):
             raise ValueError("micro_conditioning must have one mapping per prompt")
-        sized, sized_negative = self.family.size_conditioning(self.configs, height, width, micro)
+        frames = size[2] if size is not None else None
+        sized, sized_negative = self.family.size_conditioning(
+            self.configs, height, width, micro, frames
+        )
         cond.update(encoded_images, **sized)
         if uncond is not None:
             uncond.update(encoded_images, **sized_negative)

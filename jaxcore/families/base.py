@@ -347,24 +347,41 @@ class Family(abc.ABC):
     def latent_shape(self, configs: Mapping[str, Any], height, width, num_frames) -> tuple:
         """Per-example latent shape for a ``num_frames x height x width`` clip."""
 
-    def latent_inputs(self, configs: Mapping[str, Any], shape) -> dict[str, tuple[int, ...]]:
+    def render_latent_shape(
+        self, configs: Mapping[str, Any], height, width, num_frames, settings: Mapping
+    ) -> tuple:
+        """Per-example latent shape of a render whose prompt has these family ``settings``
+        (its micro-conditioning: the family render settings generate resolves). Default:
+        :meth:`latent_shape`'s; LTX-2's sound is as long as ``num_frames / frame_rate``."""
+        del settings
+        return self.latent_shape(configs, height, width, num_frames)
+
+    def latent_inputs(
+        self, configs: Mapping[str, Any], shape, settings: Mapping | None = None
+    ) -> dict[str, tuple[int, ...]]:
         """The arrays a prompt may give as its initial latents, by prompt-file field, each with
-        its per-example shape (``shape``: :meth:`latent_shape`'s). Default: ``latents`` of
-        that shape alone; a family whose latents join several arrays names each (LTX-2: the
-        video's ``latents`` and the ``audio_latents``)."""
-        del configs
+        its per-example shape (``shape``: :meth:`render_latent_shape`'s for the prompt's
+        ``settings``). Default: ``latents`` of that shape alone; a family whose latents join
+        several arrays names each (LTX-2: the video's ``latents`` and the ``audio_latents``)."""
+        del configs, settings
         return {LATENTS_FIELD: tuple(int(n) for n in shape)}
 
     def initial_latents(
-        self, configs: Mapping[str, Any], shape, seed: int, given: Mapping[str, np.ndarray]
+        self,
+        configs: Mapping[str, Any],
+        shape,
+        seed: int,
+        given: Mapping[str, np.ndarray],
+        settings: Mapping | None = None,
     ) -> np.ndarray:
         """One prompt's initial latents of per-example ``shape`` (float32): the arrays it gives
         (``given``: some of :meth:`latent_inputs`, shapes already checked), the rest drawn from
-        its ``seed`` alone (numpy's PCG64, :mod:`jaxcore.sampling`). Default: the prompt's
+        its ``seed`` alone (numpy's PCG64, :mod:`jaxcore.sampling`), with its family
+        ``settings`` (LTX-2's ``noise_scale`` noises the given arrays). Default: the prompt's
         ``latents``, else :func:`jaxcore.sampling.initial_latents` of ``shape``."""
         from jaxcore.sampling import initial_latents
 
-        del configs
+        del configs, settings
         if LATENTS_FIELD in given:
             return np.asarray(given[LATENTS_FIELD], np.float32)
         return initial_latents(seed, shape)
@@ -642,12 +659,14 @@ class Family(abc.ABC):
         height: int | None,
         width: int | None,
         micro: Sequence[Mapping[str, tuple[int, int]]],
+        num_frames: int | None = None,
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """(conditional, negative) tensors ``{name: [batch, ...]}`` that depend on the render
-        size (SDXL's ``time_ids``); ``height`` and ``width`` are None when the caller did not
-        give the size. ``micro``: per row, the SDXL micro-conditioning values the prompt set
-        (:data:`MICRO_CONDITIONING`; empty = the defaults). Default: none, and values refused."""
-        del configs, height, width
+        size (SDXL's ``time_ids``); ``height``, ``width`` and ``num_frames`` are None when the
+        caller did not give the size. ``micro``: per row, the SDXL micro-conditioning values
+        the prompt set (:data:`MICRO_CONDITIONING`; empty = the defaults), or a family's render
+        settings. Default: none, and values refused."""
+        del configs, height, width, num_frames
         given = sorted({name for row in micro for name in row})
         if given:
             raise FamilyError(

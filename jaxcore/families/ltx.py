@@ -1013,13 +1013,13 @@ class LTXFamily(Family):
         masked = _options(pipe.configs).frame_conditions  # LTXConditionPipeline masks T5
         return encode_text(pipe.components, prompts, max_sequence_length, masked)
 
-    def size_conditioning(self, configs, height, width, micro):
+    def size_conditioning(self, configs, height, width, micro, num_frames=None):
         """Per row, the render settings (:data:`SETTINGS`, diffusers' defaults where a row
         gives none) and the seed as tensors for both branches: ``rope_interpolation_scale``
         [B, 3] from ``frame_rate``, ``decode_timestep`` [B], ``decode_noise_scale`` [B] (None:
         ``decode_timestep``, as diffusers), ``decode_seed`` [B, 2] (seed 0 when none is
         given)."""
-        del height, width
+        del height, width, num_frames
         temporal, spatial = pipeline_compression(configs["vae"])
         conditions = _options(configs).frame_conditions
         settings = CONDITION_SETTINGS if conditions else SETTINGS

@@ -11,8 +11,8 @@ Reference: ``diffusers/pipelines/ltx2/pipeline_ltx2.py`` (diffusers 0.42):
 - the transformer (:mod:`jaxcore.models.ltx2_transformer`) denoises video tokens (the VAE's
   normalised latents packed ``[F' H' W', C]``) and audio tokens (the audio VAE's normalised
   latents packed ``[L, C_a M']``) together, at the same timestep, with RoPE coordinates from the
-  grid, ``frame_rate`` and the audio length (``use_cross_timestep`` on, diffusers' default; both
-  modalities are at one timestep, so off is the same render);
+  grid, ``frame_rate / motion_speed`` and the audio length (``use_cross_timestep`` on,
+  diffusers' default; both modalities are at one timestep, so off is the same render);
 - the schedule: flow-match Euler with sigmas ``linspace(1, 1/N, N)`` and ``mu`` linear in the
   video's token count with the pipeline's own fallbacks (1024 / 4096 tokens, shifts 0.95 / 2.05);
   one schedule steps both modalities (diffusers deep-copies its scheduler for the audio);
@@ -25,16 +25,20 @@ array, and the schedule, the Euler step and CFG are elementwise, so the family's
 both modalities in one array ``[C + K, F', H', W']``: channels ``0..C-1`` are the video latents as
 a prompt's ``latents`` file holds them, the ``K`` channels after them hold the audio's packed
 tokens ``[L, C_a M']`` flattened (``K = ceil(L C_a M' / (F' H' W'))``, the rest zeros). The shape
-keeps the video grid (so ``mu``, the coordinates and the unpacking need nothing else) and the
-audio length follows from it (``L`` from the frame count and :data:`FRAME_RATE`); the two packed
-widths (C and ``C_a M'``) may differ. Zeros past the audio stay zero: their prediction is zero,
+keeps the video grid (so ``mu`` and the unpacking need nothing else); the audio length ``L``
+follows from the frame count and the prompt's ``frame_rate`` (:func:`layout`; the render's
+conditioning carries the audio tokens' coordinates, :data:`AUDIO_COORDS`, whose length says
+``L`` where the shape alone cannot; without them, as in training records, :data:`FRAME_RATE`);
+the two packed widths (C and ``C_a M'``) may differ. Zeros past the audio stay zero: their prediction is zero,
 so the Euler step and CFG keep them. :func:`joint_latents` / :func:`split_latents` convert.
 Why this layout: it needs no change to the loop or the pipeline (every hook sees one array),
 and the one thing :meth:`LTX2Family.make_schedule` gets, the latents' shape, still says the
 video's token count; one token array ``[F' H' W' + L, D]`` would need equal packed widths and
 would hide where the video ends. A prompt's initial latents
 (:meth:`LTX2Family.initial_latents`) are its ``latents`` and ``audio_latents`` files where it
-gives them, else noise from its seed (video first, then audio, from one generator). The cost
+gives them (noised by its ``noise_scale``, as diffusers' ``_create_noised_state``, with the
+noise its seed would have drawn in their place), else noise from its seed (video first, then
+audio, from one generator). The cost
 is small: the released model at 121 frames of 768 x 512 has 6144 video tokens and 126 x 128
 audio values, K = 3 channels beside 128.
 
@@ -63,9 +67,12 @@ NaN (loud, never silently different). As in diffusers CFG runs when ``guidance_s
 ``audio_guidance_scale > 1`` (:meth:`LTX2Family.with_settings_guidance`). The modality and STG passes run on all rows of the call, the negative ones included (diffusers:
 the conditional ones only; the cost of not splitting the batched branches).
 
-Not built, and refused by name when set to anything but "off": ``noise_scale``,
-``motion_speed`` and a ``frame_rate`` other than :data:`FRAME_RATE` (the audio length is part
-of the latents' shape).
+Per prompt: ``frame_rate`` (the playback rate: the sound lasts ``num_frames / frame_rate``, so
+it sizes the latents and prompts are grouped by it) and ``motion_speed`` (the video's RoPE
+reads ``frame_rate / motion_speed``, diffusers' ``conditioning_frame_rate``): the render's
+conditioning carries each row's video coordinates (:data:`VIDEO_COORDS`, made on the host as
+diffusers makes them: XLA's float32 division is a unit in the last place off, which moved
+pixels by 6e-5).
 
 Training records (convert, :class:`LTX2Encoders`) hold the same joint latents, the clip's
 sound encoded by the audio VAE beside its frames, and :data:`JOINT_SIZES` per record, from
@@ -126,6 +133,9 @@ AUDIO_LATENTS = "audio_latents"  # a prompt's audio latents [C_a, L, M'] (normal
 DECODE_TIMESTEP = "decode_timestep"  # []
 DECODE_NOISE_SCALE = "decode_noise_scale"  # []
 DECODE_SEED = "decode_seed"  # [2] uint32: the prompt's seed, low and high words
+# a render's RoPE inputs (absent from training records: FRAME_RATE, coordinates from the grid)
+VIDEO_COORDS = "video_coords"  # [3, F'H'W', 2]: the video tokens' RoPE bounds at the row's rate
+AUDIO_COORDS = "audio_coords"  # [1, L, 2]: the audio tokens' [start, end) times, L its length
 # Guidance (see the module docstring), per row in both branches
 GUIDANCE_SCALE = "guidance_scale"  # []: the video's CFG scale (Guidance.embedded)
 GUIDANCE_RESCALE = "guidance_rescale"  # []: the video's rescale, 0 = off (Guidance.embedded)
@@ -145,7 +155,7 @@ DEFAULT_STG_BLOCKS = (28,)  # LTX2Pipeline.__call__'s default block list
 PIPELINE_CLASS = "LTX2Pipeline"
 NUM_TRAIN_TIMESTEPS = 1000  # the transformer's timestep t = 1000 sigma
 PIPELINE_SIZE_MULTIPLE = 32  # diffusers' check_inputs: height and width divisible by 32
-FRAME_RATE = 24.0  # LTX2Pipeline.__call__'s default frame_rate; the only one built
+FRAME_RATE = 24.0  # LTX2Pipeline.__call__'s default frame_rate (and the training records')
 DEFAULT_MAX_SEQUENCE_LENGTH = 1024  # LTX2Pipeline.__call__'s default
 CONNECTOR_PADDING_SIDE = "left"  # the pipeline left-pads Gemma's prompts
 # LTX2Pipeline's calculate_shift fallbacks (scheduler configs without these keys)
@@ -155,9 +165,11 @@ SHIFT_DEFAULTS = {
     "base_shift": 0.95,
     "max_shift": 2.05,
 }
-# Per-prompt settings: built ones, and the diffusers options that are refused unless "off".
+# Per-prompt settings (LTX2Pipeline.__call__'s arguments of those names)
 SETTINGS = (
     "frame_rate",
+    "motion_speed",
+    "noise_scale",
     "decode_timestep",
     "decode_noise_scale",
     AUDIO_GUIDANCE_SCALE,
@@ -171,10 +183,6 @@ SETTINGS = (
     # own and the flag changes nothing (diffusers renders the same either way)
     "use_cross_timestep",
 )
-OFF_SETTINGS = {
-    "noise_scale": (0.0,),
-    "motion_speed": (1.0,),
-}
 
 
 # --- pure helpers ------------------------------------------------------------------------------
@@ -214,12 +222,12 @@ def audio_width(audio_vae: ltx2_audio_vae.LTX2AudioVAEConfig) -> int:
     return audio_vae.latent_channels * mel_bins
 
 
-def layout(configs: Mapping, grid: Sequence[int]) -> JointLayout:
-    """The joint layout of a video latent grid ``(F', H', W')`` (the audio at
-    :data:`FRAME_RATE`, as ``LTX2Pipeline`` sizes it from ``num_frames``)."""
+def layout(configs: Mapping, grid: Sequence[int], frame_rate: float = FRAME_RATE) -> JointLayout:
+    """The joint layout of a video latent grid ``(F', H', W')`` whose sound plays at
+    ``frame_rate`` (``LTX2Pipeline`` sizes it from ``num_frames / frame_rate``)."""
     vae, audio_vae = configs["vae"], configs["audio_vae"]
     num_frames = vae.temporal_compression_ratio * (grid[0] - 1) + 1
-    frames = ltx2_audio_vae.audio_latent_length(audio_vae, num_frames, FRAME_RATE)
+    frames = ltx2_audio_vae.audio_latent_length(audio_vae, num_frames, frame_rate)
     return JointLayout(
         vae.latent_channels, tuple(int(n) for n in grid), frames, audio_width(audio_vae)
     )
@@ -263,8 +271,9 @@ def joined_prediction(video_bcfhw, audio_bld, joint: JointLayout):
 
 @dataclasses.dataclass(frozen=True)
 class RowSettings:
-    """One prompt's render settings: the decode timestep and noise scale, the seed's words, and
-    the audio's guidance scale and rescale (0: the video's, as diffusers' ``or`` reads None)."""
+    """One prompt's render settings: the decode timestep and noise scale, the seed's words, the
+    audio's guidance scale and rescale (0: the video's, as diffusers' ``or`` reads None), the
+    modality and STG guidance, the frame rate, the motion speed and the noise scale."""
 
     decode_timestep: float = 0.0
     decode_noise_scale: float = 0.0
@@ -276,6 +285,14 @@ class RowSettings:
     stg_scale: float = 0.0
     audio_stg_scale: float = 0.0
     stg_blocks: tuple[int, ...] = ()
+    frame_rate: float = FRAME_RATE
+    motion_speed: float = 1.0
+    noise_scale: float = 0.0
+
+    @property
+    def rope_fps(self) -> float:
+        """The rate the video's coordinates read (diffusers' ``conditioning_frame_rate``)."""
+        return self.frame_rate / self.motion_speed
 
     @property
     def modality_guidance(self) -> bool:
@@ -298,22 +315,18 @@ def _number(values: Mapping, key: str, default: float) -> float:
 
 
 def check_settings(values: Mapping) -> RowSettings:
-    """One prompt's :class:`RowSettings`; an unknown setting, or a diffusers option this family
-    does not build set to anything but off, is an error naming it."""
-    unknown = sorted(set(values) - {*SETTINGS, *OFF_SETTINGS, "seed"})
+    """One prompt's :class:`RowSettings`; an unknown setting, or one out of range, is an error
+    naming it."""
+    unknown = sorted(set(values) - {*SETTINGS, "seed"})
     if unknown:
         raise FamilyError(f"{unknown}: not settings of LTX-2 (this one takes {list(SETTINGS)})")
-    for name, off in OFF_SETTINGS.items():
-        if name in values and values[name] not in off:
-            raise FamilyError(
-                f"{name}={values[name]!r}: not built for LTX-2 yet (accepted: {list(off)}); "
-                "see jaxcore/families/ltx2.py"
-            )
-    if _number(values, "frame_rate", FRAME_RATE) != FRAME_RATE:
-        raise FamilyError(
-            f"frame_rate={values['frame_rate']}: LTX-2 renders at {FRAME_RATE} fps only for now "
-            "(the audio length is part of the latents' shape)"
-        )
+    frame_rate = _number(values, "frame_rate", FRAME_RATE)
+    motion_speed = _number(values, "motion_speed", 1.0)
+    if not (frame_rate > 0 and motion_speed > 0):  # diffusers: motion_speed must be positive
+        raise FamilyError(f"frame_rate={frame_rate}, motion_speed={motion_speed}: must be > 0")
+    noise_scale = _number(values, "noise_scale", 0.0)
+    if not 0.0 <= noise_scale <= 1.0:
+        raise FamilyError(f"noise_scale={noise_scale}: must be in [0, 1] (a share of noise)")
     timestep = _number(values, "decode_timestep", 0.0)
     scale = _number(values, "decode_noise_scale", timestep)  # diffusers: None -> the timestep
     if timestep < 0 or not 0.0 <= scale <= 1.0:
@@ -357,6 +370,9 @@ def check_settings(values: Mapping) -> RowSettings:
         stg,
         audio_stg,
         blocks,
+        frame_rate,
+        motion_speed,
+        noise_scale,
     )
 
 
@@ -759,7 +775,8 @@ class LTX2Family(Family):
     # --- the denoiser -----------------------------------------------------------------------
     def apply(self, module, params, latents, timestep, conditioning, run_stack=None):
         """Split the loop's latents into video and audio tokens, run the transformer on both
-        (timestep and sigma ``t``, coordinates from the grid at :data:`FRAME_RATE`; again with
+        (timestep and sigma ``t``; the render's coordinates, :data:`VIDEO_COORDS` and
+        :data:`AUDIO_COORDS`, else from the grid at :data:`FRAME_RATE`; again with
         the cross-modal attention off for modality guidance), guide (a render's conditioning:
         :func:`guided_predictions`) and join the two velocities into the loop's layout.
         Image-to-video (:data:`jaxcore.families.ltx2_image.IMAGE_LATENTS` in the
@@ -768,7 +785,7 @@ class LTX2Family(Family):
         ltx2_image`)."""
         if run_stack is not None:
             raise FamilyError("step caching is not built for LTX-2")
-        joint = _layout_of(module.config, latents.shape)
+        joint = _layout_of(module.config, latents.shape, conditioning)
         video, audio = split_latents(latents, joint)
         t = timestep.astype(jnp.float32)
         image = conditioning.get(ltx2_image.IMAGE_LATENTS)
@@ -826,7 +843,7 @@ class LTX2Family(Family):
     def _transformer_passes(config, latent_shape, conditioning_shapes) -> list[tuple]:
         """Per transformer pass of one :meth:`apply`: (video tokens, audio tokens, caption
         tokens, audio caption tokens, cross-modal attention on)."""
-        joint = _layout_of(config, (1, *latent_shape))
+        joint = _layout_of(config, (1, *latent_shape), conditioning_shapes)
         text = conditioning_shapes[TEXT][0]
         audio_text = conditioning_shapes.get(AUDIO_TEXT, (text,))[0]
         tokens = (joint.video_tokens, joint.audio_frames, text, audio_text)
@@ -880,16 +897,24 @@ class LTX2Family(Family):
         return Geometry(spatial, vae.temporal_compression_ratio)
 
     def latent_shape(self, configs, height, width, num_frames):
-        """``[C + K, F', H', W']``: the video's latents and the audio's in K more channels."""
+        """``[C + K, F', H', W']``: the video's latents and the audio's in K more channels (the
+        sound at :data:`FRAME_RATE`)."""
+        return self.render_latent_shape(configs, height, width, num_frames, {})
+
+    def render_latent_shape(self, configs, height, width, num_frames, settings):
+        """:meth:`latent_shape` with the sound as long as ``num_frames`` at the prompt's
+        ``frame_rate``."""
         vae = configs["vae"]
         t, s = vae.temporal_compression_ratio, vae.spatial_compression_ratio
-        return layout(configs, ((num_frames - 1) // t + 1, height // s, width // s)).shape
+        grid = ((num_frames - 1) // t + 1, height // s, width // s)
+        return layout(configs, grid, _frame_rate(settings)).shape
 
-    def latent_inputs(self, configs, shape) -> dict[str, tuple[int, ...]]:
+    def latent_inputs(self, configs, shape, settings=None) -> dict[str, tuple[int, ...]]:
         """A prompt's two initial arrays: the video's ``latents`` ``[C, F', H', W']`` and the
         ``audio_latents`` ``[C_a, L, M']`` (normalised, the audio VAE's [channels, time, mel]
-        layout), both as :func:`joint_latents` joins them."""
-        joint = layout(configs, shape[1:])
+        layout; L from the prompt's ``frame_rate``), both as :func:`joint_latents` joins
+        them."""
+        joint = layout(configs, shape[1:], _frame_rate(settings))
         audio_vae = configs["audio_vae"]
         mel_bins = joint.audio_width // audio_vae.latent_channels
         return {
@@ -897,18 +922,28 @@ class LTX2Family(Family):
             AUDIO_LATENTS: (audio_vae.latent_channels, joint.audio_frames, mel_bins),
         }
 
-    def initial_latents(self, configs, shape, seed, given):
+    def initial_latents(self, configs, shape, seed, given, settings=None):
         """The loop's latents of one prompt: its video and audio arrays where it gives them,
         else drawn from its seed, video first then audio, from one generator
         (:func:`jaxcore.sampling.initial_latent_parts`: the video noise is every other
         family's noise of its shape, the audio noise the same whether or not a video is
-        given), joined by :func:`joint_latents`."""
+        given), joined by :func:`joint_latents`. A given array is noised by the prompt's
+        ``noise_scale`` ``s`` as diffusers' ``_create_noised_state``: ``s n + (1 - s) x``, ``n``
+        the noise the seed draws in its place (diffusers draws it with torch)."""
         from jaxcore.sampling import initial_latent_parts
 
-        shapes = self.latent_inputs(configs, shape)
+        settings = dict(settings or {})
+        noise_scale = check_settings(settings).noise_scale
+        shapes = self.latent_inputs(configs, shape, settings)
         drawn = dict(zip(shapes, initial_latent_parts(seed, list(shapes.values())), strict=True))
-        parts = [np.asarray(given.get(name, drawn[name]), np.float32)[None] for name in shapes]
-        return joint_latents(*parts, layout(configs, shape[1:]))[0]
+        parts = []
+        for name in shapes:
+            part = drawn[name]
+            if name in given:
+                x = np.asarray(given[name], np.float32)
+                part = x if noise_scale == 0 else _noised(x, drawn[name], noise_scale)
+            parts.append(np.asarray(part, np.float32)[None])
+        return joint_latents(*parts, layout(configs, shape[1:], _frame_rate(settings)))[0]
 
     # --- image-to-video (LTX2ImageToVideoPipeline, jaxcore/families/ltx2_image.py) ----------
     def optional_config_classes(self) -> dict[str, type]:
@@ -1080,11 +1115,13 @@ class LTX2Family(Family):
     def encode_prompts(self, pipe, prompts, max_sequence_length):
         return encode_text(pipe.components, prompts, max_sequence_length)
 
-    def size_conditioning(self, configs, height, width, micro):
-        """Per row the decode settings, the seed and the audio's guidance settings (both
-        branches), and which CFG branch a row is in (:data:`CFG_BRANCH`); the diffusers options
-        not built are refused unless off (:func:`check_settings`)."""
-        del height, width
+    def size_conditioning(self, configs, height, width, micro, num_frames=None):
+        """Per row the decode settings, the seed, the audio's guidance settings (both
+        branches), which CFG branch a row is in (:data:`CFG_BRANCH`) and, given the size, the
+        tokens' coordinates (:data:`VIDEO_COORDS` at each row's ``frame_rate /
+        motion_speed``, :data:`AUDIO_COORDS`: a batch shares one audio length, so one frame
+        rate; prompts are grouped by it). Settings out of range are refused by name
+        (:func:`check_settings`)."""
         rows = [check_settings(values) for values in micro]
         transformer = configs["transformer"]
         # image-to-video: the video's per-token timesteps differ from the audio's, so
@@ -1107,6 +1144,9 @@ class LTX2Family(Family):
             AUDIO_GUIDANCE_RESCALE: column("audio_guidance_rescale"),
             CFG_BRANCH: np.zeros((len(rows),), np.float32),
         }
+        if _render_coords(rows, height, width, num_frames):
+            cond[VIDEO_COORDS] = _video_coords(configs, rows, (num_frames, height, width))
+            cond[AUDIO_COORDS] = _audio_coords(configs, rows, num_frames)
         if any(r.modality_guidance for r in rows):  # the extra pass only where it is needed
             cond[MODALITY_SCALE] = column("modality_scale")
             cond[AUDIO_MODALITY_SCALE] = column("audio_modality_scale")
@@ -1122,8 +1162,7 @@ class LTX2Family(Family):
     def decode(self, pipe, latents, conditioning=None):
         """The video part -> frames ``[B, F, H, W, 3]`` in [0, 1] (LTX2Pipeline's decode)."""
         vae, params = pipe.components["vae"]
-        joint = layout(pipe.configs, latents.shape[2:])
-        video, _ = split_latents(jnp.asarray(latents, jnp.float32), joint)
+        video = jnp.asarray(latents, jnp.float32)[:, : vae.config.latent_channels]
         rows = video.shape[0]
         conditioning = conditioning or {}
         timestep = conditioning.get(DECODE_TIMESTEP, np.zeros((rows,), np.float32))
@@ -1144,11 +1183,12 @@ class LTX2Family(Family):
 
     def decode_audio(self, pipe, latents, conditioning=None):
         """The audio part -> (waveform float32 ``[B, channels, samples]``, sample rate):
-        denormalised, unpacked, decoded to a mel spectrogram, vocoded (LTX2Pipeline's chain)."""
-        del conditioning
+        denormalised, unpacked, decoded to a mel spectrogram, vocoded (LTX2Pipeline's chain);
+        its length from the ``conditioning``'s :data:`AUDIO_COORDS` (else at
+        :data:`FRAME_RATE`)."""
         audio_vae, audio_params = pipe.components["audio_vae"]
         vocoder, vocoder_params = pipe.components["vocoder"]
-        joint = layout(pipe.configs, latents.shape[2:])
+        joint = _layout_of(pipe.configs["transformer"], latents.shape, conditioning or {})
         _, tokens = split_latents(jnp.asarray(latents, jnp.float32), joint)
         tokens = ltx2_audio_vae.denormalize_audio_latents(tokens, audio_params)
         mel_bins = audio_vae.config.mel_bins // ltx2_audio_vae.LATENT_DOWNSAMPLE_FACTOR
@@ -1172,15 +1212,14 @@ class LTX2Family(Family):
             MODALITY_SCALE: 3.0,
             AUDIO_MODALITY_SCALE: 3.0,
             "frame_rate": FRAME_RATE,
+            "motion_speed": 1.0,
+            "noise_scale": 0.0,
             "decode_timestep": 0.0,
             "decode_noise_scale": None,
             "use_cross_timestep": True,
             STG_SCALE: 1.0,
             AUDIO_STG_SCALE: 1.0,
             STG_BLOCKS: DEFAULT_STG_BLOCKS,
-            # named (at its off value) so a prompt setting it reaches check_settings, which
-            # refuses it by name
-            "noise_scale": 0.0,
             "max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH,
         }
 
@@ -1276,6 +1315,8 @@ def _transformer(
     f, h, w = joint.grid
     dtype = module.dtype
     mask = conditioning[TEXT_MASK]
+    # a render's coordinates (each row's rate, the render's sound); else from the grid
+    coords = {k: conditioning[k] for k in (VIDEO_COORDS, AUDIO_COORDS) if k in conditioning}
     video_out, audio_out = module.apply(
         {"params": params},
         ltx_transformer.pack_latents(video.astype(dtype)),
@@ -1295,17 +1336,101 @@ def _transformer(
         isolate_modalities=isolate,
         use_cross_timestep=True,
         layer_perturbation=perturb,
+        **coords,
     )
     video_out = ltx_transformer.unpack_latents(video_out, f, h, w)
     return video_out.astype(jnp.float32), audio_out.astype(jnp.float32)
 
 
-def _layout_of(config, shape) -> JointLayout:
-    """The joint layout of the loop's latents from the transformer's config (the audio
-    length: :data:`FRAME_RATE` at the video's frame count, as :func:`layout`)."""
+def _layout_of(config, shape, conditioning: Mapping | None = None) -> JointLayout:
+    """The joint layout of the loop's latents from the transformer's config; the audio length
+    is that of the ``conditioning``'s :data:`AUDIO_COORDS` (arrays ``[B, 1, L, 2]`` or
+    per-example shapes ``(1, L, 2)``), else :data:`FRAME_RATE` at the video's frame count, as
+    :func:`layout`."""
     grid = tuple(int(n) for n in shape[2:])
-    scale_t = int(config.vae_scale_factors[0])
-    num_frames = scale_t * (grid[0] - 1) + 1
-    per_second = config.audio_sampling_rate / config.audio_hop_length / config.audio_scale_factor
-    frames = round(num_frames / FRAME_RATE * per_second)
+    coords = (conditioning or {}).get(AUDIO_COORDS)
+    if coords is not None:  # an array, or its per-example shape (the FLOP counts)
+        frames = int((coords if isinstance(coords, tuple) else np.shape(coords))[-2])
+    else:
+        scale_t = int(config.vae_scale_factors[0])
+        num_frames = scale_t * (grid[0] - 1) + 1
+        frames = ltx2_transformer.audio_num_frames(
+            num_frames,
+            FRAME_RATE,
+            config.audio_sampling_rate,
+            config.audio_hop_length,
+            config.audio_scale_factor,
+        )
     return JointLayout(config.in_channels, grid, frames, config.audio_in_channels)
+
+
+def _frame_rate(settings: Mapping | None) -> float:
+    """A prompt's ``frame_rate`` (:data:`FRAME_RATE` unless its settings give one)."""
+    return _number(settings or {}, "frame_rate", FRAME_RATE)
+
+
+def _noised(x: np.ndarray, noise: np.ndarray, scale: float) -> np.ndarray:
+    """diffusers' ``_create_noised_state``: ``scale * noise + (1 - scale) * x`` (float32)."""
+    scale = np.float32(scale)
+    return scale * noise + (np.float32(1) - scale) * x
+
+
+def _render_coords(rows: Sequence[RowSettings], height, width, num_frames) -> bool:
+    """Whether the conditioning carries the tokens' coordinates: given the render's size (else
+    every row must play at :data:`FRAME_RATE` and speed 1, the transformer's own grid)."""
+    if None not in (height, width, num_frames):
+        return True
+    if any(r.frame_rate != FRAME_RATE or r.motion_speed != 1.0 for r in rows):
+        raise FamilyError(
+            "frame_rate / motion_speed: the sound's length and the video's coordinates follow "
+            "them; pass size=(height, width, num_frames) to Pipeline.conditioning"
+        )
+    return False
+
+
+def _audio_coords(configs, rows: Sequence[RowSettings], num_frames: int) -> np.ndarray:
+    """The audio tokens' coordinates ``[B, 1, L, 2]`` of a render of ``num_frames``
+    (``prepare_audio_coords``); the rows must share one audio length."""
+    rates = sorted({r.frame_rate for r in rows})
+    transformer, audio_vae = configs["transformer"], configs["audio_vae"]
+    lengths = {
+        rate: ltx2_audio_vae.audio_latent_length(audio_vae, num_frames, rate) for rate in rates
+    }
+    if len(set(lengths.values())) > 1:
+        raise FamilyError(
+            f"frame_rate {rates} in one batch: {num_frames} frames then give sounds of "
+            f"{sorted(set(lengths.values()))} latent frames; a batch shares one (group by "
+            "frame_rate)"
+        )
+    return ltx2_transformer.audio_coords(
+        len(rows),
+        lengths[rates[0]],
+        patch_size_t=transformer.audio_patch_size_t,
+        scale_factor=transformer.audio_scale_factor,
+        sampling_rate=transformer.audio_sampling_rate,
+        hop_length=transformer.audio_hop_length,
+        causal_offset=transformer.causal_offset,
+    )
+
+
+def _video_coords(configs, rows: Sequence[RowSettings], size) -> np.ndarray:
+    """The video tokens' coordinates ``[B, 3, F' H' W', 2]`` of a render of ``size`` (frames,
+    height, width), each row's at its ``frame_rate / motion_speed``
+    (:func:`jaxcore.models.ltx2_transformer.video_coords`, diffusers' float32 operations)."""
+    transformer, vae = configs["transformer"], configs["vae"]
+    t, s = vae.temporal_compression_ratio, vae.spatial_compression_ratio
+    num_frames, height, width = size
+    grid = ((num_frames - 1) // t + 1, height // s, width // s)
+    by_rate = {
+        fps: ltx2_transformer.video_coords(
+            1,
+            *grid,
+            fps,
+            patch_size=transformer.patch_size,
+            patch_size_t=transformer.patch_size_t,
+            scale_factors=transformer.vae_scale_factors,
+            causal_offset=transformer.causal_offset,
+        )
+        for fps in {r.rope_fps for r in rows}
+    }
+    return np.concatenate([by_rate[r.rope_fps] for r in rows])

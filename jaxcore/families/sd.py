@@ -664,14 +664,14 @@ class SDFamily(Family):
             for name, v in uncond.items()
         }
 
-    def size_conditioning(self, configs, height, width, micro):
+    def size_conditioning(self, configs, height, width, micro, num_frames=None):
         """SDXL's ``time_ids`` per row, ``original_size + crops_coords_top_left + target_size``
         with diffusers' defaults ``(H, W)``, ``(0, 0)``, ``(H, W)``; the negative branch's from
         the ``negative_*`` values when both ``negative_original_size`` and
         ``negative_target_size`` are set, else the conditional branch's (as the pipeline
         does)."""
         if not is_xl(configs):
-            return super().size_conditioning(configs, height, width, micro)
+            return super().size_conditioning(configs, height, width, micro, num_frames)
         if height is None or width is None:
             raise FamilyError(
                 "SDXL conditions on the render size (time_ids): pass size=(height, width, "

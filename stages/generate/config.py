@@ -175,19 +175,24 @@ class ModelSection:
             )
 
 
+DEFAULT_FPS = 16  # an MP4's rate when neither the config nor the model's frame_rate sets one
+
+
 @dataclasses.dataclass(frozen=True)
 class OutputSection:
     """What each prompt leaves behind, and the run's gallery."""
 
-    fps: int = 16
+    # the MP4s' frames per second; None: the prompt's frame_rate where its model takes one
+    # (LTX-Video, LTX-2: the rate its motion and sound are made for), else DEFAULT_FPS
+    fps: float | None = None
     save_arrays: bool = False  # also write <name>.npy: float32 [F, H, W, 3] in [0, 1]
     writer_threads: int = 4
     contact_sheet_columns: int = 8
     thumbnail_size: int = 160
 
     def __post_init__(self):
-        if self.fps < 1:
-            raise ValueError(f"fps must be >= 1, got {self.fps}")
+        if self.fps is not None and not self.fps > 0:
+            raise ValueError(f"fps must be > 0, got {self.fps}")
         if self.writer_threads < 1:
             raise ValueError(f"writer_threads must be >= 1, got {self.writer_threads}")
         if self.contact_sheet_columns < 1:

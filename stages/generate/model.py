@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +61,20 @@ class ModelSource:
     def inputs(self) -> dict[str, Manifest]:
         return self.checkpoint.inputs if self.checkpoint is not None else {}
 
-    def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:
-        return tuple(self.family.latent_shape(self.configs, height, width, num_frames))
+    def latent_shape(
+        self, height: int, width: int, num_frames: int, settings: Mapping | None = None
+    ) -> tuple[int, ...]:
+        """A render's per-example latent shape (``settings``: the prompt's family settings)."""
+        settings = dict(settings or {})
+        shape = self.family.render_latent_shape(self.configs, height, width, num_frames, settings)
+        return tuple(shape)
 
-    def latent_inputs(self, height: int, width: int, num_frames: int) -> dict[str, tuple]:
+    def latent_inputs(
+        self, height: int, width: int, num_frames: int, settings: Mapping | None = None
+    ) -> dict[str, tuple]:
         """The initial arrays a prompt may give (field -> shape), the family's."""
-        shape = self.latent_shape(height, width, num_frames)
-        return self.family.latent_inputs(self.configs, shape)
+        shape = self.latent_shape(height, width, num_frames, settings)
+        return self.family.latent_inputs(self.configs, shape, settings)
 
     @property
     def image_inputs(self) -> families.ImageInputs:
@@ -87,7 +95,11 @@ class ModelSource:
                 if spec.guidance_rescale:
                     self.family.with_guidance_rescale(self.configs, guidance, spec.guidance_rescale)
                 self.family.size_conditioning(
-                    self.configs, spec.height, spec.width, [dict(spec.micro_conditioning)]
+                    self.configs,
+                    spec.height,
+                    spec.width,
+                    [dict(spec.micro_conditioning)],
+                    spec.num_frames,
                 )
             except families.FamilyError as err:
                 raise StageInputError(f"line {spec.line} (id {spec.id!r}): {err}") from None

@@ -103,7 +103,7 @@ def encode_png(frame_hwc: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def encode_mp4(frames_fhwc: np.ndarray, fps: int, audio: Audio | None = None) -> bytes:
+def encode_mp4(frames_fhwc: np.ndarray, fps: float, audio: Audio | None = None) -> bytes:
     """H.264 MP4 through imageio's ffmpeg (bundled by imageio-ffmpeg), via a temp file; with
     ``audio``, the same video stream muxed with an AAC stream of it."""
     allow_fork_exec_under_jax()  # ffmpeg is a child process
@@ -116,7 +116,7 @@ def encode_mp4(frames_fhwc: np.ndarray, fps: int, audio: Audio | None = None) ->
         return Path(path).read_bytes()
 
 
-def _write_h264(path: str, frames_fhwc: np.ndarray, fps: int) -> None:
+def _write_h264(path: str, frames_fhwc: np.ndarray, fps: float) -> None:
     import imageio.v2 as imageio
 
     writer = imageio.get_writer(
@@ -195,7 +195,7 @@ def write_prompt_outputs(
     record: dict,
     video_fhwc: np.ndarray,
     *,
-    fps: int,
+    fps: float,
     save_arrays: bool,
     thumbnail_size: int,
     audio: Audio | None = None,

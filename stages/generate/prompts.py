@@ -19,8 +19,8 @@ Formats (local path or ``gs://``):
   ``audio_guidance_rescale``, ``modality_scale``, ``audio_modality_scale``,
   ``use_cross_timestep`` (a bool), its spatio-temporal guidance ``stg_scale``,
   ``audio_stg_scale`` and ``spatio_temporal_guidance_blocks`` (a list of block indices), and
-  the options such a family may refuse by name, ``noise_scale``; a model whose family has no
-  default for one refuses it, naming the line), ``audio_latents`` (a ``.npy`` of the initial audio
+  LTX-2's ``noise_scale`` and ``motion_speed``; a model whose family has no default for one
+  refuses it, naming the line; prompts are grouped by :data:`SHAPE_SETTINGS`), ``audio_latents`` (a ``.npy`` of the initial audio
   latents beside ``latents``, for a family whose latents hold sound; paths as for
   ``latents``; the family says which arrays it takes and their shapes, another family
   refuses it naming the line), and ``conditions`` (a list of
@@ -75,13 +75,18 @@ FAMILY_NUMBERS = (
     # spatio-temporal guidance (LTX-2: a pass with the listed blocks' self-attention off)
     "stg_scale",
     "audio_stg_scale",
-    # options a family names (at their off values) only to refuse them by name when set
+    # LTX-2: how far given latents are noised (diffusers' noise_scale), and the motion's
+    # speed (its RoPE reads frame_rate / motion_speed)
     "noise_scale",
+    "motion_speed",
 )
 FAMILY_BOOLS = ("use_cross_timestep",)
 # integer lists: the blocks a family's spatio-temporal guidance perturbs (LTX-2)
 FAMILY_INDEX_LISTS = ("spatio_temporal_guidance_blocks",)
 FAMILY_SETTINGS = (*FAMILY_NUMBERS, *FAMILY_BOOLS, *FAMILY_INDEX_LISTS)
+# Family settings a batch shares, in PromptSpec.group_key: they size a render's latents (LTX-2:
+# its sound lasts num_frames / frame_rate; LTX-Video's prompts are grouped by them too)
+SHAPE_SETTINGS = ("frame_rate",)
 # Frame conditions (LTXConditionPipeline): taken by a model whose defaults name this setting
 CONDITIONS_SETTING = "image_cond_noise_scale"
 FIELDS_FLOAT = (
@@ -222,6 +227,8 @@ class PromptSpec:
             # a batch shares whether it is controlled, and how many control images it has
             None if self.control is None else len(self.control.images),
             self.image_sizes,  # None unless the model takes several reference images
+            # the family settings that size the latents (LTX-2's sound follows frame_rate)
+            tuple((k, v) for k, v in self.micro_conditioning if k in SHAPE_SETTINGS),
         )
 
     def params(self) -> dict:

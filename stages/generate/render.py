@@ -129,10 +129,12 @@ def read_latent_files(spec: PromptSpec, inputs: dict[str, tuple[int, ...]]) -> d
 
 def check_latent_files(specs: Sequence[PromptSpec], latent_inputs: Callable) -> None:
     """Before rendering: every initial-latent file is one the model takes, exists and has the
-    right shape (``latent_inputs(height, width, num_frames)``: field -> shape)."""
+    right shape (``latent_inputs(height, width, num_frames, settings)``: field -> shape)."""
     for spec in specs:
         if spec.latent_files:
-            read_latent_files(spec, latent_inputs(spec.height, spec.width, spec.num_frames))
+            settings = dict(spec.micro_conditioning)
+            size = (spec.height, spec.width, spec.num_frames)
+            read_latent_files(spec, latent_inputs(*size, settings))
 
 
 def available_host_bytes() -> int | None:
@@ -161,7 +163,8 @@ def render_bytes_floor(spec: PromptSpec, latent_shape: Callable) -> tuple[int, i
     """(device, host) bytes one render of ``spec`` cannot do without: the latents with the
     noise and the prediction beside them, and the decoded frames (float32 on the device; on
     the host, with their 8-bit copy). A lower bound: weights and activations come on top."""
-    latents = 4 * math.prod(latent_shape(spec.height, spec.width, spec.num_frames))
+    size = (spec.height, spec.width, spec.num_frames)
+    latents = 4 * math.prod(latent_shape(*size, dict(spec.micro_conditioning)))
     pixels = spec.height * spec.width * spec.num_frames * 3
     return 3 * latents + 4 * pixels, 4 * pixels + pixels
 
@@ -296,8 +299,9 @@ def initial_noise(pipe, spec: PromptSpec, shape: Sequence[int]) -> np.ndarray:
     """The prompt's own initial latents: its .npy files, the rest noise from its seed alone
     (the family joins them: :meth:`Family.initial_latents`)."""
     family, configs = pipe.family, pipe.configs
-    given = read_latent_files(spec, family.latent_inputs(configs, shape))
-    return family.initial_latents(configs, shape, spec.seed, given)
+    settings = dict(spec.micro_conditioning)
+    given = read_latent_files(spec, family.latent_inputs(configs, shape, settings))
+    return family.initial_latents(configs, shape, spec.seed, given, settings)
 
 
 @dataclasses.dataclass
@@ -401,7 +405,10 @@ def _dispatch(
     started = time.perf_counter()
     first = batch.specs[0]
     pipe.apply_loras(first.loras, strict=lora_strict)
-    shape = pipe.latent_shape(first.height, first.width, first.num_frames)
+    # a batch shares its shape (the group key holds what sets it: size, SHAPE_SETTINGS)
+    shape = pipe.latent_shape(
+        first.height, first.width, first.num_frames, dict(first.micro_conditioning)
+    )
     rows = [batch.row_spec(r) for r in batch.local_rows]
     latents = np.stack([initial_noise(pipe, s, shape) for s in rows])
     guidances = _guidances(pipe, rows)

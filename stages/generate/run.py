@@ -15,7 +15,7 @@ from jaxcore.config import to_dict
 from stages.common.errors import StageInputError
 from stages.common.preemption import Preempted, Preemption
 from stages.generate import caching, control_inputs, outputs
-from stages.generate.config import DEFAULT_MAX_SEQUENCE_LENGTH, GenerateConfig
+from stages.generate.config import DEFAULT_FPS, DEFAULT_MAX_SEQUENCE_LENGTH, GenerateConfig
 from stages.generate.prompts import (
     PromptSpec,
     lora_entry,
@@ -26,8 +26,8 @@ from stages.generate.prompts import (
 log = logging.getLogger(__name__)
 
 
-def _run_fingerprint(config: GenerateConfig, scheduler: str) -> str:
-    """What, besides a prompt's own parameters, decides its pixels."""
+def _run_fingerprint(config: GenerateConfig, scheduler: str, model_frame_rate) -> str:
+    """What, besides a prompt's own parameters, decides its pixels (and its MP4's rate)."""
     compute = to_dict(config.compute)
     if compute.get("quantization") == "none":  # earlier runs' fingerprints hold
         del compute["quantization"]
@@ -38,7 +38,7 @@ def _run_fingerprint(config: GenerateConfig, scheduler: str) -> str:
         "compute": compute,
         "scheduler": scheduler,
         "max_sequence_length": config.sampling.max_sequence_length,
-        "fps": config.output.fps,
+        "fps": _fingerprint_fps(config.output.fps, model_frame_rate),
         "save_arrays": config.output.save_arrays,
     }
     if config.sampling.scheduler_config:  # only when set: earlier runs' fingerprints hold
@@ -46,6 +46,25 @@ def _run_fingerprint(config: GenerateConfig, scheduler: str) -> str:
     if config.model.text_encoder_out_layers is not None:  # likewise
         payload["text_encoder_out_layers"] = list(config.model.text_encoder_out_layers)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _fingerprint_fps(fps: float | None, model_frame_rate) -> float | int | str:
+    """The MP4 rate as the run fingerprint holds it: an integral rate as an int (earlier runs'
+    ``fps: 16`` holds), ``"frame_rate"`` where each prompt's frame rate sets it."""
+    if fps is None:
+        return "frame_rate" if model_frame_rate is not None else DEFAULT_FPS
+    return int(fps) if float(fps).is_integer() else float(fps)
+
+
+def playback_fps(fps: float | None, spec: PromptSpec, model_frame_rate) -> float:
+    """A prompt's MP4 rate: ``output.fps`` where set, else its ``frame_rate`` (the line's or
+    the config's, else the model's default) where the model takes one, else
+    :data:`DEFAULT_FPS`."""
+    if fps is not None:
+        return fps
+    if model_frame_rate is None:
+        return DEFAULT_FPS
+    return float(dict(spec.micro_conditioning).get("frame_rate", model_frame_rate))
 
 
 def _fingerprint(
@@ -116,12 +135,13 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     # every LoRA set is read and checked against the model before anything renders
     pipe.check_loras({s.loras for s in specs}, strict=config.model.lora_strict)
     lora_sha = {path: lora.checksum for path, lora in pipe.lora_files.items()}
+    model_frame_rate = source.sampling_defaults().get("frame_rate")  # None: the model has none
     fingerprint = functools.partial(
         _spec_fingerprint,
         config,
         cache,
         scheduler,
-        _run_fingerprint(config, scheduler),
+        _run_fingerprint(config, scheduler, model_frame_rate),
         lora_sha,
         image_sha,
     )
@@ -131,7 +151,9 @@ def run(config: GenerateConfig, *, force: bool = False) -> Manifest:
     finished = outputs.load_records(writer.uri)
     todo = [s for s in specs if finished.get(s.name, {}).get("fingerprint") != fingerprint(s)]
     log.info("generate: %d prompts, %d to render", len(specs), len(todo))
-    write = functools.partial(_write_prompt, config, writer.uri, scheduler, lora_sha, fingerprint)
+    write = functools.partial(
+        _write_prompt, config, writer.uri, scheduler, lora_sha, fingerprint, model_frame_rate
+    )
     started = time.perf_counter()
     _render(config, pipe, specs, todo, finished, write, scheduler, cache, writer.uri)
     elapsed = time.perf_counter() - started
@@ -252,6 +274,7 @@ def _write_prompt(
     scheduler,
     lora_sha,
     fingerprint,
+    model_frame_rate,
     spec: PromptSpec,
     video,
     seconds,
@@ -288,7 +311,7 @@ def _write_prompt(
         uri,
         record,
         video,
-        fps=config.output.fps,
+        fps=playback_fps(config.output.fps, spec, model_frame_rate),
         save_arrays=config.output.save_arrays,
         thumbnail_size=config.output.thumbnail_size,
         audio=extra.get("audio"),

@@ -5,7 +5,8 @@ Both sides start from the same initial video AND audio latents (diffusers takes 
 de-normalised: its ``prepare_latents`` / ``prepare_audio_latents`` normalise what they are
 given) and render through the library's Pipeline API (load_pipeline, conditioning, sample,
 decode, decode_audio); video pixels in [0, 1] and the waveform agree within 1e-4, with and
-without classifier-free guidance.
+without classifier-free guidance, at another ``frame_rate`` and ``motion_speed``, and with
+``noise_scale`` on given latents (diffusers' torch noise replaced by the family's draw).
 """
 
 from __future__ import annotations
@@ -83,10 +84,10 @@ def references(pipelines):
     return get
 
 
-def _initial_latents(pipe, seed: int = 0):
+def _initial_latents(pipe, seed: int = 0, frame_rate: float = ltx2.FRAME_RATE):
     """Normalised video ``[B, C, F', H', W']`` and audio ``[B, C_a, L, M']`` noise."""
-    shape = pipe.latent_shape(HEIGHT, WIDTH, NUM_FRAMES)
-    joint = ltx2.layout(pipe.configs, shape[1:])
+    shape = pipe.latent_shape(HEIGHT, WIDTH, NUM_FRAMES, {"frame_rate": frame_rate})
+    joint = ltx2.layout(pipe.configs, shape[1:], frame_rate)
     rng = np.random.default_rng(seed)
     batch = len(PROMPTS)
     video = rng.standard_normal((batch, joint.channels, *joint.grid), np.float32)
@@ -112,6 +113,7 @@ def _denormalised(theirs, video, audio):
 
 def _reference(theirs, video, audio, guidance, **options):
     video_t, audio_t = _denormalised(theirs, video, audio)
+    options = {"frame_rate": ltx2.FRAME_RATE, **OFF, **options}
     with torch.no_grad():
         out = theirs(
             prompt=PROMPTS,
@@ -119,20 +121,20 @@ def _reference(theirs, video, audio, guidance, **options):
             height=HEIGHT,
             width=WIDTH,
             num_frames=NUM_FRAMES,
-            frame_rate=ltx2.FRAME_RATE,
             num_inference_steps=STEPS,
             latents=video_t,
             audio_latents=audio_t,
             max_sequence_length=MAX_SEQUENCE_LENGTH,
             output_type="np",
             return_dict=False,
-            **{**OFF, **dict(zip(GUIDANCE_KEYS, guidance, strict=True)), **options},
+            **{**dict(zip(GUIDANCE_KEYS, guidance, strict=True)), **options},
         )
     frames, wave = out
     return np.asarray(frames, np.float32), wave.float().numpy()
 
 
-def _ours(pipe, video, audio, joint, guidance, batched_cfg: bool = True, **settings):
+def _ours(pipe, video, audio, joint, guidance, batched_cfg: bool = True, latents=None, **settings):
+    """Our render; ``latents``: the loop's initial latents (else video and audio joined)."""
     scale, rescale, *per_prompt = guidance
     settings = {**dict(zip(GUIDANCE_KEYS[2:], per_prompt, strict=True)), **settings}
     row = pipe.guidance(scale, guidance_rescale=rescale, settings=settings)
@@ -144,7 +146,8 @@ def _ours(pipe, video, audio, joint, guidance, batched_cfg: bool = True, **setti
         size=(HEIGHT, WIDTH, NUM_FRAMES),
         micro_conditioning=[settings] * len(PROMPTS),
     )
-    latents = ltx2.joint_latents(video, audio, joint)
+    if latents is None:
+        latents = ltx2.joint_latents(video, audio, joint)
     result = pipe.sample(
         latents,
         cond,
@@ -259,14 +262,14 @@ def test_joint_latents_round_trip_and_layout(pipelines):
         ("spatio_temporal_guidance_blocks", [1, -1]),
         ("modality_scale", float("nan")),
         ("audio_guidance_scale", -1.0),
-        ("noise_scale", 0.1),
+        ("noise_scale", 1.5),
         ("use_cross_timestep", 1),
-        ("frame_rate", 25.0),
-        ("motion_speed", 0.5),
+        ("frame_rate", 0.0),
+        ("motion_speed", -1.0),
         ("bogus", 1),
     ],
 )
-def test_unbuilt_settings_are_refused_by_name(pipelines, setting, value):
+def test_bad_settings_are_refused_by_name(pipelines, setting, value):
     _, pipe = pipelines
     with pytest.raises(FamilyError, match=setting):
         pipe.family.size_conditioning(pipe.configs, HEIGHT, WIDTH, [{setting: value}])
@@ -416,3 +419,93 @@ def test_an_ltx23_pipeline_renders_as_diffusers(ltx23_pipelines, name, guidance,
     wave_error = np.abs(wave - want_wave).max()
     print(f"ltx23 {name}: pixels {pixel_error:.2e}, waveform {wave_error:.2e}")
     assert pixel_error < PIXEL_TOLERANCE and wave_error < WAVE_TOLERANCE
+
+
+# --- frame rate, motion speed, noise scale ----------------------------------------------------
+
+
+def test_frame_rate_and_motion_speed_equal_diffusers(pipelines, references):
+    """At 16 fps the sound of 9 frames is 14 latent frames (9 at 24): the latents' shape, the
+    audio's coordinates and the waveform's length follow the prompt's frame rate; the video's
+    coordinates read frame_rate / motion_speed (diffusers' conditioning_frame_rate)."""
+    theirs, pipe = pipelines
+    rate, speed = 16.0, 0.5
+    video, audio, joint = _initial_latents(pipe, frame_rate=rate)
+    assert joint.audio_frames == round(NUM_FRAMES / rate * 25) == 14
+    settings = dict(frame_rate=rate, motion_speed=speed)
+    want_frames, want_wave = _reference(theirs, video, audio, GUIDANCE["cfg"], **settings)
+    frames, wave, _ = _ours(pipe, video, audio, joint, GUIDANCE["cfg"], **settings)
+    assert wave.shape == want_wave.shape
+    pixel_error = np.abs(frames - want_frames).max()
+    wave_error = np.abs(wave - want_wave).max()
+    print(
+        f"frame_rate {rate}, motion_speed {speed}: pixels {pixel_error:.2e}, wave {wave_error:.2e}"
+    )
+    assert pixel_error < PIXEL_TOLERANCE and wave_error < WAVE_TOLERANCE
+    # the motion speed alone moves diffusers' frames (the video's coordinates), and the
+    # frame rate the sound's length
+    plain_frames, plain_wave = _reference(theirs, video, audio, GUIDANCE["cfg"], frame_rate=rate)
+    moved = np.abs(want_frames - plain_frames).max()
+    print(f"motion_speed {speed} moves diffusers' frames by {moved:.2e}")
+    assert moved > 10 * PIXEL_TOLERANCE
+    assert plain_wave.shape[-1] > references("cfg")[1].shape[-1]
+
+
+def test_a_batch_shares_one_frame_rate(pipelines):
+    """Rows whose sounds differ in length cannot share a batch: refused, naming the rates."""
+    _, pipe = pipelines
+    rows = [{"frame_rate": 24.0}, {"frame_rate": 16.0}]
+    with pytest.raises(FamilyError, match="frame_rate"):
+        pipe.family.size_conditioning(pipe.configs, HEIGHT, WIDTH, rows, NUM_FRAMES)
+    with pytest.raises(FamilyError, match="num_frames"):  # the length needs the frame count
+        pipe.family.size_conditioning(pipe.configs, HEIGHT, WIDTH, rows[1:])
+
+
+def test_noise_scale_equals_diffusers(pipelines, monkeypatch):
+    """Given latents noised by ``noise_scale`` (diffusers' ``_create_noised_state``, video and
+    audio): diffusers' torch draw is replaced by the noise the family draws from each row's
+    seed, packed as diffusers packs it; the renders then agree."""
+    from jaxcore.sampling import initial_latent_parts
+
+    theirs, pipe = pipelines
+    scale, seeds = 0.3, (11, 12)
+    video, audio, joint = _initial_latents(pipe, seed=4)
+    shape = joint.shape
+    settings = {"noise_scale": scale}
+    ours = np.stack(
+        [
+            pipe.family.initial_latents(
+                pipe.configs,
+                shape,
+                seed,
+                {"latents": video[row], "audio_latents": audio[row]},
+                settings,
+            )
+            for row, seed in enumerate(seeds)
+        ]
+    )
+    draws = [initial_latent_parts(s, [video.shape[1:], audio.shape[1:]]) for s in seeds]
+    noise_video = torch.from_numpy(np.stack([d[0] for d in draws]))
+    noise_audio = torch.from_numpy(np.stack([d[1] for d in draws]))
+    packed = {
+        "video": theirs._pack_latents(noise_video, 1, 1),
+        "audio": theirs._pack_audio_latents(noise_audio),
+    }
+    calls = []
+
+    def noised(latents, noise_scale, generator=None):
+        kind = "video" if latents.shape == packed["video"].shape else "audio"
+        calls.append(kind)
+        return noise_scale * packed[kind] + (1 - noise_scale) * latents
+
+    monkeypatch.setattr(type(theirs), "_create_noised_state", staticmethod(noised))
+    guidance = GUIDANCE["cfg"]
+    want_frames, want_wave = _reference(theirs, video, audio, guidance, noise_scale=scale)
+    assert calls == ["video", "audio"]
+    frames, wave, _ = _ours(pipe, video, audio, joint, guidance, latents=ours, **settings)
+    pixel_error = np.abs(frames - want_frames).max()
+    wave_error = np.abs(wave - want_wave).max()
+    print(f"noise_scale {scale}: pixels {pixel_error:.2e}, waveform {wave_error:.2e}")
+    assert pixel_error < PIXEL_TOLERANCE and wave_error < WAVE_TOLERANCE
+    plain = ltx2.joint_latents(video, audio, joint)
+    assert np.abs(ours - plain).max() > 0.1  # the noise moved the start

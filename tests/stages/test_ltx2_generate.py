@@ -8,13 +8,17 @@ One prompt file, rendered once on the CPU's 8 virtual devices with ``save_arrays
   video first then audio, from one PCG64 generator (spelled out here, not taken from the
   family);
 - ``given``: the line's ``latents`` [C, F', H', W'] and ``audio_latents`` [C_a, L, M'] .npy
-  files, CFG 3 with its own ``audio_guidance_scale`` 6 and the modality guidance off.
+  files noised by its ``noise_scale`` 0.2 with its seed's noise (spelled out here), CFG 3 with
+  its own ``audio_guidance_scale`` 6 and the modality guidance off;
+- ``paced``: a seed at ``frame_rate`` 16 (its sound 14 latent frames long, not 9) and
+  ``motion_speed`` 0.5, in a batch of its own.
 
 Each line's frames (.npy) and waveform (.audio.npy) equal the library's render of the same
 latents and settings (the Pipeline API, as tests/jaxcore/test_ltx2_pipeline.py renders; that
 one is proven against diffusers) within :data:`TOLERANCE`; each MP4 holds one video and one
-audio stream. A line with ``noise_scale`` (not built) fails naming it and the line; ``audio_latents`` on a
-Wan model fails naming the line.
+audio stream and plays at the line's frame rate (the config leaves ``output.fps`` unset). A
+line with ``noise_scale`` 1.5 fails naming it and the line; ``audio_latents`` on a Wan model
+fails naming the line.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from tests.support import tiny_ltx2
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5  # max abs on [0, 1] pixels and on the waveform (in [-1, 1])
 HEIGHT = WIDTH = 32  # LTX2Pipeline: multiples of 32
-NUM_FRAMES = 9  # 3 latent frames; 9 audio latent frames at 24 fps
+NUM_FRAMES = 9  # 3 latent frames; 9 audio latent frames at 24 fps, 14 at 16
 STEPS = 2
 MAX_SEQUENCE_LENGTH = 16  # a multiple of the connectors' 8 registers
 SEEDED = {"id": "seeded", "prompt": "a red fox in the snow", "seed": 5}
@@ -52,8 +56,11 @@ GIVEN = {
     "modality_scale": 1.0,
     "latents": "noise/video.npy",
     "audio_latents": "noise/audio.npy",
+    "noise_scale": 0.2,
     "seed": 7,
 }
+PACED = {"id": "paced", "prompt": "a slow river", "frame_rate": 16, "motion_speed": 0.5, "seed": 3}
+LINES = (SEEDED, GIVEN, PACED)
 # what each line renders with, by the library's names: (guidance scale, rescale, settings);
 # what a line leaves out is LTX2Pipeline.__call__'s default (STG's block 28 is past the tiny
 # model's 2 blocks, so its pass would change nothing and does not run)
@@ -70,8 +77,15 @@ SETTINGS = {
     "given": (
         3.0,
         0.7,
-        {"seed": 7, **DEFAULTS, "audio_guidance_scale": 6.0, "modality_scale": 1.0},
+        {
+            "seed": 7,
+            **DEFAULTS,
+            "audio_guidance_scale": 6.0,
+            "modality_scale": 1.0,
+            "noise_scale": 0.2,
+        },
     ),
+    "paced": (1.0, 0.7, {"seed": 3, **DEFAULTS, "frame_rate": 16, "motion_speed": 0.5}),
 }
 
 
@@ -95,7 +109,6 @@ def _generate(model: Path, prompt_file: Path, out: Path, *extra: str) -> int:
             f"width={WIDTH}",
             f"num_frames={NUM_FRAMES}",
             "guidance_scale=1",
-            "output.fps=24",
             "save_arrays=true",
             "-q",
             *extra,
@@ -119,9 +132,10 @@ def pipe(model_dir):
     return families.load_pipeline(model_dir)
 
 
-def _shapes(pipe) -> tuple[tuple[int, ...], tuple[int, ...], ltx2.JointLayout]:
+def _shapes(pipe, frame_rate=24.0) -> tuple[tuple[int, ...], tuple[int, ...], ltx2.JointLayout]:
     """(video [C, F', H', W'], audio [C_a, L, M'], the joint layout) of the test's size."""
-    joint = ltx2.layout(pipe.configs, pipe.latent_shape(HEIGHT, WIDTH, NUM_FRAMES)[1:])
+    shape = pipe.latent_shape(HEIGHT, WIDTH, NUM_FRAMES, {"frame_rate": frame_rate})
+    joint = ltx2.layout(pipe.configs, shape[1:], frame_rate)
     channels = pipe.configs["audio_vae"].latent_channels
     audio = (channels, joint.audio_frames, joint.audio_width // channels)
     return (joint.channels, *joint.grid), audio, joint
@@ -140,15 +154,30 @@ def rendered(model_dir, pipe, tmp_path_factory):
     (folder / "noise").mkdir()
     np.save(folder / "noise/video.npy", given[0])
     np.save(folder / "noise/audio.npy", given[1])
-    generator = np.random.Generator(np.random.PCG64(SEEDED["seed"]))
-    seeded = (
-        generator.standard_normal(video_shape, np.float32),
-        generator.standard_normal(audio_shape, np.float32),
+
+    def drawn(seed, audio=audio_shape):  # a seed's noise: video, then audio, one generator
+        generator = np.random.Generator(np.random.PCG64(seed))
+        return (
+            generator.standard_normal(video_shape, np.float32),
+            generator.standard_normal(audio, np.float32),
+        )
+
+    scale = np.float32(GIVEN["noise_scale"])  # diffusers' _create_noised_state
+    noised = tuple(
+        scale * n + (np.float32(1) - scale) * x
+        for n, x in zip(drawn(GIVEN["seed"]), given, strict=True)
     )
-    prompts = _write_prompts(folder, [SEEDED, GIVEN])
+    paced_audio = _shapes(pipe, PACED["frame_rate"])[1]
+    assert paced_audio[1] == 14 != audio_shape[1]
+    prompts = _write_prompts(folder, list(LINES))
     out = folder / "run"
     assert _generate(model_dir, prompts, out) == 0
-    return out, {"seeded": seeded, "given": given}
+    latents = {
+        "seeded": drawn(SEEDED["seed"]),
+        "given": noised,
+        "paced": drawn(PACED["seed"], paced_audio),
+    }
+    return out, latents, given
 
 
 def _library_render(pipe, line: dict, video, audio):
@@ -164,7 +193,8 @@ def _library_render(pipe, line: dict, video, audio):
         size=(HEIGHT, WIDTH, NUM_FRAMES),
         micro_conditioning=[settings],
     )
-    latents = ltx2.joint_latents(video[None], audio[None], _shapes(pipe)[2])
+    joint = _shapes(pipe, settings.get("frame_rate", 24.0))[2]
+    latents = ltx2.joint_latents(video[None], audio[None], joint)
     result = pipe.sample(
         latents,
         cond,
@@ -187,9 +217,9 @@ def _streams(path: Path) -> list[str]:
     return [line.strip() for line in probe.splitlines() if re.search(r"Stream #0:\d", line)]
 
 
-@pytest.mark.parametrize("line", [SEEDED, GIVEN], ids=lambda line: line["id"])
+@pytest.mark.parametrize("line", LINES, ids=lambda line: line["id"])
 def test_each_line_renders_what_the_library_renders(pipe, rendered, line):
-    out, latents = rendered
+    out, latents, _ = rendered
     record = json.loads((out / f"records/{line['id']}.json").read_text())
     frames = np.load(out / record["array"])
     wave = np.load(out / record["audio"]["array"])
@@ -207,6 +237,10 @@ def test_each_line_renders_what_the_library_renders(pipe, rendered, line):
     streams = _streams(out / record["output"])
     assert len(streams) == 2, streams
     assert sum("Video:" in s for s in streams) == 1 and sum("Audio:" in s for s in streams) == 1
+    fps = line.get("frame_rate", 24)  # the MP4 plays at the line's rate: its sound's
+    assert any(re.search(rf"\b{fps} fps\b", s) for s in streams), streams
+    seconds = record["audio"]["seconds"]
+    assert abs(seconds - NUM_FRAMES / fps) < 0.05, seconds
     # the line's files and settings are what the record (and so the fingerprint) holds
     params = record["params"]
     assert (
@@ -223,23 +257,24 @@ def test_each_line_renders_what_the_library_renders(pipe, rendered, line):
 def test_the_audio_latents_decide_the_sound(pipe, rendered):
     """The ``given`` line's waveform is its audio file's: the seed's audio noise in its place
     renders another sound (so the equality above could fail)."""
-    out, latents = rendered
+    out, latents, files = rendered
     video, _ = latents["given"]
     seed_audio = np.random.Generator(np.random.PCG64(GIVEN["seed"]))
     seed_audio.standard_normal(video.shape, np.float32)
     audio = seed_audio.standard_normal(latents["given"][1].shape, np.float32)
     _, other = _library_render(pipe, GIVEN, video, audio)
+    assert np.abs(latents["given"][0] - files[0]).max() > 0.1  # noise_scale moved the start
     wave = np.load(out / "outputs/given.audio.npy")
     changed = np.abs(wave - other).max()
     print(f"the seed's audio noise changes the waveform by {changed:.2e}")
     assert changed > 100 * TOLERANCE
 
 
-def test_an_unbuilt_setting_is_refused_naming_it(model_dir, tmp_path, capsys):
-    prompts = _write_prompts(tmp_path, [SEEDED, {"prompt": "x", "noise_scale": 0.1}])
+def test_a_setting_out_of_range_is_refused_naming_it(model_dir, tmp_path, capsys):
+    prompts = _write_prompts(tmp_path, [SEEDED, {"prompt": "x", "noise_scale": 1.5}])
     assert _generate(model_dir, prompts, tmp_path / "out") == 2
     err = capsys.readouterr().err
-    assert "line 2" in err and "noise_scale=0.1" in err, err
+    assert "line 2" in err and "noise_scale=1.5" in err, err
     assert not (tmp_path / "out/outputs").exists()
 
 
