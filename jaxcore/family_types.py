@@ -134,3 +134,12 @@ class ImageInputs:
             raise ValueError(f"{where}: this model takes no 'last_image'")
         if has_last_image and not has_image:
             raise ValueError(f"{where}: a 'last_image' needs an 'image'")
+
+    def check_rows(self, images) -> None:
+        """:meth:`check` of each row's ``(image, last_image)`` (None where absent), a misfit
+        raised as :class:`FamilyError` naming the row."""
+        for row, (image, last) in enumerate(images):
+            try:
+                self.check(image is not None, last is not None, f"row {row}")
+            except ValueError as err:
+                raise FamilyError(str(err)) from None

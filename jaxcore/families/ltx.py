@@ -1231,11 +1231,7 @@ class LTXFamily(Family):
                 )
             return self.encode_conditions(pipe, [[] for _ in images], height, width, num_frames)
         inputs = self.image_inputs(pipe.configs)
-        for row, (image, last) in enumerate(images):
-            try:
-                inputs.check(image is not None, last is not None, f"row {row}")
-            except ValueError as err:
-                raise FamilyError(str(err)) from None
+        inputs.check_rows(images)
         if inputs.image == "none":
             return {}
         if not height:

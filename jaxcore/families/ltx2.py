@@ -567,6 +567,29 @@ def _fit_problems(configs: Mapping) -> list[str]:
     return problems
 
 
+def _text_components(directory: Path, compute) -> dict:
+    """Gemma-3 (replicated), its tokenizer and the connectors of a pipeline folder: what
+    :func:`encode_text` takes (generate and convert)."""
+    from jaxcore.text import load_tokenizer
+
+    return {
+        "text_encoder": _loaded(
+            gemma3.load_gemma3,
+            directory / "text_encoder",
+            (gemma3.Gemma3ConfigError,),
+            dtype=compute.dtype,
+            param_dtype=compute.param_dtype,
+        ),
+        "connectors": _loaded(
+            ltx2_connectors.load_ltx2_connectors,
+            directory / "connectors",
+            (ltx2_connectors.LTX2ConnectorsConfigError,),
+            dtype=compute.dtype,
+        ),
+        "tokenizer": load_tokenizer(directory / "tokenizer"),
+    }
+
+
 def _loaded(load, directory: Path, errors: tuple, **kwargs):
     try:
         return load(directory, **kwargs)
@@ -635,8 +658,6 @@ class LTX2Encoders(Encoders):
     """
 
     def __init__(self, directory: Path, compute, max_sequence_length: int, batch_size: int):
-        from jaxcore.text import load_tokenizer
-
         self.batch_size = batch_size
         self.max_sequence_length = max_sequence_length
         dtype = compute.dtype
@@ -654,22 +675,7 @@ class LTX2Encoders(Encoders):
             dtype=dtype,
             encoder_only=True,
         )
-        self.text = {
-            "text_encoder": _loaded(
-                gemma3.load_gemma3,
-                directory / "text_encoder",
-                (gemma3.Gemma3ConfigError,),
-                dtype=dtype,
-                param_dtype=compute.param_dtype,
-            ),
-            "connectors": _loaded(
-                ltx2_connectors.load_ltx2_connectors,
-                directory / "connectors",
-                (ltx2_connectors.LTX2ConnectorsConfigError,),
-                dtype=dtype,
-            ),
-            "tokenizer": load_tokenizer(directory / "tokenizer"),
-        }
+        self.text = _text_components(directory, compute)
         self.configs = {"vae": self.vae.config, "audio_vae": self.audio_vae.config}
         self.mel = ltx2_mel.MelSettings.of_audio_vae(self.audio_vae.config)
 
@@ -975,11 +981,7 @@ class LTX2Family(Family):
         option ``image_crf``) as :data:`jaxcore.families.ltx2_image.IMAGE_LATENTS`."""
         del num_frames
         inputs = self.image_inputs(pipe.configs)
-        for row, (image, last) in enumerate(images):
-            try:
-                inputs.check(image is not None, last is not None, f"row {row}")
-            except ValueError as err:
-                raise FamilyError(str(err)) from None
+        inputs.check_rows(images)
         if inputs.image == "none":
             return {}
         if not height:
@@ -1066,8 +1068,6 @@ class LTX2Family(Family):
         """The video VAE, the audio VAE and the vocoder (on the mesh: they decode the loop's
         latents), Gemma-3, its tokenizer and the connectors (replicated), and the joint
         layout's inputs in ``configs``."""
-        from jaxcore.text import load_tokenizer
-
         directory = Path(directory)
         dtype = compute.dtype
         components = {
@@ -1095,20 +1095,7 @@ class LTX2Family(Family):
                 mesh=mesh,
                 rules=rules,
             ),
-            "text_encoder": _loaded(
-                gemma3.load_gemma3,
-                directory / "text_encoder",
-                (gemma3.Gemma3ConfigError,),
-                dtype=dtype,
-                param_dtype=compute.param_dtype,
-            ),
-            "connectors": _loaded(
-                ltx2_connectors.load_ltx2_connectors,
-                directory / "connectors",
-                (ltx2_connectors.LTX2ConnectorsConfigError,),
-                dtype=dtype,
-            ),
-            "tokenizer": load_tokenizer(directory / "tokenizer"),
+            **_text_components(directory, compute),
         }
         return {"components": components}
 
