@@ -516,11 +516,11 @@ class Pipeline:
         images = list(images) if images is not None else [(None, None)] * len(prompts)
         if len(images) != len(prompts):
             raise ValueError("images must have one (image, last_image) pair per prompt")
-        encoded_images = self.family.encode_images(self, images, *(size or (0, 0, 0)))
         height, width = size[:2] if size is not None else (None, None)
         micro = list(micro_conditioning) if micro_conditioning is not None else [{}] * len(prompts)
         if len(micro) != len(prompts):
             raise ValueError("micro_conditioning must have one mapping per prompt")
+        encoded_images = self.family.encode_images(self, images, *(size or (0, 0, 0)), micro)
         frames = size[2] if size is not None else None
         sized, sized_negative = self.family.size_conditioning(
             self.configs, height, width, micro, frames

@@ -695,11 +695,19 @@ class Family(abc.ABC):
         raise FamilyError(f"the {self.name} family takes no render size from an image")
 
     def encode_images(
-        self, pipe, images: Sequence, height: int, width: int, num_frames: int
+        self,
+        pipe,
+        images: Sequence,
+        height: int,
+        width: int,
+        num_frames: int,
+        settings: Sequence[Mapping] | None = None,
     ) -> dict[str, np.ndarray]:
         """Per row ``(image, last_image)`` (PIL images or None) -> conditioning tensors
-        ``{name: [B, ...]}`` that join both the conditional and the negative branch."""
-        del pipe, height, width, num_frames
+        ``{name: [B, ...]}`` that join both the conditional and the negative branch;
+        ``settings``: per row the prompt's family settings (LTX-2's ``image_crf``), None when
+        the caller has none."""
+        del pipe, height, width, num_frames, settings
         if any(image is not None or last is not None for image, last in images):
             raise FamilyError(f"the {self.name} family takes no conditioning image")
         return {}

@@ -677,11 +677,12 @@ class Flux2Family(Family):
         width, height = reference_size(width, height, self.geometry(configs).spatial_multiple)
         return height, width
 
-    def encode_images(self, pipe, images, height, width, num_frames):
+    def encode_images(self, pipe, images, height, width, num_frames, settings=None):
         """Per row ``(references, None)``, references one PIL image or a list of 1-4 ->
         ``reference_<i> [B, 4c, h_i, w_i]`` (VAE posterior mode, patchified, normalised;
         ``kv_reference_<i>`` for the KV render); rows without references give nothing, and a
         batch cannot mix the two."""
+        del settings
         del height, width, num_frames  # the references keep their own (cropped) sizes
         rows = _reference_rows(images)
         if not any(rows):

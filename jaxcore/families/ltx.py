@@ -1220,10 +1220,11 @@ class LTXFamily(Family):
             )
         return {name: np.stack([row[name] for row in rows]) for name in rows[0]}
 
-    def encode_images(self, pipe, images, height, width, num_frames):
+    def encode_images(self, pipe, images, height, width, num_frames, settings=None):
         """Image-to-video: per row the image's latent frame ``[C, 1, H', W']``, the posterior
         mean normalised without ``scaling_factor`` (as diffusers' pipeline does).
         LTXConditionPipeline: rows without conditions (:meth:`encode_conditions`)."""
+        del settings
         if _options(pipe.configs).frame_conditions:
             if any(image is not None or last is not None for image, last in images):
                 raise FamilyError(

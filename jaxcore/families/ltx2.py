@@ -170,6 +170,7 @@ SETTINGS = (
     "frame_rate",
     "motion_speed",
     "noise_scale",
+    "image_crf",  # image-to-video: the image's H.264 re-compression (None: the pipeline's)
     "decode_timestep",
     "decode_noise_scale",
     AUDIO_GUIDANCE_SCALE,
@@ -288,6 +289,7 @@ class RowSettings:
     frame_rate: float = FRAME_RATE
     motion_speed: float = 1.0
     noise_scale: float = 0.0
+    image_crf: int | None = None
 
     @property
     def rope_fps(self) -> float:
@@ -327,6 +329,11 @@ def check_settings(values: Mapping) -> RowSettings:
     noise_scale = _number(values, "noise_scale", 0.0)
     if not 0.0 <= noise_scale <= 1.0:
         raise FamilyError(f"noise_scale={noise_scale}: must be in [0, 1] (a share of noise)")
+    crf = values.get("image_crf")
+    if crf is not None and (
+        isinstance(crf, bool) or not float(crf).is_integer() or not 0 <= crf <= ltx2_image.MAX_CRF
+    ):
+        raise FamilyError(f"image_crf={crf!r}: expected an integer in [0, {ltx2_image.MAX_CRF}]")
     timestep = _number(values, "decode_timestep", 0.0)
     scale = _number(values, "decode_noise_scale", timestep)  # diffusers: None -> the timestep
     if timestep < 0 or not 0.0 <= scale <= 1.0:
@@ -373,6 +380,7 @@ def check_settings(values: Mapping) -> RowSettings:
         frame_rate,
         motion_speed,
         noise_scale,
+        None if crf is None else int(crf),
     )
 
 
@@ -975,10 +983,11 @@ class LTX2Family(Family):
         one none."""
         return ImageInputs("required" if ltx2_image.options(configs).image_to_video else "none")
 
-    def encode_images(self, pipe, images, height, width, num_frames):
+    def encode_images(self, pipe, images, height, width, num_frames, settings=None):
         """Image-to-video: per row the image's latent frame ``[C, 1, H', W']``
-        (:func:`jaxcore.families.ltx2_image.image_latents`, re-compressed at the pipeline
-        option ``image_crf``) as :data:`jaxcore.families.ltx2_image.IMAGE_LATENTS`."""
+        (:func:`jaxcore.families.ltx2_image.image_latents`, re-compressed at the row's
+        ``image_crf`` setting, else the pipeline option's) as
+        :data:`jaxcore.families.ltx2_image.IMAGE_LATENTS`."""
         del num_frames
         inputs = self.image_inputs(pipe.configs)
         inputs.check_rows(images)
@@ -987,9 +996,11 @@ class LTX2Family(Family):
         if not height:
             raise FamilyError("LTX-2 image conditioning needs the render size")
         vae, params = pipe.components["vae"]
-        crf = ltx2_image.options(pipe.configs).crf
+        default = ltx2_image.options(pipe.configs).crf
+        crfs = [check_settings(values).image_crf for values in settings or [{}] * len(images)]
+        crfs = [default if crf is None else crf for crf in crfs]
         rows = [image for image, _ in images]
-        latents = ltx2_image.image_latents(vae, params, rows, height, width, crf)
+        latents = ltx2_image.image_latents(vae, params, rows, height, width, crfs)
         return {ltx2_image.IMAGE_LATENTS: latents}
 
     def start_latents(self, latents, conditioning):
@@ -1186,8 +1197,11 @@ class LTX2Family(Family):
 
     def sampling_defaults(self, configs) -> dict:
         # LTX2Pipeline.__call__'s defaults (num_frames: its fallback without a duration head),
-        # its guidance too (STG at scale 1 on block 28)
+        # its guidance too (STG at scale 1 on block 28); image-to-video's image_crf
+        image = ltx2_image.options(configs)
+        crf = {"image_crf": image.crf} if image.image_to_video else {}
         return {
+            **crf,
             "height": 512,
             "width": 768,
             "num_frames": 121,

@@ -56,9 +56,9 @@ SWSCALE_THREADS = 1
 class LTX2PipelineOptions:
     """What ``model_index.json`` says beyond the components (the pipeline class), and the
     image-to-video re-compression's CRF (``None``: :data:`DEFAULT_IMAGE_CRF`; 0: none).
-    ``image_crf`` is a ``__call__`` argument in diffusers; here a pipeline option (a model
-    YAML's ``pipeline`` section, or ``pipe.configs["pipeline"]``) because the image is encoded
-    before the per-prompt settings reach the family."""
+    ``image_crf`` is a ``__call__`` argument in diffusers: here the pipeline option (a model
+    YAML's ``pipeline`` section, or ``pipe.configs["pipeline"]``) is the default of a prompt
+    line's ``image_crf``."""
 
     pipeline_class: str = T2V_PIPELINE
     image_crf: int | None = None
@@ -151,14 +151,18 @@ def pixels(image, height: int, width: int, crf: int) -> np.ndarray:
     return np.transpose(array * 2.0 - 1.0, (2, 0, 1))
 
 
-def image_latents(vae, params, images: Sequence, height: int, width: int, crf: int) -> np.ndarray:
+def image_latents(
+    vae, params, images: Sequence, height: int, width: int, crf: int | Sequence[int]
+) -> np.ndarray:
     """PIL images -> their latent frames ``[B, C, 1, H', W']`` float32 (each encoded alone:
-    the VAE is compiled for one image)."""
+    the VAE is compiled for one image), each re-compressed at ``crf`` (one for all, or one per
+    image)."""
     from jaxcore.models import ltx2_vae
 
+    crfs = [crf] * len(images) if isinstance(crf, int) else list(crf)
     rows = []
-    for image in images:
-        batch = pixels(image, height, width, crf)[None]
+    for image, image_crf in zip(images, crfs, strict=True):
+        batch = pixels(image, height, width, image_crf)[None]
         latents = ltx2_vae.encode_condition_latents(vae, params, batch.astype(vae.dtype))
         rows.append(np.asarray(latents, np.float32)[0])
     return np.stack(rows)

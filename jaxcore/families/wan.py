@@ -733,7 +733,8 @@ class WanFamily(Family):
         # Wan 2.1: two CLIP embeddings fit only a transformer with FLF2V position embeddings
         return ImageInputs("required", last_image=transformer.pos_embed_seq_len is not None)
 
-    def encode_images(self, pipe, images, height, width, num_frames):
+    def encode_images(self, pipe, images, height, width, num_frames, settings=None):
+        del settings
         inputs = self.image_inputs(pipe.configs)
         inputs.check_rows(images)
         if inputs.image == "none":

@@ -19,7 +19,7 @@ Formats (local path or ``gs://``):
   ``audio_guidance_rescale``, ``modality_scale``, ``audio_modality_scale``,
   ``use_cross_timestep`` (a bool), its spatio-temporal guidance ``stg_scale``,
   ``audio_stg_scale`` and ``spatio_temporal_guidance_blocks`` (a list of block indices), and
-  LTX-2's ``noise_scale`` and ``motion_speed``; a model whose family has no default for one
+  LTX-2's ``noise_scale``, ``motion_speed`` and ``image_crf``; a model whose family has no default for one
   refuses it, naming the line; prompts are grouped by :data:`SHAPE_SETTINGS`), ``audio_latents`` (a ``.npy`` of the initial audio
   latents beside ``latents``, for a family whose latents hold sound; paths as for
   ``latents``; the family says which arrays it takes and their shapes, another family
@@ -79,6 +79,8 @@ FAMILY_NUMBERS = (
     # speed (its RoPE reads frame_rate / motion_speed)
     "noise_scale",
     "motion_speed",
+    # LTX-2 image-to-video: the H.264 CRF its conditioning image is re-compressed at
+    "image_crf",
 )
 FAMILY_BOOLS = ("use_cross_timestep",)
 # integer lists: the blocks a family's spatio-temporal guidance perturbs (LTX-2)

@@ -7,8 +7,8 @@ image), so both sides start from the noise of one torch generator: diffusers dra
 prompts' ``latents`` (their first frame replaced by the image's). The audio latents are given
 to both. Video pixels in [0, 1] and the waveform agree within 1e-4, without and with CFG, with
 diffusers' default guidance (STG at block 28 perturbs nothing on 2 blocks) and with STG on a
-block the model has, without re-compression (``image_crf=0``) and at the default CRF 33 (PyAV's
-libx264 frame is bit-equal to diffusers').
+block the model has, without re-compression (``image_crf=0``), at the default CRF 33 (PyAV's
+libx264 frame is bit-equal to diffusers') and at a prompt's own ``image_crf``.
 """
 
 from __future__ import annotations
@@ -121,6 +121,7 @@ def _settings(pipe, guidance: dict) -> tuple[float, float, dict]:
     """(guidance_scale, guidance_rescale, per-prompt settings): the family's defaults (diffusers'
     __call__ defaults) under the test's values."""
     defaults = pipe.family.sampling_defaults(pipe.configs)
+    del defaults["image_crf"]  # the pipeline option's, unless a test's line sets one
     values = {**defaults, **guidance}
     settings = {k: values[k] for k in ltx2.SETTINGS if values.get(k) is not None}
     return values["guidance_scale"], values["guidance_rescale"], settings
@@ -181,6 +182,39 @@ def test_render_equals_diffusers_without_recompression(pipelines, name):
     vae, params = pipe.components["vae"]
     first = ltx2_image.image_latents(vae, params, images, HEIGHT, WIDTH, crf=0)
     np.testing.assert_array_equal(latents[:, : joint.channels, :1], first)
+
+
+def test_a_lines_image_crf_renders_as_diffusers(pipelines):
+    """A prompt's ``image_crf`` (18) over the pipeline option (0): diffusers' ``image_crf=18``."""
+    theirs, pipe = pipelines
+    images = _images(1)
+    video, audio, joint = _noise(pipe, seed=2)
+    guidance = _guidance_kwargs("cfg")
+    want = _reference(theirs, images, audio, 2, guidance, image_crf=18)
+    line = {**guidance, "image_crf": 18}
+    frames, wave, _ = _ours(pipe, images, video, audio, joint, line, crf=0)
+    pixel_error, wave_error = _errors((frames, wave), want)
+    print(f"a line's CRF 18: pixels {pixel_error:.2e}, waveform {wave_error:.2e}")
+    assert pixel_error < PIXEL_TOLERANCE and wave_error < WAVE_TOLERANCE
+
+
+def test_rows_of_a_batch_take_their_own_crf(pipelines, monkeypatch):
+    """Each row's image at its own ``image_crf`` (else the pipeline option's): the latent
+    frames of one call equal those encoded a CRF at a time; a CRF out of range is refused."""
+    _, pipe = pipelines
+    option = dataclasses.replace(pipe.configs["pipeline"], image_crf=51)
+    monkeypatch.setitem(pipe.configs, "pipeline", option)
+    images = [(_images(1)[0], None)] * 3  # one image: the rows differ by their CRF alone
+    rows = [{"image_crf": 18}, {"image_crf": 0}, {}]
+    got = pipe.family.encode_images(pipe, images, HEIGHT, WIDTH, NUM_FRAMES, rows)
+    got = got[ltx2_image.IMAGE_LATENTS]
+    vae, params = pipe.components["vae"]
+    for row, crf in enumerate((18, 0, 51)):
+        one = ltx2_image.image_latents(vae, params, [images[row][0]], HEIGHT, WIDTH, crf)
+        np.testing.assert_array_equal(got[row], one[0])
+    assert np.abs(got[0] - got[1]).max() > 0  # not trivially equal: the CRF matters
+    with pytest.raises(FamilyError, match="image_crf"):
+        pipe.family.encode_images(pipe, images[:1], HEIGHT, WIDTH, NUM_FRAMES, [{"image_crf": 52}])
 
 
 def test_default_crf_render_equals_diffusers(pipelines):

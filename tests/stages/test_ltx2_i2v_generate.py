@@ -1,13 +1,13 @@
 """``difforge generate`` with an LTX-2 image-to-video pipeline (tests/support/tiny_ltx2_i2v.py).
 
 One prompt file, rendered once with ``save_arrays``; each line has an ``image`` (a PNG of
-another size than the render's), which the family re-compresses at the default CRF 33 (PyAV),
-resizes, encodes and holds as the first latent frame:
+another size than the render's), which the family re-compresses (PyAV; at the default CRF 33
+unless the line sets ``image_crf``), resizes, encodes and holds as the first latent frame:
 
 - ``seeded``: a seed alone, the video unguided (the config's ``guidance_scale=1``), the rest
   LTX2Pipeline's defaults (the audio's CFG at 7, so CFG runs);
 - ``given``: the line's ``latents`` (the noise of the frames after the first) and
-  ``audio_latents`` .npy files, CFG 3.
+  ``audio_latents`` .npy files, CFG 3, ``image_crf`` 18.
 
 Each line's frames (.npy) and waveform (.audio.npy) equal the library's render of the same
 image, latents and settings (the Pipeline API, as tests/jaxcore/test_ltx2_i2v.py renders it,
@@ -48,6 +48,7 @@ GIVEN = {
     "guidance_scale": 3.0,
     "latents": "noise/video.npy",
     "audio_latents": "noise/audio.npy",
+    "image_crf": 18,
     "seed": 7,
 }
 DEFAULTS = {  # LTX2ImageToVideoPipeline.__call__'s (STG's block 28: past the tiny model's 2)
@@ -58,7 +59,7 @@ DEFAULTS = {  # LTX2ImageToVideoPipeline.__call__'s (STG's block 28: past the ti
 }
 SETTINGS = {  # per line: (guidance scale, rescale, settings), by the library's names
     "seeded": (1.0, 0.7, {"seed": 5, **DEFAULTS}),
-    "given": (3.0, 0.7, {"seed": 7, **DEFAULTS}),
+    "given": (3.0, 0.7, {"seed": 7, **DEFAULTS, "image_crf": 18}),
 }
 
 
