@@ -5,8 +5,9 @@ family (:class:`jaxcore.families.ltx2.LTX2Family`) renders either pipeline from 
 components; ``model_index.json``'s ``_class_name`` says which (:class:`LTX2PipelineOptions`,
 the configs' ``pipeline`` entry). What image-to-video changes:
 
-- the conditioning image is re-compressed as one H.264 frame (libx264, ``crf`` =
-  :attr:`LTX2PipelineOptions.image_crf`, default :data:`DEFAULT_IMAGE_CRF` = 33, the LTX-2.0 to
+- the conditioning image is re-compressed as one H.264 frame (libx264, ``crf`` = the prompt's
+  ``image_crf``, else :attr:`LTX2PipelineOptions.image_crf`, default
+  :data:`DEFAULT_IMAGE_CRF` = 33, the LTX-2.0 to
   2.3 models' training compression; 0 skips it) through PyAV (:func:`recompressed`), resized
   to the render size (PIL bilinear: the pipeline's ``VideoProcessor(resample="bilinear")``),
   VAE-encoded as a one-frame clip (the posterior's mode) and normalised *without*
