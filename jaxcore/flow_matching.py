@@ -18,7 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-TIMESTEP_METHODS = ("uniform", "logit_normal", "shifted", "shifted_logit_normal")
+TIMESTEP_METHODS = (
+    "uniform",
+    "logit_normal",
+    "shifted",
+    "shifted_logit_normal",
+    "stretched_logit_normal",
+)
+# ltx-trainer's LTX-2 sampler (ShiftedLogitNormalTimestepSampler): the shifted logit-normal
+# stretched to [0, 1] between its 0.5th and 99.9th percentiles (the standard normal's, x std),
+# values below STRETCH_EPS reflected about it, and a share of draws uniform on [eps, 1)
+STRETCH_PERCENTILES = (-2.5758, 3.0902)
+STRETCH_EPS = 1e-3
+STRETCH_UNIFORM_SHARE = 0.1
 # LTX-Video-Trainer's shifted_logit_normal: the logit mean linear in the latent token count,
 # through these (tokens, mean) points (its _get_shift_for_sequence_length), not clipped
 SHIFT_TOKENS, SHIFT_MEANS = (1024, 4096), (0.95, 2.05)
@@ -72,6 +84,8 @@ def sample_timesteps(
         MaxDiffusion default, ``shift = 3``).
       ``"shifted_logit_normal"``: ``"logit_normal"`` with the mean given by the caller from
         the token count (:func:`shifted_logit_mean`; LTX-Video-Trainer's default).
+      ``"stretched_logit_normal"``: ltx-trainer's LTX-2 default, :func:`stretched_logit_normal`
+        of ``"shifted_logit_normal"``'s draw (no ``t_range``).
     """
     if method not in TIMESTEP_METHODS:
         raise ValueError(f"unknown timestep method {method!r}; expected one of {TIMESTEP_METHODS}")
@@ -82,6 +96,15 @@ def sample_timesteps(
     lo, hi = (float(v) for v in t_range)
     if not 0.0 <= lo < hi <= 1.0:
         raise ValueError(f"t_range must satisfy 0 <= lo < hi <= 1, got {t_range}")
+    if method == "stretched_logit_normal":
+        if (lo, hi) != (0.0, 1.0):
+            raise ValueError(f"{method} takes no t_range (got {t_range})")
+        keys = jax.random.split(rng, 3)
+        normal = jax.random.normal(keys[0], (batch,), jnp.float32)
+        uniform = jax.random.uniform(keys[1], (batch,), jnp.float32)
+        choice = jax.random.uniform(keys[2], (batch,), jnp.float32)
+        t = stretched_logit_normal(normal, uniform, choice, logit_mean, logit_std)
+        return jnp.clip(t, 0.0, _BELOW_ONE)
     if method in ("logit_normal", "shifted_logit_normal"):
         # t = sigmoid(mean + std n) is monotone in n: truncate n to the matching interval
         if (lo, hi) == (0.0, 1.0):
@@ -99,6 +122,21 @@ def sample_timesteps(
     low, high = (float(v) for v in t_range)
     # rounding (sigmoid of a large value, the shift of a t near 1) must not leave the range
     return jnp.clip(t, low, min(_below(high), _BELOW_ONE))
+
+
+def stretched_logit_normal(normal, uniform, choice, mean: float, std: float = 1.0) -> jax.Array:
+    """ltx-trainer's LTX-2 timesteps from standard draws (``normal`` ~ N(0, 1), ``uniform`` and
+    ``choice`` ~ U[0, 1), one each per sample): ``s = sigmoid(mean + std normal)`` stretched to
+    ``(s - p_lo) / (p_hi - p_lo)`` with ``p = sigmoid(mean + std z)`` at the
+    :data:`STRETCH_PERCENTILES` ``z``, reflected to ``2 eps - s`` below ``eps``
+    (:data:`STRETCH_EPS`), clipped to [0, 1]; where ``choice`` < :data:`STRETCH_UNIFORM_SHARE`
+    the draw is ``(1 - eps) uniform + eps`` instead. Jittable."""
+    eps = jnp.float32(STRETCH_EPS)
+    low, high = (jax.nn.sigmoid(jnp.float32(mean + std * z)) for z in STRETCH_PERCENTILES)
+    raw = (jax.nn.sigmoid(mean + std * normal) - low) / (high - low)
+    stretched = jnp.clip(jnp.where(raw >= eps, raw, 2 * eps - raw), 0.0, 1.0)
+    flat = (1 - eps) * uniform + eps
+    return jnp.where(choice > STRETCH_UNIFORM_SHARE, stretched, flat)
 
 
 def _logit(p: float) -> float:

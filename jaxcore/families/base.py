@@ -311,6 +311,11 @@ class Family(abc.ABC):
     def tokens_per_example(self, config, latent_shape) -> int:
         """Sequence positions the denoiser processes per example (for tokens/s)."""
 
+    def timestep_tokens(self, config, latent_shape) -> int:
+        """The token count a token-shifted timestep sampler reads (``shifted_logit_normal``):
+        :meth:`tokens_per_example`; LTX-2's video tokens alone, as ltx-trainer's."""
+        return self.tokens_per_example(config, latent_shape)
+
     def lora_to_diffusers(self, state_dict: Mapping, denoiser_config, where: str):
         """A LoRA file's tensors -> ``jaxcore.lora.base.Converted`` for this family's denoiser
         (the formats the family's LoRAs come in). The default: the family takes no LoRA."""

@@ -869,6 +869,10 @@ class LTX2Family(Family):
                 passes.append((*tokens, True))  # the STG pass
         return passes
 
+    def timestep_tokens(self, config, latent_shape):
+        """The video's tokens (ltx-trainer shifts its sampler by the video latents' length)."""
+        return _layout_of(config, (1, *latent_shape)).video_tokens
+
     def tokens_per_example(self, config, latent_shape):
         """Video tokens plus audio tokens (the two streams the transformer runs)."""
         joint = _layout_of(config, (1, *latent_shape))

@@ -45,6 +45,8 @@ SIGMA_MIN = fm.MAXDIFFUSION_SIGMA_MIN
 NUM_TRAIN_TIMESTEPS = 1000.0
 FLOW_MATCHING = "flow_matching"
 OBJECTIVES = (FLOW_MATCHING, *ddpm.KINDS)
+# samplers whose logit mean follows the latent tokens per example (Family.timestep_tokens)
+SHIFTED_BY_TOKENS = ("shifted_logit_normal", "stretched_logit_normal")
 # ObjectiveSection keys of the DDPM objectives only (a nonzero value is refused for flow matching)
 DDPM_KEYS = ("noise_offset", "snr_gamma", "input_perturbation")
 
@@ -57,13 +59,16 @@ class ObjectiveSection:
     ``timestep_sampling``: "uniform" t~U[0,1); "logit_normal" t=sigmoid(N(logit_mean,
     logit_std)); "shifted" (MaxDiffusion's Wan trainer) t~U then t'=s*t/(1+(s-1)t) with
     s=``timestep_shift``; "shifted_logit_normal" (LTX-Video-Trainer's) logit_normal with the
-    mean from the latent token count per sample (``flow_matching.shifted_logit_mean``). ``loss_weighting``: "none" or "gaussian" (a bell around
+    mean from the latent token count per sample (``flow_matching.shifted_logit_mean``);
+    "stretched_logit_normal" (ltx-trainer's LTX-2 default) that, stretched between its
+    percentiles with a tenth of the draws uniform (``flow_matching.stretched_logit_normal``).
+    ``loss_weighting``: "none" or "gaussian" (a bell around
     ``weighting_center`` in timestep units, normalised over the schedule, not the batch).
     """
 
-    timestep_sampling: Literal["uniform", "logit_normal", "shifted", "shifted_logit_normal"] = (
-        "shifted"
-    )
+    timestep_sampling: Literal[
+        "uniform", "logit_normal", "shifted", "shifted_logit_normal", "stretched_logit_normal"
+    ] = "shifted"
     timestep_shift: float = 3.0
     logit_mean: float = 0.0
     logit_std: float = 1.0
@@ -234,7 +239,7 @@ def sample_t(key: jax.Array, batch: int, cfg: ObjectiveSection, tokens: int = 0)
     """Training times t in [0, 1), one per sample, by ``cfg.timestep_sampling`` (``tokens``:
     the latent tokens per sample, which ``shifted_logit_normal`` takes its mean from)."""
     mean = cfg.logit_mean
-    if cfg.timestep_sampling == "shifted_logit_normal":
+    if cfg.timestep_sampling in SHIFTED_BY_TOKENS:
         mean = fm.shifted_logit_mean(tokens)
     return fm.sample_timesteps(
         key,
@@ -400,8 +405,8 @@ def weighted_losses(
         )
     key_t, key_noise = jax.random.split(key)
     tokens = 0
-    if cfg.timestep_sampling == "shifted_logit_normal":
-        tokens = family.tokens_per_example(module.config, latents.shape[1:])
+    if cfg.timestep_sampling in SHIFTED_BY_TOKENS:
+        tokens = family.timestep_tokens(module.config, latents.shape[1:])
     t = sample_t(key_t, latents.shape[0], cfg, tokens)
     noise = jax.random.normal(key_noise, latents.shape, jnp.float32)
     per_sample = loss_at(family, module, params, latents, conditioning, t, noise)

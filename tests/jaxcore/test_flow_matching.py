@@ -93,6 +93,66 @@ def test_logit_normal_matches_diffusers_distribution():
     assert abs(logits.std() - std) < 0.02
 
 
+def _ltx_trainer_sample(normal, uniform, choice, mu: float, std: float = 1.0):
+    """ltx-trainer's LTX-2 sampler (``ShiftedLogitNormalTimestepSampler.sample``, written out in
+    torch from its source: packages/ltx-trainer/src/ltx_trainer/timestep_samplers.py) on
+    given draws instead of its own ``torch.randn`` / ``torch.rand`` calls."""
+    eps, share = 1e-3, 0.1
+    samples = torch.sigmoid(normal * std + mu)
+    high = torch.sigmoid(torch.tensor(mu + 3.0902 * std))
+    low = torch.sigmoid(torch.tensor(mu - 2.5758 * std))
+    raw = (samples - low) / (high - low)
+    stretched = torch.clamp(torch.where(raw >= eps, raw, 2 * eps - raw), 0, 1)
+    flat = (1 - eps) * uniform + eps
+    return torch.where(choice > share, stretched, flat)
+
+
+@pytest.mark.parametrize("tokens", [96, 1024, 6144])
+def test_stretched_logit_normal_is_ltx_trainers_on_the_same_draws(tokens):
+    """The same normal / uniform / choice draws give ltx-trainer's timesteps (float32), its
+    shift linear in the token count; each branch (reflected, clipped, uniform) is hit."""
+    rng = np.random.default_rng(tokens)
+    n = 20_000
+    normal = rng.standard_normal(n).astype(np.float32)
+    normal[:4] = (-6.0, -2.6, 3.2, 8.0)  # below eps (reflected), near the bounds, past 1
+    uniform, choice = rng.random(n, np.float32), rng.random(n, np.float32)
+    choice[:4] = 0.5  # the stretched branch for the four above
+    mu = fm.shifted_logit_mean(tokens)
+    ours = np.asarray(fm.stretched_logit_normal(normal, uniform, choice, mu))
+    want = _ltx_trainer_sample(*(torch.from_numpy(a) for a in (normal, uniform, choice)), mu)
+    np.testing.assert_allclose(ours, want.numpy(), rtol=0, atol=2e-6)
+    assert ours[3] == 1.0  # clipped
+    low = 1 / (1 + np.exp(-(mu - 2.5758)))
+    assert 1 / (1 + np.exp(-(mu - 6.0))) < low and ours[0] > 1e-3  # reflected about eps
+    assert np.array_equal(ours[choice <= 0.1], ((1 - 1e-3) * uniform + 1e-3)[choice <= 0.1])
+
+
+def test_stretched_logit_normal_sampler_matches_ltx_trainers_distribution():
+    """sample_timesteps' draws vs ltx-trainer's with torch's own RNG: two-sample
+    Kolmogorov-Smirnov distance under 0.01 (n = 100,000 each; the 0.1% critical value is
+    0.0087), and a tenth of the mass spread uniformly."""
+    n, tokens = 100_000, 6144
+    mu = fm.shifted_logit_mean(tokens)
+    ours = np.sort(
+        np.asarray(
+            fm.sample_timesteps(jax.random.key(7), n, "stretched_logit_normal", logit_mean=mu)
+        )
+    )
+    generator = torch.Generator().manual_seed(0)
+    draws = (torch.randn(n, generator=generator), torch.rand(n, generator=generator))
+    want = _ltx_trainer_sample(*draws, torch.rand(n, generator=generator), mu).numpy()
+    want = np.sort(want)
+    grid = np.union1d(ours, want)
+    distance = np.abs(
+        np.searchsorted(ours, grid, "right") / n - np.searchsorted(want, grid, "right") / n
+    ).max()
+    print(f"KS distance {distance:.4f}")
+    assert distance < 0.01
+    assert ours.min() >= 0 and ours.max() < 1
+    with pytest.raises(ValueError, match="t_range"):
+        fm.sample_timesteps(jax.random.key(0), 4, "stretched_logit_normal", t_range=(0.0, 0.5))
+
+
 def test_model_timesteps_are_1000_t():
     t = jnp.asarray([0.0, 0.25, 0.999])
     np.testing.assert_allclose(fm.model_timesteps(t), [0.0, 250.0, 999.0], rtol=1e-6)

@@ -252,6 +252,8 @@ def test_joint_latents_round_trip_and_layout(pipelines):
     assert tail.size and not tail.any()
     tokens = pipe.family.tokens_per_example(pipe.denoiser.config, latents.shape[1:])
     assert tokens == joint.video_tokens + joint.audio_frames == 3 * 4 * 4 + 9
+    # ltx-trainer shifts its timestep sampler by the video's tokens alone
+    assert pipe.family.timestep_tokens(pipe.denoiser.config, latents.shape[1:]) == 3 * 4 * 4
 
 
 @pytest.mark.parametrize(

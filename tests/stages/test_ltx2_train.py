@@ -302,6 +302,7 @@ def test_convert_train_resume_evaluate_render(ltx2_dir, clips, tmp_path):
             f"model.pretrained_model_name_or_path={ltx2_dir}",
             "eval_every=8",
             "learning_rate=3e-3",
+            "objective.timestep_sampling=stretched_logit_normal",  # ltx-trainer's LTX-2 default
         )
         args = train_steps.train_args(data, "null", out, 24, *extra)
         return [sys.executable, "-m", "pipelines.cli", *args]
