@@ -73,6 +73,7 @@ from jaxcore.family_types import (  # noqa: F401 - the interface's names, re-exp
     ImageInputs,
     TensorSpec,
 )
+from jaxcore.flow_matching import MAXDIFFUSION_SIGMA_MIN
 from jaxcore.pipeline import Pipeline
 
 LATENTS_FIELD = "latents"  # the prompt-file field of a render's initial latents (a .npy)
@@ -163,6 +164,10 @@ class Family(abc.ABC):
     denoiser_classes: tuple[str, ...] = ()  # the denoiser's config.json _class_name values
     denoiser_component: str = "transformer"  # its folder in a pipeline / section in a YAML
     objective: str = "flow_matching"
+    # flow matching's noise left at t = 0 in training, x_t = (1 - s) x0 + s noise with
+    # s = (1 - t) sigma_min + t: MaxDiffusion's Wan trainer's, every family's but LTX-2's
+    # (ltx-trainer: s = t)
+    training_sigma_min: float = MAXDIFFUSION_SIGMA_MIN
     # PEFT-style target_modules a LoRA trains when the config names none
     lora_default_targets: tuple[str, ...] = ()
     # the ControlNet pipelines take the render size from the first control image when none

@@ -78,7 +78,9 @@ Training records (convert, :class:`LTX2Encoders`) hold the same joint latents, t
 sound encoded by the audio VAE beside its frames, and :data:`JOINT_SIZES` per record, from
 which :meth:`LTX2Family.loss_weights` weights the video's and the audio's values so the loss
 is the sum of the two modalities' mean squared errors, as ltx-trainer's
-(:func:`joint_loss_weights`; the padding left out). Both modalities train at one sigma, as ltx-trainer does.
+(:func:`joint_loss_weights`; the padding left out). Both modalities train at one sigma, as
+ltx-trainer does, and that sigma is the sampled ``t`` itself (``training_sigma_min`` 0, not
+MaxDiffusion's); ``timestep_sampling=stretched_logit_normal`` draws ``t`` as ltx-trainer does.
 
 Decode settings (``decode_timestep``, ``decode_noise_scale``, a timestep-conditioned VAE only):
 the noise is drawn from the prompt's seed as LTX-Video's family draws it
@@ -762,6 +764,7 @@ class LTX2Family(Family):
     denoiser_classes = ("LTX2VideoTransformer3DModel",)
     denoiser_component = "transformer"
     objective = "flow_matching"
+    training_sigma_min = 0.0  # ltx-trainer noises at sigma = t (text_to_video.py)
     denoiser_model = DenoiserModel(
         kind=ltx2_transformer.KIND,
         weight_map=ltx2_transformer.weight_map,

@@ -252,9 +252,9 @@ def sample_t(key: jax.Array, batch: int, cfg: ObjectiveSection, tokens: int = 0)
     )
 
 
-def noisy_input(x0: jax.Array, noise: jax.Array, t: jax.Array) -> jax.Array:
-    """``x_t`` at times ``t`` (MaxDiffusion's sigma_min variant)."""
-    return fm.add_noise(x0, noise, t, sigma_min=SIGMA_MIN).astype(x0.dtype)
+def noisy_input(x0: jax.Array, noise: jax.Array, t: jax.Array, sigma_min=SIGMA_MIN) -> jax.Array:
+    """``x_t`` at times ``t`` (MaxDiffusion's sigma_min variant unless ``sigma_min`` says)."""
+    return fm.add_noise(x0, noise, t, sigma_min=sigma_min).astype(x0.dtype)
 
 
 velocity_target = fm.velocity_target
@@ -306,7 +306,8 @@ def loss_at(family, module, params, latents, conditioning, t, noise) -> jax.Arra
     """Per-sample flow-matching MSE of ``latents`` at times ``t`` [B] with ``noise``, over the
     elements the family's :meth:`~jaxcore.families.Family.loss_mask` counts (all by default),
     or the family's :meth:`~jaxcore.families.Family.loss_weights` sum where it gives one."""
-    x_t = noisy_input(latents, noise, t)
+    sigma_min = getattr(family, "training_sigma_min", SIGMA_MIN)  # optional, as loss_mask
+    x_t = noisy_input(latents, noise, t, sigma_min)
     prediction = family.apply(module, params, x_t, t * NUM_TRAIN_TIMESTEPS, conditioning)
     target = velocity_target(latents, noise)
     loss_weights = getattr(family, "loss_weights", None)  # optional, as loss_mask

@@ -126,18 +126,15 @@ def test_records_equal_diffusers_encode_path(ltx2_dir, clips):
 
 def _torch_trainer_loss(ltx2_dir: Path, joint, text, t: float, noise) -> float:
     """ltx-trainer's per-sample loss (text_to_video.py ``compute_loss``: the video's mean
-    squared error plus the audio's) with diffusers' transformer, the loop's noisy input
-    (``x_t = (1 - s) x0 + s noise``, ``s = (1 - t) sigma_min + t``) and timestep ``1000 t``."""
+    squared error plus the audio's) with diffusers' transformer, ltx-trainer's noisy input
+    (``x_t = (1 - t) x0 + t noise``: no sigma_min) and timestep ``1000 t``."""
     import torch
     from diffusers import LTX2VideoTransformer3DModel
-
-    from jaxcore import flow_matching as fm
 
     model = LTX2VideoTransformer3DModel.from_pretrained(ltx2_dir / "transformer").eval()
     x0 = torch.from_numpy(np.asarray(joint, np.float32))
     eps = torch.from_numpy(np.asarray(noise, np.float32))
-    sigma = (1 - t) * fm.MAXDIFFUSION_SIGMA_MIN + t
-    x_t = (1 - sigma) * x0 + sigma * eps
+    x_t = (1 - t) * x0 + t * eps
     target = eps - x0
 
     def video_and_audio(x):  # the joint layout: [C, F', H', W'] then [L, C_a M'] flattened
