@@ -143,3 +143,13 @@ class ImageInputs:
                 self.check(image is not None, last is not None, f"row {row}")
             except ValueError as err:
                 raise FamilyError(str(err)) from None
+
+
+def options_from_dict(cls, data: Mapping):
+    """A pipeline-options dataclass ``cls`` from a model YAML's ``pipeline:`` section; keys it
+    has no field for are a ValueError naming them and the known ones."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"unknown pipeline option(s) {unknown}; known: {known}")
+    return cls(**data)

@@ -77,6 +77,7 @@ from jaxcore.families.base import (
     decoded_frames,
     read_model_index,
 )
+from jaxcore.family_types import options_from_dict
 from jaxcore.models import autoencoder_kl_flux2 as flux2_vae
 from jaxcore.models import flux2_transformer, qwen3
 from jaxcore.text import load_tokenizer
@@ -150,11 +151,7 @@ class Flux2PipelineOptions:
     @classmethod
     def from_dict(cls, data: Mapping) -> Flux2PipelineOptions:
         """A model YAML's ``pipeline:`` section; unknown keys are errors naming them."""
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise ValueError(f"unknown pipeline option(s) {unknown}; known: {known}")
-        return cls(**data)
+        return options_from_dict(cls, data)
 
 
 # --- ids and FLOPs -------------------------------------------------------------------------------

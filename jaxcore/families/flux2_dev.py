@@ -38,6 +38,7 @@ from jaxcore import weights
 from jaxcore.compute import ComputeConfig
 from jaxcore.families import flux2
 from jaxcore.families.base import Family, FamilyError, Guidance, read_model_index
+from jaxcore.family_types import options_from_dict
 from jaxcore.models import autoencoder_kl_flux2 as flux2_vae
 from jaxcore.models import mistral3
 from jaxcore.text import TokenizerNotFoundError
@@ -88,11 +89,7 @@ class Flux2DevPipelineOptions:
         """A model YAML's ``pipeline:`` section; unknown keys are errors naming them."""
         if CAPTION_UPSAMPLING in data:
             raise ValueError(str(refused_option(CAPTION_UPSAMPLING, data[CAPTION_UPSAMPLING])))
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise ValueError(f"unknown pipeline option(s) {unknown}; known: {known}")
-        return cls(**data)
+        return options_from_dict(cls, data)
 
 
 def _options(configs: Mapping) -> Flux2DevPipelineOptions:

@@ -143,6 +143,7 @@ from jaxcore.families.base import (
     read_model_index,
 )
 from jaxcore.families.wan import pixels  # diffusers' VideoProcessor, as for Wan's images
+from jaxcore.family_types import options_from_dict
 from jaxcore.models import ltx_transformer, ltx_vae, t5
 
 log = logging.getLogger(__name__)
@@ -231,10 +232,7 @@ class LTXPipelineOptions:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> LTXPipelineOptions:
-        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown pipeline option(s) {unknown}; known: ['pipeline_class']")
-        return cls(**data)
+        return options_from_dict(cls, data)
 
 
 # --- pure helpers -------------------------------------------------------------------------------

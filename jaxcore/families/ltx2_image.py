@@ -39,6 +39,8 @@ from collections.abc import Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcore.family_types import options_from_dict
+
 T2V_PIPELINE = "LTX2Pipeline"
 I2V_PIPELINE = "LTX2ImageToVideoPipeline"
 IMAGE_LATENTS = "image_latents"  # [C, 1, H', W']: the conditioning image's latent frame
@@ -94,11 +96,7 @@ class LTX2PipelineOptions:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> LTX2PipelineOptions:
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise ValueError(f"unknown pipeline option(s) {unknown}; known: {known}")
-        return cls(**data)
+        return options_from_dict(cls, data)
 
 
 def options(configs: Mapping) -> LTX2PipelineOptions:
