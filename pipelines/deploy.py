@@ -645,20 +645,14 @@ def generate_program(config, model: FitModel, mesh):
 
     from jaxcore import aot, sharding
     from stages.generate.config import DEFAULT_MAX_SEQUENCE_LENGTH
-    from stages.generate.prompts import FAMILY_SETTINGS
+    from stages.generate.prompts import family_settings, resolved_defaults
 
     s = config.sampling
     defaults = model.family.sampling_defaults(model.configs)
-    given = {key: getattr(s, key, None) for key in FAMILY_SETTINGS}
-    # a line's family settings as generate resolves them (the config's, else the pipeline's):
-    # they may add passes (LTX-2's modality guidance) or switch CFG on
-    settings = {
-        key: defaults[key] if given[key] is None else given[key]
-        for key in FAMILY_SETTINGS
-        if given[key] is not None or defaults.get(key) is not None
-    }
-    if settings:  # with the prompt's seed, as generate passes it (decode noise draws from it)
-        settings["seed"] = s.seed
+    # a line's family settings as generate resolves them (the config's, else the pipeline's),
+    # with a seed: they may add passes (LTX-2's modality guidance) or switch CFG on
+    base = resolved_defaults(s, defaults)
+    settings = dict(family_settings({}, base, None, s.seed, "sampling"))
     ways = sharding.batch_axis_size(mesh)
     batch = math.ceil(max(1, round(config.per_device_batch_size * ways)) / ways) * ways
     return aot.generate_program(

@@ -19,9 +19,10 @@ Formats (local path or ``gs://``):
   ``audio_guidance_rescale``, ``modality_scale``, ``audio_modality_scale``,
   ``use_cross_timestep`` (a bool), its spatio-temporal guidance ``stg_scale``,
   ``audio_stg_scale`` and ``spatio_temporal_guidance_blocks`` (a list of block indices), and
-  LTX-2's ``noise_scale``, ``motion_speed`` and ``image_crf``; a model whose family has no default for one
-  refuses it, naming the line; prompts are grouped by :data:`SHAPE_SETTINGS`), ``audio_latents`` (a ``.npy`` of the initial audio
-  latents beside ``latents``, for a family whose latents hold sound; paths as for
+  LTX-2's ``noise_scale``, ``motion_speed`` and ``image_crf``; a model whose family has no
+  default for one refuses it, naming the line; prompts are grouped by
+  :data:`SHAPE_SETTINGS`), ``audio_latents`` (a ``.npy`` of the initial audio latents beside
+  ``latents``, for a family whose latents hold sound; paths as for
   ``latents``; the family says which arrays it takes and their shapes, another family
   refuses it naming the line), and ``conditions`` (a list of
   ``{"image" | "video": path, "frame_index": int, "strength": number}``, LTXConditionPipeline
@@ -583,7 +584,7 @@ def _check_values(
             raise StageInputError(str(err)) from None
 
 
-def _family_settings(
+def family_settings(
     given: dict, base: dict, model_defaults: dict | None, seed: int, where: str
 ) -> tuple[tuple[str, float | int], ...]:
     """A line's :data:`FAMILY_SETTINGS` (the line's, else the config's / the model's defaults),
@@ -710,7 +711,7 @@ def resolve_prompts(
         latent_files = _resolve_latent_files(given, uri, where)
         own = _resolve_loras(given["loras"], uri) if "loras" in given else tuple(loras)
         micro = [(key, given[key]) for key in FIELDS_PAIR if key in given]
-        micro += _family_settings(given, base, model_defaults, fields["seed"], where)
+        micro += family_settings(given, base, model_defaults, fields["seed"], where)
         conditions = ()
         if "conditions" in given:
             conditions = _resolve_conditions(given["conditions"], uri, where, model_defaults)
