@@ -175,6 +175,10 @@ class Family(abc.ABC):
     size_from_control_image: bool = False
     # the denoiser's model functions (every family sets its own)
     denoiser_model: DenoiserModel
+    # the options model_index.json holds beyond the components (a class with from_index(index),
+    # from_dict / to_dict: the configs' ``pipeline`` entry, a model YAML's ``pipeline:``
+    # section); None: the family has none
+    pipeline_options: type | None = None
 
     # --- recognition, components -----------------------------------------------------------
     def __hash__(self) -> int:  # singletons; hashable so jitted functions can be cached on them
@@ -193,8 +197,9 @@ class Family(abc.ABC):
 
     def optional_config_classes(self) -> dict[str, type]:
         """Sections a model YAML may add to :meth:`component_config_classes` (components only
-        some pipelines of the family have, pipeline-level options)."""
-        return {}
+        some pipelines of the family have, pipeline-level options). Default: the
+        :attr:`pipeline_options` as ``pipeline``, where the family has them."""
+        return {} if self.pipeline_options is None else {"pipeline": self.pipeline_options}
 
     def expert_component(self, configs: Mapping[str, Any], expert: str) -> str:
         """The component holding one expert (``high`` / ``low``) of a two-expert pipeline with
@@ -221,8 +226,14 @@ class Family(abc.ABC):
     def check_model_index(self, index: Mapping, where: str) -> None:
         """Refuse a ``model_index.json`` this family recognises but cannot run (naming the key).
 
-        The default accepts every index whose ``_class_name`` the family lists."""
-        del index, where
+        The default accepts every index whose ``_class_name`` the family lists and, where the
+        family has :attr:`pipeline_options`, that its options read."""
+        if self.pipeline_options is None:
+            return
+        try:
+            self.pipeline_options.from_index(index)
+        except ValueError as err:
+            raise FamilyError(f"{where}: {err}") from None
 
     def check_configs(self, configs: Mapping[str, Any], where: str) -> None:
         """Refuse component configs that do not make one of the family's models (e.g. a model
@@ -230,9 +241,15 @@ class Family(abc.ABC):
         del configs, where
 
     def component_configs(self, directory: str | os.PathLike) -> dict[str, Any]:
-        """Validated configs of a pipeline directory's components (no weights are read)."""
+        """Validated configs of a pipeline directory's components (no weights are read), and
+        its :attr:`pipeline_options` from ``model_index.json`` as ``pipeline`` (checked first)
+        where the family has them."""
         directory = Path(directory)
         out = {}
+        if self.pipeline_options is not None:
+            index = read_model_index(directory)
+            self.check_model_index(index, str(directory / "model_index.json"))
+            out["pipeline"] = self.pipeline_options.from_index(index)
         for component, cls in self.component_config_classes().items():
             path = directory / component / "config.json"
             if not path.is_file():

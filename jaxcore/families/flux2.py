@@ -75,7 +75,6 @@ from jaxcore.families.base import (
     ImageInputs,
     TensorSpec,
     decoded_frames,
-    read_model_index,
 )
 from jaxcore.family_types import options_from_dict
 from jaxcore.models import autoencoder_kl_flux2 as flux2_vae
@@ -420,6 +419,7 @@ class Flux2Family(Family):
         "Flux2KleinKVPipeline)"
     )
     pipeline_classes = ("Flux2KleinPipeline", KV_PIPELINE)
+    pipeline_options = Flux2PipelineOptions  # is_distilled, the text layers, reference KV
     denoiser_classes = ("Flux2Transformer2DModel",)
     denoiser_component = "transformer"
     objective = "flow_matching"
@@ -442,23 +442,10 @@ class Flux2Family(Family):
             "text_encoder": qwen3.Qwen3Config,
         }
 
-    def optional_config_classes(self) -> dict[str, type]:
-        return {"pipeline": Flux2PipelineOptions}
-
-    def check_model_index(self, index: Mapping, where: str) -> None:
-        try:
-            Flux2PipelineOptions.from_index(index)
-        except ValueError as err:
-            raise FamilyError(f"{where}: {err}") from None
-
     def component_configs(self, directory) -> dict:
         """The transformer, VAE and Qwen3 configs, and model_index.json's options as
         ``pipeline``."""
-        directory = Path(directory)
-        index = read_model_index(directory)
-        self.check_model_index(index, str(directory / "model_index.json"))
         configs = super().component_configs(directory)
-        configs["pipeline"] = Flux2PipelineOptions.from_index(index)
         self.check_configs(configs, str(directory))
         return configs
 

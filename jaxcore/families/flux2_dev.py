@@ -188,6 +188,8 @@ class Flux2DevFamily(flux2.Flux2Family):
     description = "FLUX.2 [dev] text-to-image and reference editing (Flux2Pipeline)"
     pipeline_classes = (PIPELINE,)
     load_options = ("text_encoder_out_layers",)
+    # model_index.json holds none (Klein's are refused): component_configs sets the defaults
+    pipeline_options = None
 
     def component_config_classes(self) -> dict[str, type]:
         return {**super().component_config_classes(), "text_encoder": mistral3.MistralTextConfig}

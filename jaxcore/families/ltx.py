@@ -140,7 +140,6 @@ from jaxcore.families.base import (
     ImageInputs,
     TensorSpec,
     decoded_frames,
-    read_model_index,
 )
 from jaxcore.families.wan import pixels  # diffusers' VideoProcessor, as for Wan's images
 from jaxcore.family_types import options_from_dict
@@ -806,6 +805,7 @@ class LTXFamily(Family):
         "LTXImageToVideoPipeline, LTXConditionPipeline)"
     )
     pipeline_classes = (T2V_PIPELINE, I2V_PIPELINE, CONDITION_PIPELINE)
+    pipeline_options = LTXPipelineOptions  # the pipeline class
     denoiser_classes = ("LTXVideoTransformer3DModel",)
     denoiser_component = "transformer"
     objective = "flow_matching"
@@ -824,22 +824,9 @@ class LTXFamily(Family):
             "text_encoder": t5.T5Config,
         }
 
-    def optional_config_classes(self) -> dict[str, type]:
-        return {"pipeline": LTXPipelineOptions}
-
-    def check_model_index(self, index: Mapping, where: str) -> None:
-        try:
-            LTXPipelineOptions.from_index(index)
-        except ValueError as err:
-            raise FamilyError(f"{where}: {err}") from None
-
     def component_configs(self, directory) -> dict:
         """The transformer, VAE and T5 configs, and the pipeline class as ``pipeline``."""
-        directory = Path(directory)
-        index = read_model_index(directory)
-        self.check_model_index(index, str(directory / "model_index.json"))
         configs = super().component_configs(directory)
-        configs["pipeline"] = LTXPipelineOptions.from_index(index)
         self.check_configs(configs, str(directory))
         return configs
 

@@ -113,7 +113,6 @@ from jaxcore.families.base import (
     ImageInputs,
     TensorSpec,
     decoded_frames,
-    read_model_index,
 )
 from jaxcore.families.ltx import decode_noise, seed_words
 from jaxcore.models import (
@@ -765,6 +764,7 @@ class LTX2Family(Family):
     denoiser_component = "transformer"
     objective = "flow_matching"
     training_sigma_min = 0.0  # ltx-trainer noises at sigma = t (text_to_video.py)
+    pipeline_options = ltx2_image.LTX2PipelineOptions  # the pipeline class, image_crf
     denoiser_model = DenoiserModel(
         kind=ltx2_transformer.KIND,
         weight_map=ltx2_transformer.weight_map,
@@ -967,24 +967,6 @@ class LTX2Family(Family):
         return joint_latents(*parts, layout(configs, shape[1:], _frame_rate(settings)))[0]
 
     # --- image-to-video (LTX2ImageToVideoPipeline, jaxcore/families/ltx2_image.py) ----------
-    def optional_config_classes(self) -> dict[str, type]:
-        return {"pipeline": ltx2_image.LTX2PipelineOptions}
-
-    def check_model_index(self, index: Mapping, where: str) -> None:
-        try:
-            ltx2_image.LTX2PipelineOptions.from_index(index)
-        except ValueError as err:
-            raise FamilyError(f"{where}: {err}") from None
-
-    def component_configs(self, directory) -> dict:
-        """The components' configs and the pipeline class as ``pipeline``
-        (:class:`jaxcore.families.ltx2_image.LTX2PipelineOptions`)."""
-        index = read_model_index(directory)
-        self.check_model_index(index, str(Path(directory) / "model_index.json"))
-        configs = super().component_configs(directory)
-        configs["pipeline"] = ltx2_image.LTX2PipelineOptions.from_index(index)
-        return configs
-
     def image_inputs(self, configs) -> ImageInputs:
         """An image-to-video pipeline takes one image per prompt (required); the text-to-video
         one none."""
